@@ -1,0 +1,120 @@
+"""The `llmtrain` command (also `python -m llmtrain`).
+
+    llmtrain check-config FILE [--set section.key=value ...] [--world-size N] [--get KEY]
+    llmtrain prepare --config FILE [--set ...]
+    llmtrain train --config FILE [--set ...]          # usually under torchrun
+
+User errors (a bad config, unprepared data, a missing model) print one line each on stderr
+and exit non-zero; only bugs show a traceback. Torch is imported only by the commands that
+need it, so check-config answers in a fraction of a second.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+
+from .config import ConfigError, UserError, load_config, local_path, tokenizer_source
+
+EXIT_CONFIG = 2  # a config problem, as for a usage error
+EXIT_USER = 1  # anything else the user can fix: data, model, paths
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parser().parse_args(argv)
+    try:
+        return args.func(args)
+    except ConfigError as e:
+        for line in e.problems:
+            print(line, file=sys.stderr)
+        return EXIT_CONFIG
+    except KeyboardInterrupt:
+        return 130
+    except UserError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return EXIT_USER
+
+
+def parser() -> argparse.ArgumentParser:
+    ap = argparse.ArgumentParser(prog="llmtrain", description="Train Hugging Face causal LMs "
+                                 "with DDP or FSDP2, on a laptop or a Slurm cluster.")
+    sub = ap.add_subparsers(required=True, metavar="COMMAND")
+
+    p = sub.add_parser("check-config", help="validate a config without importing torch")
+    p.add_argument("config")
+    _overrides(p)
+    p.add_argument("--world-size", type=int, help="check the batch split for this many "
+                   "processes (default: slurm.nodes x slurm.procs_per_node)")
+    p.add_argument("--get", metavar="KEY", help="print one resolved value (run_dir, "
+                   "world_size, prepared_dir, or section.key) instead of a summary")
+    p.set_defaults(func=cmd_check_config)
+
+    p = sub.add_parser("prepare", help="tokenize and pack the dataset (idempotent)")
+    p.add_argument("--config", required=True)
+    _overrides(p)
+    p.set_defaults(func=cmd_prepare)
+
+    p = sub.add_parser("train", help="train (under torchrun for several processes)")
+    p.add_argument("--config", required=True)
+    _overrides(p)
+    p.set_defaults(func=cmd_train)
+    return ap
+
+
+def _overrides(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--set", dest="overrides", action="append", default=[],
+                   metavar="SECTION.KEY=VALUE", help="override a config value (repeatable)")
+
+
+def cmd_check_config(args) -> int:
+    cfg = load_config(args.config, args.overrides, world_size=args.world_size)
+    if args.get:
+        print(_get(cfg, args.get))
+        return 0
+    for source, kind, what in ((cfg.model.name_or_path, "models", "model.name_or_path"),
+                               (tokenizer_source(cfg), "models", "model.tokenizer"),
+                               (cfg.data.dataset, "datasets", "data.dataset")):
+        if source and not local_path(source, kind).exists():
+            print(f"note: {what}: {source} is not downloaded yet "
+                  f"(bash download_data_model.sh)", file=sys.stderr)
+    t = cfg.train
+    print(f"{args.config}: OK — run {cfg.run.name!r}, {t.max_steps} steps of "
+          f"{t.global_batch_size} x {cfg.data.seq_len} tokens, {cfg.parallel.strategy}, "
+          f"{t.precision}; run_dir: {cfg.run_dir}")
+    return 0
+
+
+def _get(cfg, key: str):
+    if key == "run_dir":
+        return cfg.run_dir
+    if key == "world_size":
+        return cfg.world_size
+    if key == "prepared_dir":
+        from .data import prepared_path
+        return prepared_path(cfg)
+    section, _, name = key.partition(".")
+    try:
+        value = getattr(getattr(cfg, section), name)
+    except AttributeError:
+        raise ConfigError([f"--get {key}: no such key"]) from None
+    return "" if value is None else value
+
+
+def cmd_prepare(args) -> int:
+    cfg = load_config(args.config, args.overrides, world_size=1)
+    from .prepare import prepare
+    prepare(cfg)
+    return 0
+
+
+def cmd_train(args) -> int:
+    world_size = int(os.environ.get("WORLD_SIZE", 1))
+    cfg = load_config(args.config, args.overrides, world_size=world_size)
+    from .train import train
+    train(cfg)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

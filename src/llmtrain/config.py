@@ -1,0 +1,465 @@
+"""config.yaml -> typed, frozen dataclasses, with every problem reported at once.
+
+    cfg = load_config("config.yaml", overrides=["train.lr=1e-4"])
+
+This module imports no torch, so `llmtrain check-config` answers on a login node in well
+under a second. Problems are collected (unknown keys with a did-you-mean, wrong types, bad
+values, cross-field checks) and raised together as one ConfigError whose lines read
+`section.key: problem (got X)`.
+
+Paths: `${VAR}` is expanded from the environment, `~` is the home directory, and a relative
+path is relative to the config file's folder. A model or dataset that is not a path
+(`HuggingFaceTB/SmolLM2-135M`) is a hub id, looked up where download_data_model.sh puts it:
+`$LLMTRAIN_HOME/models/<id>` and `$LLMTRAIN_HOME/datasets/<id>`.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import difflib
+import json
+import os
+import re
+import typing
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Literal, Optional
+
+import yaml
+
+HOME_VAR = "LLMTRAIN_HOME"
+_HUB_ID = re.compile(r"^[A-Za-z0-9][\w.-]*(/[\w.-]+)?$")
+_REQUIRED = dataclasses.MISSING
+
+
+class UserError(Exception):
+    """Something the user can fix; the CLI prints it as one line, without a traceback."""
+
+
+class ConfigError(UserError):
+    """A config that cannot be used; `problems` holds one line per problem."""
+
+    def __init__(self, problems: list[str]):
+        self.problems = problems
+        super().__init__("\n".join(problems))
+
+
+@dataclass(frozen=True)
+class RunConfig:
+    name: str  # the run directory is <dir>/<name>: the same name continues the same run
+    dir: str = "${LLMTRAIN_HOME}/runs"  # root folder of all run directories
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    name_or_path: Optional[str] = None  # local HF folder or downloaded hub id; None: from scratch
+    tokenizer: Optional[str] = None  # local folder or hub id; default: name_or_path
+    architecture: Optional[dict] = None  # inline HF config (model_type + fields) to train from scratch
+    attn_implementation: Literal["sdpa", "eager", "flash_attention_2"] = "sdpa"
+    activation_checkpointing: bool = False  # recompute each decoder layer in backward
+
+
+@dataclass(frozen=True)
+class DataConfig:
+    dataset: str  # local file/folder (parquet, jsonl, json, txt, save_to_disk) or downloaded hub id
+    text_field: str = "text"  # column holding the documents
+    split: str = "train"  # split of the source dataset to read
+    validation_fraction: float = 0.01  # share of documents held out for evaluation
+    seq_len: int = 1024  # tokens per training sample
+    prepared_dir: str = "${LLMTRAIN_HOME}/prepared"  # root of prepared (tokenized) datasets
+    num_proc: Optional[int] = None  # tokenizer processes; None: the CPU count, at most 16
+
+
+@dataclass(frozen=True)
+class TrainConfig:
+    max_steps: int  # optimizer steps
+    global_batch_size: int  # samples per optimizer step, over all ranks and micro-steps
+    micro_batch_size: int  # samples per rank per forward/backward
+    lr: float = 3e-4  # peak learning rate
+    min_lr: float = 3e-5  # learning rate at the end of the cosine decay
+    warmup_steps: int = 0  # linear warmup from 0 to lr
+    weight_decay: float = 0.1  # AdamW decoupled weight decay (not on biases and norms)
+    beta1: float = 0.9
+    beta2: float = 0.95
+    eps: float = 1e-8
+    grad_clip: float = 1.0  # max global gradient norm; 0 disables clipping
+    precision: Literal["bf16", "fp16", "fp32"] = "bf16"
+    seed: int = 1234
+    log_every: int = 10  # steps between metrics lines
+    eval_every: int = 500  # steps between evaluations; 0 disables evaluation
+    eval_samples: int = 256  # validation samples per evaluation, over all ranks
+    checkpoint_every: int = 1000  # steps between checkpoints
+
+
+@dataclass(frozen=True)
+class ParallelConfig:
+    strategy: Literal["ddp", "fsdp"] = "ddp"
+    backend: Literal["auto", "nccl", "gloo"] = "auto"  # auto: nccl on GPUs, gloo on CPUs
+    reshard_after_forward: bool = True  # FSDP2: free gathered params after forward (ZeRO-3)
+    socket_ifname: Optional[str] = None  # network interface for NCCL/gloo (e.g. ib0)
+
+
+@dataclass(frozen=True)
+class SlurmConfig:
+    nodes: int = 1
+    gpus_per_node: int = 0
+    procs_per_node: Optional[int] = None  # default: gpus_per_node; set it on CPU-only nodes
+    cpus_per_node: int = 8
+    mem: str = "0"  # memory per node as sbatch --mem takes it; "0" is all of it
+    time: str = "01:00:00"  # wall-time limit, HH:MM:SS or D-HH:MM:SS
+    partition: Optional[str] = None
+    account: Optional[str] = None
+    qos: Optional[str] = None
+    extra_args: list = field(default_factory=list)  # further sbatch arguments, verbatim
+
+
+@dataclass(frozen=True)
+class Config:
+    run: RunConfig
+    model: ModelConfig
+    data: DataConfig
+    train: TrainConfig
+    parallel: ParallelConfig = ParallelConfig()
+    slurm: SlurmConfig = SlurmConfig()
+    path: str = ""  # the file this was read from (not a key in it)
+
+    @property
+    def run_dir(self) -> Path:
+        return Path(self.run.dir) / self.run.name
+
+    @property
+    def world_size(self) -> int:
+        """World size that the slurm section asks for."""
+        return self.slurm.nodes * (self.slurm.procs_per_node or self.slurm.gpus_per_node or 1)
+
+    def to_dict(self) -> dict:
+        out = dataclasses.asdict(self)
+        out.pop("path")
+        return out
+
+
+SECTIONS = {f.name: f.type for f in dataclasses.fields(Config) if f.name != "path"}
+_SECTION_TYPES = typing.get_type_hints(Config)
+
+
+# ---------------------------------------------------------------------------------------------
+# Loading
+
+
+def load_config(path: str | os.PathLike, overrides: list[str] = (), world_size: int | None = None) -> Config:
+    """Read, override, type-check and cross-check a config file; raise ConfigError."""
+    path = Path(path)
+    try:
+        raw = yaml.safe_load(path.read_text())
+    except FileNotFoundError:
+        raise ConfigError([f"{path}: no such config file"]) from None
+    except yaml.YAMLError as e:
+        mark = getattr(e, "problem_mark", None)
+        where = f" line {mark.line + 1}" if mark else ""
+        raise ConfigError([f"{path}:{where} is not valid YAML ({getattr(e, 'problem', e)})"]) from None
+    if raw is None:
+        raw = {}
+    if not isinstance(raw, dict):
+        raise ConfigError([f"{path}: must be a mapping of sections (got {type(raw).__name__})"])
+    problems: list[str] = []
+    for item in overrides:
+        _apply_override(raw, item, problems)
+    cfg = _build(raw, path.resolve().parent, problems)
+    if cfg is not None:
+        cfg = dataclasses.replace(cfg, path=str(path.resolve()))
+        problems += validate(cfg, world_size)
+    if problems:
+        raise ConfigError(problems)
+    return cfg
+
+
+def _apply_override(raw: dict, item: str, problems: list[str]) -> None:
+    key, sep, value = item.partition("=")
+    parts = key.strip().split(".")
+    if not sep or len(parts) < 2 or not all(parts):
+        problems.append(f"--set {item}: expected section.key=value")
+        return
+    node = raw
+    for part in parts[:-1]:
+        if not isinstance(node.get(part), dict):
+            node[part] = {}
+        node = node[part]
+    try:
+        node[parts[-1]] = yaml.safe_load(value) if value.strip() else None
+    except yaml.YAMLError:
+        node[parts[-1]] = value
+
+
+def _build(raw: dict, base: Path, problems: list[str]) -> Config | None:
+    sections = {}
+    for name in raw:
+        if name not in SECTIONS:
+            problems.append(f"{name}: unknown section{_did_you_mean(name, SECTIONS)}")
+    for name, cls in _SECTION_TYPES.items():
+        if name == "path":
+            continue
+        body = raw.get(name, {})
+        if body is None:
+            body = {}
+        if not isinstance(body, dict):
+            problems.append(f"{name}: must be a mapping of keys (got {body!r})")
+            body = {}
+        sections[name] = _build_section(name, cls, body, base, problems)
+    if any(s is None for s in sections.values()):
+        return None
+    return Config(**sections)
+
+
+def _build_section(section: str, cls: type, body: dict, base: Path, problems: list[str]):
+    hints = typing.get_type_hints(cls)
+    fields = {f.name: f for f in dataclasses.fields(cls)}
+    values, ok = {}, True
+    for key in body:
+        if key not in fields:
+            problems.append(f"{section}.{key}: unknown key{_did_you_mean(key, fields)}")
+            ok = False
+    for name, f in fields.items():
+        where = f"{section}.{name}"
+        if name in body:
+            try:
+                value = _coerce(body[name], hints[name])
+            except ValueError as e:
+                problems.append(f"{where}: {e} (got {body[name]!r})")
+                ok = False
+                continue
+        elif f.default is not _REQUIRED:
+            value = f.default
+        elif f.default_factory is not _REQUIRED:
+            value = f.default_factory()
+        else:
+            problems.append(f"{where}: required, no default")
+            ok = False
+            continue
+        if isinstance(value, str) and name in _PATH_KEYS.get(section, ()):
+            try:
+                value = _expand(value, base)
+            except ValueError as e:
+                problems.append(f"{where}: {e}")
+                ok = False
+                continue
+        values[name] = value
+    return cls(**values) if ok else None
+
+
+def _coerce(value: Any, hint: Any) -> Any:
+    origin, args = typing.get_origin(hint), typing.get_args(hint)
+    if origin is typing.Union:  # Optional[X]
+        if value is None:
+            return None
+        return _coerce(value, next(a for a in args if a is not type(None)))
+    if origin is Literal:
+        if value not in args:
+            raise ValueError("must be one of " + ", ".join(map(str, args)))
+        return value
+    if hint is bool:
+        if not isinstance(value, bool):
+            raise ValueError("must be true or false")
+        return value
+    if hint is int:
+        if isinstance(value, bool) or not isinstance(value, int):
+            raise ValueError("must be an integer")
+        return value
+    if hint is float:
+        if isinstance(value, bool):
+            raise ValueError("must be a number")
+        if isinstance(value, str):  # YAML 1.1 reads 3e-4 (no dot) as a string
+            try:
+                return float(value)
+            except ValueError:
+                raise ValueError("must be a number") from None
+        if not isinstance(value, (int, float)):
+            raise ValueError("must be a number")
+        return float(value)
+    if hint is str:
+        if not isinstance(value, (str, int, float)) or isinstance(value, bool):
+            raise ValueError("must be a string")
+        return str(value)
+    if hint is dict or origin is dict:
+        if not isinstance(value, dict):
+            raise ValueError("must be a mapping")
+        return value
+    if hint is list or origin is list:
+        if not isinstance(value, list) or not all(isinstance(v, str) for v in value):
+            raise ValueError("must be a list of strings")
+        return value
+    raise TypeError(f"unsupported config type {hint}")  # a bug in this module, not in the file
+
+
+def _did_you_mean(name: str, choices) -> str:
+    close = difflib.get_close_matches(str(name), list(choices), n=1)
+    return f" (did you mean {close[0]!r}?)" if close else ""
+
+
+# Keys holding a filesystem path or a hub id; they are expanded at load time.
+_PATH_KEYS = {
+    "run": ("dir",),
+    "model": ("name_or_path", "tokenizer"),
+    "data": ("dataset", "prepared_dir"),
+}
+
+
+def _expand(value: str, base: Path) -> str:
+    """Expand ${VAR} and ~, and make a relative path absolute against the config folder."""
+    missing = [m for m in re.findall(r"\$\{(\w+)\}", value) if m not in os.environ]
+    if missing:
+        hint = " (source the env.sh that setup.sh wrote)" if HOME_VAR in missing else ""
+        raise ValueError(f"environment variable {missing[0]} is not set{hint} (got {value!r})")
+    value = os.path.expanduser(re.sub(r"\$\{(\w+)\}", lambda m: os.environ[m.group(1)], value))
+    if os.path.isabs(value):
+        return value
+    local = base / value
+    if value.startswith(("./", "../")) or local.exists() or not _HUB_ID.match(value):
+        return str(local.resolve())
+    return value  # a hub id
+
+
+# ---------------------------------------------------------------------------------------------
+# Sources: local folders and downloaded hub ids
+
+
+def is_hub_id(value: str) -> bool:
+    return not os.path.isabs(value)
+
+
+def local_path(value: str, kind: Literal["models", "datasets"]) -> Path:
+    """Where a model/dataset lives on disk: the path itself, or the hub id's download folder."""
+    if not is_hub_id(value):
+        return Path(value)
+    home = os.environ.get(HOME_VAR)
+    root = Path(home) if home else Path("$" + HOME_VAR)
+    return root / kind / value
+
+
+def tokenizer_source(cfg: Config) -> str | None:
+    return cfg.model.tokenizer or cfg.model.name_or_path
+
+
+# ---------------------------------------------------------------------------------------------
+# Cross-field checks
+
+
+def validate(cfg: Config, world_size: int | None = None) -> list[str]:
+    """Problems that span keys or touch the filesystem; [] when the config is usable."""
+    p: list[str] = []
+    t, d, m, s = cfg.train, cfg.data, cfg.model, cfg.slurm
+    world = world_size or cfg.world_size
+
+    _positive(p, "run", cfg.run, ["name"], text=True)
+    if "/" in cfg.run.name or cfg.run.name in (".", ".."):
+        p.append(f"run.name: must be a plain folder name, no '/' (got {cfg.run.name!r})")
+    _positive(p, "train", t, ["max_steps", "global_batch_size", "micro_batch_size", "log_every",
+                              "eval_samples", "checkpoint_every"])
+    _positive(p, "data", d, ["seq_len"])
+    _positive(p, "slurm", s, ["nodes", "cpus_per_node"])
+    for key in ("lr", "eps"):
+        if getattr(t, key) <= 0:
+            p.append(f"train.{key}: must be > 0 (got {getattr(t, key)})")
+    for key in ("min_lr", "weight_decay", "grad_clip"):
+        if getattr(t, key) < 0:
+            p.append(f"train.{key}: must be >= 0 (got {getattr(t, key)})")
+    for key in ("warmup_steps", "eval_every"):
+        if getattr(t, key) < 0:
+            p.append(f"train.{key}: must be >= 0 (got {getattr(t, key)})")
+    for key in ("beta1", "beta2"):
+        if not 0 <= getattr(t, key) < 1:
+            p.append(f"train.{key}: must be in [0, 1) (got {getattr(t, key)})")
+    if t.min_lr > t.lr > 0:
+        p.append(f"train.min_lr: must be <= train.lr (got {t.min_lr} > {t.lr})")
+    if t.max_steps > 0 and t.warmup_steps >= t.max_steps:
+        p.append(f"train.warmup_steps: must be < train.max_steps (got {t.warmup_steps} >= {t.max_steps})")
+    if not 0 <= d.validation_fraction < 0.5:
+        p.append(f"data.validation_fraction: must be in [0, 0.5) (got {d.validation_fraction})")
+    if t.eval_every > 0 and d.validation_fraction == 0:
+        p.append("train.eval_every: evaluation needs data.validation_fraction > 0, or set eval_every: 0")
+    if d.num_proc is not None and d.num_proc < 1:
+        p.append(f"data.num_proc: must be >= 1 (got {d.num_proc})")
+    if s.gpus_per_node < 0:
+        p.append(f"slurm.gpus_per_node: must be >= 0 (got {s.gpus_per_node})")
+    if s.procs_per_node is not None and s.procs_per_node < 1:
+        p.append(f"slurm.procs_per_node: must be >= 1 (got {s.procs_per_node})")
+    if s.procs_per_node is None and s.gpus_per_node == 0:
+        p.append("slurm.procs_per_node: set it on CPU-only nodes (slurm.gpus_per_node is 0)")
+    if not re.fullmatch(r"(\d+-)?\d{1,2}(:\d{2}){0,2}", s.time):
+        p.append(f"slurm.time: must be HH:MM:SS or D-HH:MM:SS (got {s.time!r})")
+
+    micro = t.micro_batch_size * world
+    if micro > 0 and t.global_batch_size > 0 and t.global_batch_size % micro:
+        p.append(
+            f"train.global_batch_size: must be divisible by micro_batch_size x world size "
+            f"= {t.micro_batch_size} x {world} = {micro} (got {t.global_batch_size})"
+        )
+
+    p += _check_model(cfg)
+    if not is_hub_id(d.dataset) and not Path(d.dataset).exists():
+        p.append(f"data.dataset: no such file or folder (got {d.dataset!r})")
+    return p
+
+
+def _positive(p: list[str], section: str, obj, keys: list[str], text: bool = False) -> None:
+    for key in keys:
+        value = getattr(obj, key)
+        if text and not str(value).strip():
+            p.append(f"{section}.{key}: must not be empty")
+        elif not text and value <= 0:
+            p.append(f"{section}.{key}: must be > 0 (got {value})")
+
+
+def _check_model(cfg: Config) -> list[str]:
+    m, p = cfg.model, []
+    if (m.name_or_path is None) == (m.architecture is None):
+        p.append("model.name_or_path: set exactly one of model.name_or_path (pretrained) "
+                 "and model.architecture (from scratch)")
+        return p
+    if m.architecture is not None:
+        if not isinstance(m.architecture.get("model_type"), str):
+            p.append("model.architecture.model_type: required, e.g. llama (got "
+                     f"{m.architecture.get('model_type')!r})")
+        if m.tokenizer is None:
+            p.append("model.tokenizer: required when training from model.architecture")
+        model_cfg = m.architecture
+    else:
+        model_cfg = _read_json(local_path(m.name_or_path, "models") / "config.json")
+        if model_cfg is None and not is_hub_id(m.name_or_path):
+            p.append(f"model.name_or_path: no Hugging Face model folder with a config.json "
+                     f"(got {m.name_or_path!r})")
+
+    tok_src = tokenizer_source(cfg)
+    tok_file = local_path(tok_src, "models") / "tokenizer.json" if tok_src else None
+    tok = _read_json(tok_file) if tok_file else None
+    if tok_src and tok is None and not is_hub_id(tok_src):
+        p.append(f"model.tokenizer: no fast tokenizer (tokenizer.json) in {tok_src!r}")
+
+    if model_cfg:
+        max_pos = model_cfg.get("max_position_embeddings")
+        if isinstance(max_pos, int) and cfg.data.seq_len > max_pos:
+            p.append(f"data.seq_len: must be <= the model's max_position_embeddings "
+                     f"(got {cfg.data.seq_len} > {max_pos})")
+        vocab = model_cfg.get("vocab_size")
+        if tok and isinstance(vocab, int) and tokenizer_vocab_size(tok) > vocab:
+            p.append(f"model.tokenizer: vocabulary of {tokenizer_vocab_size(tok)} tokens does not fit "
+                     f"the model's vocab_size {vocab}")
+    return p
+
+
+def _read_json(path: Path) -> dict | None:
+    try:
+        return json.loads(path.read_text())
+    except (OSError, ValueError):
+        return None
+
+
+def tokenizer_vocab_size(tokenizer_json: dict) -> int:
+    """len(tokenizer) computed from tokenizer.json: the model vocab plus added tokens."""
+    vocab = tokenizer_json.get("model", {}).get("vocab", {})
+    ids = set(vocab.values()) if isinstance(vocab, dict) else set(range(len(vocab)))
+    ids |= {t["id"] for t in tokenizer_json.get("added_tokens", [])}
+    return max(ids) + 1 if ids else 0
+
+
+def dump_yaml(cfg: Config) -> str:
+    return yaml.safe_dump(cfg.to_dict(), sort_keys=False)

@@ -1,0 +1,172 @@
+"""Prepared token data: where it lives, how it is read, and which rank reads what.
+
+A prepared dataset is a folder of memory-mapped token shards plus manifest.json, made by
+`llmtrain prepare` (prepare.py). Its folder name carries a fingerprint of everything that
+decides its contents (source files, split, text field, validation share, tokenizer), so the
+trainer finds it without loading the source dataset, and a changed source or tokenizer gets a
+new folder instead of stale tokens.
+
+Sampling: sample i is the window tokens[i*seq_len : (i+1)*seq_len + 1] of the train stream.
+Each epoch draws a seeded permutation of all samples; an optimizer step takes the next
+global_batch_size of it, and rank r reads its own contiguous slice of that step's samples. The
+position (epoch, samples consumed) is global, so the set of samples in a step does not depend
+on the world size, and a resumed run on another world size skips and repeats nothing.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import re
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+
+from .config import Config, UserError, local_path, tokenizer_source
+
+FORMAT_VERSION = 1
+MANIFEST = "manifest.json"
+
+
+class DataNotPrepared(UserError):
+    pass
+
+
+# ---------------------------------------------------------------------------------------------
+# Where prepared data lives
+
+
+def source_listing(path: Path) -> list[tuple[str, int, int]]:
+    """(relative path, size, mtime) of every file of a dataset source: its cheap fingerprint."""
+    files = [path] if path.is_file() else sorted(p for p in path.rglob("*") if p.is_file())
+    base = path.parent if path.is_file() else path
+    return [(str(p.relative_to(base)), p.stat().st_size, p.stat().st_mtime_ns) for p in files
+            if ".cache" not in p.relative_to(base).parts]
+
+
+def fingerprint(cfg: Config) -> str:
+    d = cfg.data
+    tok_dir = local_path(tokenizer_source(cfg), "models")
+    recipe = {
+        "format": FORMAT_VERSION,
+        "source": source_listing(local_path(d.dataset, "datasets")),
+        "split": d.split,
+        "text_field": d.text_field,
+        "validation_fraction": d.validation_fraction,
+        "tokenizer": _sha256(tok_dir / "tokenizer.json"),
+        "tokenizer_config": _sha256(tok_dir / "tokenizer_config.json"),
+    }
+    return hashlib.sha256(json.dumps(recipe, sort_keys=True).encode()).hexdigest()[:16]
+
+
+def prepared_path(cfg: Config, fp: str | None = None) -> Path:
+    name = re.sub(r"[^\w.-]+", "_", Path(cfg.data.dataset).name.removesuffix(".txt"))
+    return Path(cfg.data.prepared_dir) / f"{name}-{fp or fingerprint(cfg)}"
+
+
+def _sha256(path: Path) -> str | None:
+    try:
+        return hashlib.sha256(path.read_bytes()).hexdigest()
+    except FileNotFoundError:
+        return None
+
+
+def read_manifest(folder: Path) -> dict | None:
+    try:
+        return json.loads((folder / MANIFEST).read_text())
+    except (OSError, ValueError):
+        return None
+
+
+def open_prepared(cfg: Config) -> tuple[Path, dict]:
+    folder = prepared_path(cfg)
+    manifest = read_manifest(folder)
+    if manifest is None:
+        raise DataNotPrepared(
+            f"data: {cfg.data.dataset} is not prepared for this tokenizer and settings "
+            f"(expected {folder}); run: llmtrain prepare --config {cfg.path}"
+        )
+    return folder, manifest
+
+
+# ---------------------------------------------------------------------------------------------
+# Reading
+
+
+class TokenStream:
+    """One split of a prepared dataset as a single read-only token array over its shards."""
+
+    def __init__(self, folder: Path, manifest: dict, split: str):
+        info = manifest["splits"][split]
+        self.shards = [np.memmap(folder / s["file"], dtype=manifest["dtype"], mode="r")
+                       for s in info["shards"]]
+        self.starts = np.cumsum([0] + [len(s) for s in self.shards])
+        self.num_tokens = int(self.starts[-1])
+
+    def read(self, start: int, length: int) -> np.ndarray:
+        out, pos, end = [], start, start + length
+        shard = int(np.searchsorted(self.starts, start, side="right")) - 1
+        while pos < end:
+            local = pos - self.starts[shard]
+            take = min(end - pos, len(self.shards[shard]) - local)
+            out.append(self.shards[shard][local:local + take])
+            pos += take
+            shard += 1
+        return np.concatenate(out) if len(out) > 1 else np.asarray(out[0])
+
+    def num_samples(self, seq_len: int) -> int:
+        return max(0, (self.num_tokens - 1) // seq_len)
+
+    def sample(self, index: int, seq_len: int) -> np.ndarray:
+        return self.read(index * seq_len, seq_len + 1)
+
+
+@dataclass
+class SamplerState:
+    """The data position: plain numbers, saved in checkpoints. Global, not per rank."""
+
+    epoch: int = 0
+    consumed: int = 0  # samples of this epoch's permutation already used
+
+    def state_dict(self) -> dict:
+        return {"epoch": self.epoch, "consumed": self.consumed}
+
+    def load_state_dict(self, sd: dict) -> None:
+        self.epoch, self.consumed = int(sd["epoch"]), int(sd["consumed"])
+
+
+class StepSampler:
+    """Hands out each optimizer step's sample indices, this rank's share, micro-batch by micro-batch."""
+
+    def __init__(self, num_samples: int, global_batch: int, seed: int, rank: int, world_size: int):
+        if num_samples < global_batch:
+            raise UserError(
+                f"train.global_batch_size: larger than the {num_samples} samples in the data "
+                f"(got {global_batch}); use more data or a smaller batch or data.seq_len"
+            )
+        self.num_samples, self.global_batch, self.seed = num_samples, global_batch, seed
+        self.rank, self.world_size = rank, world_size
+        self.state = SamplerState()
+        self._perm_epoch, self._perm = -1, None
+
+    def permutation(self, epoch: int) -> np.ndarray:
+        if epoch != self._perm_epoch:
+            self._perm = np.random.default_rng([self.seed, epoch]).permutation(self.num_samples)
+            self._perm_epoch = epoch
+        return self._perm
+
+    def next_step(self) -> np.ndarray:
+        """This rank's sample indices for the next optimizer step (advances the position)."""
+        if self.state.consumed + self.global_batch > self.num_samples:
+            self.state.epoch, self.state.consumed = self.state.epoch + 1, 0  # drop the remainder
+        start = self.state.consumed
+        step = self.permutation(self.state.epoch)[start:start + self.global_batch]
+        self.state.consumed += self.global_batch
+        per_rank = self.global_batch // self.world_size
+        return step[self.rank * per_rank:(self.rank + 1) * per_rank]
+
+
+def batch_tokens(stream: TokenStream, indices: np.ndarray, seq_len: int) -> np.ndarray:
+    """[len(indices), seq_len + 1] int64 windows: inputs are [:, :-1], targets [:, 1:]."""
+    return np.stack([stream.sample(int(i), seq_len) for i in indices]).astype(np.int64)

@@ -1,0 +1,86 @@
+"""Tokenizer and Hugging Face causal LM, from a local folder or an inline architecture.
+
+Nothing here touches the network or torch.distributed. `model_config` describes the model,
+`build_model(..., device="meta")` gives its skeleton with no memory behind it, and
+`source_weights` materialises the real weights on CPU (from_pretrained, or a seeded random
+init); parallel.py decides who calls which.
+"""
+
+from __future__ import annotations
+
+import torch
+from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, PretrainedConfig
+
+from .config import Config, UserError, local_path, tokenizer_source
+
+
+class ModelNotFound(UserError):
+    pass
+
+
+def _local_dir(value: str, what: str):
+    path = local_path(value, "models")
+    if not path.is_dir():
+        raise ModelNotFound(
+            f"{what}: {value} is not on disk (looked in {path}); download it on the login node "
+            f"with: bash download_data_model.sh"
+        )
+    return path
+
+
+def load_tokenizer(cfg: Config):
+    return AutoTokenizer.from_pretrained(_local_dir(tokenizer_source(cfg), "model.tokenizer"))
+
+
+def model_config(cfg: Config, tokenizer) -> PretrainedConfig:
+    m = cfg.model
+    if m.name_or_path is not None:
+        config = AutoConfig.from_pretrained(_local_dir(m.name_or_path, "model.name_or_path"))
+    else:
+        arch = dict(m.architecture)
+        arch.setdefault("vocab_size", -(-len(tokenizer) // 64) * 64)  # round up for fast matmuls
+        arch.setdefault("max_position_embeddings", cfg.data.seq_len)
+        for key in ("bos_token_id", "eos_token_id", "pad_token_id"):
+            arch.setdefault(key, getattr(tokenizer, key))
+        config = AutoConfig.for_model(arch.pop("model_type"), **arch)
+    config.use_cache = False  # training: no KV cache
+    return config
+
+
+def build_model(config: PretrainedConfig, cfg: Config, device: str | torch.device):
+    """The model's skeleton on `device` ("meta" allocates nothing), fp32, randomly initialised."""
+    with torch.device(device):
+        return AutoModelForCausalLM.from_config(
+            config, attn_implementation=cfg.model.attn_implementation, dtype=torch.float32
+        )
+
+
+def source_weights(config: PretrainedConfig, cfg: Config) -> torch.nn.Module:
+    """The starting weights as a full model on CPU: pretrained, or random with train.seed."""
+    if cfg.model.name_or_path is not None:
+        return AutoModelForCausalLM.from_pretrained(
+            _local_dir(cfg.model.name_or_path, "model.name_or_path"), config=config,
+            attn_implementation=cfg.model.attn_implementation, dtype=torch.float32,
+        )
+    torch.manual_seed(cfg.train.seed)
+    return build_model(config, cfg, "cpu")
+
+
+def decoder_layers(model: torch.nn.Module) -> list[torch.nn.Module]:
+    """The repeated transformer blocks, found by the class names HF lists in _no_split_modules."""
+    names = set(getattr(model, "_no_split_modules", None) or [])
+    layers = [m for m in model.modules() if type(m).__name__ in names]
+    if not layers:
+        raise ValueError(f"cannot find the decoder layers of {type(model).__name__}")
+    return layers
+
+
+def num_params(model: torch.nn.Module) -> int:
+    return sum(p.numel() for p in model.parameters())
+
+
+def flops_per_token(config: PretrainedConfig, n_params: int, seq_len: int) -> float:
+    """Training FLOPs per token: 6N for the matmuls plus attention scores (PaLM appendix B)."""
+    layers = getattr(config, "num_hidden_layers", 0)
+    hidden = getattr(config, "hidden_size", 0)
+    return 6 * n_params + 12 * layers * hidden * seq_len

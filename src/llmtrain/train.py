@@ -1,0 +1,207 @@
+"""The training loop: `llmtrain train --config FILE`, usually under torchrun.
+
+    torchrun --nproc-per-node 2 -m llmtrain train --config config.yaml
+
+One optimizer step: set the learning rate, run the micro-batches (gradients reduced on the
+last one only), clip, step; then log, evaluate and checkpoint when their turn comes.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+
+from . import distributed
+from .config import Config, ConfigError, dump_yaml
+from .data import StepSampler, TokenStream, batch_tokens, open_prepared
+from .distributed import World
+from .metrics import peak_flops, peak_memory_gib, progress_line
+from .model import flops_per_token, load_tokenizer, model_config, num_params
+from .optim import build_optimizer, lr_at, set_lr
+from .parallel import autocast, grad_scaler, gradient_sync, parallelize
+from .rundir import Log, MetricsWriter, hostname, provenance, write_atomic
+
+
+@dataclass
+class RunState:
+    """What the loop has done so far; saved in checkpoints next to the sampler position."""
+
+    step: int = 0
+    tokens: int = 0
+
+    def state_dict(self) -> dict:
+        return {"step": self.step, "tokens": self.tokens}
+
+    def load_state_dict(self, sd: dict) -> None:
+        self.step, self.tokens = int(sd["step"]), int(sd["tokens"])
+
+
+def train(cfg: Config) -> None:
+    world = distributed.init(cfg)
+    try:
+        run(cfg, world)
+    finally:
+        distributed.teardown()
+
+
+def run(cfg: Config, world: World) -> None:
+    t, seq_len = cfg.train, cfg.data.seq_len
+    folder, manifest = open_prepared(cfg)
+    log = start_run_dir(cfg, world)
+    state = RunState()
+    metrics = MetricsWriter(cfg.run_dir / "metrics.jsonl" if world.is_main else None, state.step)
+    torch.manual_seed(t.seed + world.rank)
+
+    tokenizer = load_tokenizer(cfg)
+    config = model_config(cfg, tokenizer)
+    check_model_fits(cfg, config, manifest)
+    model = parallelize(cfg, config, world)
+    optimizer = build_optimizer(model, t, world.device)
+    scaler = grad_scaler(cfg, world.device)
+    n_params = num_params(model)
+    log.info(f"model: {n_params:,} parameters, {cfg.parallel.strategy} over {world.world_size} "
+             f"rank(s) on {world.device.type}, {t.precision}")
+
+    train_data = TokenStream(folder, manifest, "train")
+    val_data = TokenStream(folder, manifest, "validation") if "validation" in manifest["splits"] else None
+    sampler = StepSampler(train_data.num_samples(seq_len), t.global_batch_size, t.seed,
+                          world.rank, world.world_size)
+    accum = t.global_batch_size // (t.micro_batch_size * world.world_size)
+    tokens_per_step = t.global_batch_size * seq_len
+    flops_per_step = flops_per_token(config, n_params, seq_len) * tokens_per_step
+    peak = peak_flops(world.device)
+    log.info(f"data: {sampler.num_samples:,} samples of {seq_len} tokens; global batch "
+             f"{t.global_batch_size} = {t.micro_batch_size} x {world.world_size} ranks x {accum} "
+             f"accumulation steps")
+
+    started = window_start = time.perf_counter()
+    window_steps = 0
+    while state.step < t.max_steps:
+        lr = lr_at(state.step, t)
+        set_lr(optimizer, lr)
+        micro_batches = np.split(sampler.next_step(), accum)
+        loss, grad_norm = train_step(model, optimizer, scaler, train_data, micro_batches, cfg, world)
+        state.step += 1
+        state.tokens += tokens_per_step
+        window_steps += 1
+
+        if state.step % t.log_every == 0 or state.step == t.max_steps:
+            loss, grad_norm = distributed.all_mean([loss.item(), float(grad_norm)], world.device)
+            now = time.perf_counter()
+            tokens_per_sec = window_steps * tokens_per_step / (now - window_start)
+            record = {"kind": "train", "step": state.step, "loss": loss, "lr": lr,
+                      "grad_norm": grad_norm, "tokens_per_sec": tokens_per_sec,
+                      "tokens": state.tokens, "elapsed_s": now - started,
+                      "peak_mem_gib": peak_memory_gib(world.device)}
+            if peak:
+                record["mfu"] = flops_per_step * window_steps / (now - window_start) / (peak * world.world_size)
+            metrics.write(record)
+            eta = (now - started) / state.step * (t.max_steps - state.step)
+            log.info(progress_line(state.step, t.max_steps, loss, lr, tokens_per_sec, eta))
+            window_start, window_steps = time.perf_counter(), 0
+
+        if val_data is not None and t.eval_every and (state.step % t.eval_every == 0
+                                                      or state.step == t.max_steps):
+            eval_loss = evaluate(model, val_data, cfg, world)
+            metrics.write({"kind": "eval", "step": state.step, "eval_loss": eval_loss})
+            log.info(f"eval step {state.step}: eval_loss {eval_loss:.4f}")
+            window_start = time.perf_counter()  # evaluation time is not training throughput
+
+    log.info(f"done: {state.step} steps, {state.tokens:,} tokens in "
+             f"{time.perf_counter() - started:.1f}s; run_dir: {cfg.run_dir}")
+    metrics.close()
+    log.close()
+
+
+def train_step(model, optimizer, scaler, data: TokenStream, micro_batches, cfg: Config,
+               world: World) -> tuple[torch.Tensor, torch.Tensor]:
+    """Forward/backward over this rank's micro-batches, then one optimizer step."""
+    total = torch.zeros((), device=world.device)
+    for i, indices in enumerate(micro_batches):
+        batch = to_device(batch_tokens(data, indices, cfg.data.seq_len), world.device)
+        with gradient_sync(model, enabled=i == len(micro_batches) - 1):
+            with autocast(cfg, world.device):
+                loss = lm_loss(model, batch)
+            scaler.scale(loss / len(micro_batches)).backward()
+        total += loss.detach()
+    scaler.unscale_(optimizer)
+    max_norm = cfg.train.grad_clip or float("inf")
+    grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm)
+    if hasattr(grad_norm, "full_tensor"):  # FSDP2: a DTensor holding the global norm
+        grad_norm = grad_norm.full_tensor()
+    scaler.step(optimizer)
+    scaler.update()
+    optimizer.zero_grad(set_to_none=True)
+    return total / len(micro_batches), grad_norm
+
+
+def lm_loss(model, batch: torch.Tensor) -> torch.Tensor:
+    """Mean next-token cross-entropy; batch holds windows of seq_len + 1 tokens."""
+    logits = model(input_ids=batch[:, :-1]).logits
+    return F.cross_entropy(logits.float().flatten(0, 1), batch[:, 1:].flatten())
+
+
+@torch.no_grad()
+def evaluate(model, data: TokenStream, cfg: Config, world: World) -> float:
+    """Mean loss over the first eval_samples validation samples, whatever the world size.
+
+    The count is rounded down to a multiple of the world size so that every rank runs the same
+    number of forwards: FSDP2 gathers parameters collectively.
+    """
+    seq_len, mb = cfg.data.seq_len, cfg.train.micro_batch_size
+    per_rank = min(data.num_samples(seq_len), cfg.train.eval_samples) // world.world_size
+    indices = np.arange(per_rank) * world.world_size + world.rank
+    total = torch.zeros((), dtype=torch.float64, device=world.device)
+    model.eval()
+    for chunk in np.array_split(indices, -(-per_rank // mb)) if per_rank else []:
+        batch = to_device(batch_tokens(data, chunk, seq_len), world.device)
+        with autocast(cfg, world.device):
+            total += lm_loss(model, batch).double() * len(chunk)
+    model.train()
+    sums = torch.stack([total, torch.tensor(float(per_rank), dtype=torch.float64,
+                                            device=world.device)])
+    dist.all_reduce(sums)
+    return (sums[0] / sums[1]).item() if sums[1] > 0 else float("nan")
+
+
+def to_device(batch: np.ndarray, device: torch.device) -> torch.Tensor:
+    tensor = torch.from_numpy(batch)
+    if device.type == "cuda":
+        return tensor.pin_memory().to(device, non_blocking=True)
+    return tensor
+
+
+def check_model_fits(cfg: Config, config, manifest: dict) -> None:
+    """The checks check-config can only make once the model and prepared data are on disk."""
+    problems = []
+    vocab, data_vocab = config.vocab_size, manifest["tokenizer"]["vocab_size"]
+    if data_vocab > vocab:
+        problems.append(f"model.tokenizer: the data was tokenized with {data_vocab} tokens, more "
+                        f"than the model's vocab_size {vocab}")
+    max_pos = getattr(config, "max_position_embeddings", None)
+    if max_pos and cfg.data.seq_len > max_pos:
+        problems.append(f"data.seq_len: must be <= the model's max_position_embeddings "
+                        f"(got {cfg.data.seq_len} > {max_pos})")
+    if problems:
+        raise ConfigError(problems)
+
+
+def start_run_dir(cfg: Config, world: World) -> Log:
+    run_dir = cfg.run_dir
+    run_dir.mkdir(parents=True, exist_ok=True)
+    hosts = [None] * world.world_size
+    dist.all_gather_object(hosts, hostname())
+    if world.is_main:
+        write_atomic(run_dir / "config.yaml", dump_yaml(cfg))
+        write_atomic(run_dir / "provenance.json",
+                     json.dumps(provenance(world.world_size, hosts), indent=2) + "\n")
+    log = Log(world.rank, run_dir / "logs")
+    log.info(f"run_dir: {run_dir} (hosts: {', '.join(sorted(set(hosts)))})")
+    return log
+
