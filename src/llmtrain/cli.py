@@ -26,14 +26,18 @@ def main(argv: list[str] | None = None) -> int:
     try:
         return args.func(args)
     except ConfigError as e:
-        for line in e.problems:
-            print(line, file=sys.stderr)
+        error_lines(e.problems)
         return EXIT_CONFIG
     except KeyboardInterrupt:
         return 130
     except UserError as e:
-        print(f"error: {e}", file=sys.stderr)
+        error_lines([f"error: {e}"])
         return EXIT_USER
+
+
+def error_lines(lines: list[str]) -> None:
+    """All lines in one write: ranks sharing a terminal never interleave half-lines."""
+    os.write(sys.stderr.fileno(), "".join(f"{line}\n" for line in lines).encode())
 
 
 def parser() -> argparse.ArgumentParser:

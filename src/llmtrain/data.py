@@ -85,7 +85,7 @@ def open_prepared(cfg: Config) -> tuple[Path, dict]:
     if manifest is None:
         raise DataNotPrepared(
             f"data: {cfg.data.dataset} is not prepared for this tokenizer and settings "
-            f"(expected {folder}); run: llmtrain prepare --config {cfg.path}"
+            f"(expected {folder}); run: llmtrain prepare --config {cfg.path} (with the same --set options)"
         )
     return folder, manifest
 

@@ -30,8 +30,7 @@ DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 def parallelize(cfg: Config, config, world: World) -> torch.nn.Module:
     source = source_weights(config, cfg) if world.is_main else None
     model = build_model(config, cfg, "meta")
-    if source is not None and _tied(source) != _tied(model):
-        raise AssertionError("weight tying differs between the source model and its skeleton")
+    tied = _tied(model)  # decided on the skeleton, so every rank agrees
     if cfg.model.activation_checkpointing:
         # HF wraps each decoder layer's __call__ in non-reentrant torch.utils.checkpoint,
         # which keeps the parameter names (and so checkpoints) unchanged.
@@ -39,7 +38,7 @@ def parallelize(cfg: Config, config, world: World) -> torch.nn.Module:
     if cfg.parallel.strategy == "fsdp":
         apply_fsdp(model, cfg)
     model.to_empty(device=world.device)
-    if _tied(source or model):
+    if tied and not _tied(model):  # to_empty allocates tied weights twice; FSDP2 keeps the tie
         model.tie_weights()
     _load_from_rank0(model, source)
     del source
