@@ -165,7 +165,7 @@ def load_config(path: str | os.PathLike, overrides: list[str] = (), world_size: 
     for item in overrides:
         _apply_override(raw, item, problems)
     cfg = _build(raw, path.resolve().parent, problems)
-    if cfg is not None:
+    if cfg is not None and not any(p.startswith("--set") or ": unknown section" in p for p in problems):
         cfg = dataclasses.replace(cfg, path=str(path.resolve()))
         problems += validate(cfg, world_size)
     if problems:
@@ -225,7 +225,9 @@ def _build_section(section: str, cls: type, body: dict, base: Path, problems: li
                 value = _coerce(body[name], hints[name])
             except ValueError as e:
                 problems.append(f"{where}: {e} (got {body[name]!r})")
-                ok = False
+                if f.default is _REQUIRED and f.default_factory is _REQUIRED:
+                    ok = False
+                # else: the default stands in, so cross-field checks still run on the rest
                 continue
         elif f.default is not _REQUIRED:
             value = f.default

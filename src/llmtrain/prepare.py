@@ -37,10 +37,10 @@ def prepare(cfg: Config, log=print) -> Path:
         log(f"prepared data is up to date: {final}")
         return final
 
-    from transformers import AutoTokenizer
+    from .model import load_tokenizer
 
     tok_dir = local_path(tokenizer_source(cfg), "models")
-    tokenizer = AutoTokenizer.from_pretrained(tok_dir)
+    tokenizer = load_tokenizer(cfg)
     if not tokenizer.is_fast:
         raise PrepareError(f"model.tokenizer: {tok_dir} has no fast tokenizer (tokenizer.json)")
     if tokenizer.eos_token_id is None:

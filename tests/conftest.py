@@ -1,0 +1,98 @@
+"""Fixtures: tiny configs, corpora and models in tmp_path; real subprocesses for the CLI."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import yaml
+
+REPO = Path(__file__).resolve().parents[1]
+DEMO = REPO / "configs" / "demo"
+
+
+@pytest.fixture
+def home(tmp_path, monkeypatch) -> Path:
+    """A private LLMTRAIN_HOME for the test (runs, prepared data, downloaded models)."""
+    h = tmp_path / "home"
+    (h / "models").mkdir(parents=True)
+    (h / "datasets").mkdir()
+    monkeypatch.setenv("LLMTRAIN_HOME", str(h))
+    return h
+
+
+def tiny_config(**sections) -> dict:
+    """The demo config shrunk for tests: a 2-layer, 64-wide Llama; sections override keys."""
+    cfg = {
+        "run": {"name": "test"},
+        "model": {
+            "tokenizer": str(DEMO / "tokenizer"),
+            "architecture": {"model_type": "llama", "hidden_size": 64, "intermediate_size": 128,
+                             "num_hidden_layers": 2, "num_attention_heads": 4,
+                             "num_key_value_heads": 2, "max_position_embeddings": 128,
+                             "tie_word_embeddings": False},
+        },
+        "data": {"dataset": str(DEMO / "stories.txt"), "seq_len": 64, "validation_fraction": 0.02},
+        "train": {"max_steps": 8, "global_batch_size": 8, "micro_batch_size": 4, "lr": 3e-3,
+                  "min_lr": 3e-4, "warmup_steps": 2, "precision": "fp32", "log_every": 1,
+                  "eval_every": 4, "eval_samples": 16, "checkpoint_every": 4},
+        "parallel": {"strategy": "ddp"},
+        "slurm": {"nodes": 1, "procs_per_node": 2},
+    }
+    for name, values in sections.items():
+        cfg[name] = {**cfg.get(name, {}), **values}
+    return cfg
+
+
+@pytest.fixture
+def write_config(tmp_path):
+    def write(cfg: dict, name: str = "config.yaml") -> Path:
+        path = tmp_path / name
+        path.write_text(yaml.safe_dump(cfg, sort_keys=False))
+        return path
+    return write
+
+
+def llmtrain(*args: str, check: bool = False, timeout: float = 300, env: dict | None = None):
+    """Run `python -m llmtrain ARGS` as a user would; returns the CompletedProcess."""
+    proc = subprocess.run([sys.executable, "-m", "llmtrain", *map(str, args)], capture_output=True,
+                          text=True, timeout=timeout, env=env)
+    if check and proc.returncode != 0:
+        raise AssertionError(f"llmtrain {' '.join(map(str, args))} exited {proc.returncode}:\n"
+                             f"{proc.stdout}\n{proc.stderr}")
+    return proc
+
+
+def torchrun(nproc: int, *args: str, timeout: float = 300):
+    """`torchrun --standalone --nproc-per-node N -m llmtrain ARGS`, checked."""
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node",
+           str(nproc), "-m", "llmtrain", *map(str, args)]
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout)
+    if proc.returncode != 0:
+        raise AssertionError(f"torchrun exited {proc.returncode}:\n{proc.stdout}\n{proc.stderr}")
+    return proc
+
+
+def read_metrics(run_dir: Path) -> list[dict]:
+    return [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+
+
+def losses(run_dir: Path) -> list[tuple[str, int, float]]:
+    """(kind, step, loss) for every metrics line, train and eval."""
+    return [(r["kind"], r["step"], r["loss"] if r["kind"] == "train" else r["eval_loss"])
+            for r in read_metrics(run_dir)]
+
+
+def assert_same_curve(a: Path, b: Path, tol: float) -> None:
+    la, lb = losses(a), losses(b)
+    assert [x[:2] for x in la] == [x[:2] for x in lb], "different steps logged"
+    worst = max(abs(x[2] - y[2]) for x, y in zip(la, lb))
+    assert worst <= tol, f"loss curves differ by {worst:.2e} > {tol:.0e}:\n{la}\n{lb}"
+
+
+def env_with(**extra) -> dict:
+    return {**os.environ, **extra}

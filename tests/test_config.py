@@ -1,0 +1,154 @@
+"""check-config as a user meets it: exit codes, one line per problem naming the key, no torch."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+
+import pytest
+import yaml
+
+from conftest import DEMO, REPO, llmtrain, tiny_config
+from llmtrain.config import ConfigError, load_config
+
+
+@pytest.mark.parametrize("path", ["config.yaml", "configs/demo.yaml"])
+def test_shipped_configs_are_valid(home, path):
+    proc = llmtrain("check-config", REPO / path)
+    assert proc.returncode == 0, proc.stderr
+    assert "OK" in proc.stdout and f"run_dir: {home}/runs/" in proc.stdout
+
+
+def test_check_config_does_not_import_torch(home):
+    code = ("import sys; from llmtrain.cli import main; rc = main(['check-config', "
+            f"{str(REPO / 'config.yaml')!r}]); assert 'torch' not in sys.modules, 'torch imported'; "
+            "sys.exit(rc)")
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
+    assert proc.returncode == 0, proc.stderr
+
+
+BROKEN = [
+    # (what the user wrote, the exact line check-config must print)
+    ({"train": {"max_step": 10}},
+     "train.max_step: unknown key (did you mean 'max_steps'?)"),
+    ({"trian": {"max_steps": 10}},
+     "trian: unknown section (did you mean 'train'?)"),
+    ({"train": {"max_steps": "ten"}},
+     "train.max_steps: must be an integer (got 'ten')"),
+    ({"train": {"lr": "fast"}},
+     "train.lr: must be a number (got 'fast')"),
+    ({"model": {"activation_checkpointing": "maybe"}},
+     "model.activation_checkpointing: must be true or false (got 'maybe')"),
+    ({"parallel": {"strategy": "zero3"}},
+     "parallel.strategy: must be one of ddp, fsdp (got 'zero3')"),
+    ({"train": {"precision": "fp8"}},
+     "train.precision: must be one of bf16, fp16, fp32 (got 'fp8')"),
+    ({"train": {"global_batch_size": 12}},
+     "train.global_batch_size: must be divisible by micro_batch_size x world size = 4 x 2 = 8 (got 12)"),
+    ({"data": {"dataset": "./no/such/corpus.txt"}},
+     "data.dataset: no such file or folder (got '{tmp}/no/such/corpus.txt')"),
+    ({"train": {"warmup_steps": 8}},
+     "train.warmup_steps: must be < train.max_steps (got 8 >= 8)"),
+    ({"train": {"min_lr": 0.1}},
+     "train.min_lr: must be <= train.lr (got 0.1 > 0.003)"),
+    ({"data": {"seq_len": 4096}},
+     "data.seq_len: must be <= the model's max_position_embeddings (got 4096 > 128)"),
+    ({"data": {"validation_fraction": 0.7}},
+     "data.validation_fraction: must be in [0, 0.5) (got 0.7)"),
+    ({"slurm": {"procs_per_node": None}},
+     "slurm.procs_per_node: set it on CPU-only nodes (slurm.gpus_per_node is 0)"),
+    ({"train": {"micro_batch_size": 0}},
+     "train.micro_batch_size: must be > 0 (got 0)"),
+    ({"model": {"name_or_path": "/models/llama"}},
+     "model.name_or_path: set exactly one of model.name_or_path (pretrained) and "
+     "model.architecture (from scratch)"),
+]
+
+
+@pytest.mark.parametrize("change,line", BROKEN, ids=[b[1].split(":")[0] for b in BROKEN])
+def test_broken_config_names_the_key(home, tmp_path, write_config, change, line):
+    path = write_config(tiny_config(**change))
+    proc = llmtrain("check-config", path)
+    assert proc.returncode == 2
+    assert proc.stderr.splitlines() == [line.format(tmp=tmp_path)]
+    assert "Traceback" not in proc.stderr and proc.stdout == ""
+
+
+def test_required_keys_are_reported(home, write_config):
+    cfg = tiny_config()
+    del cfg["run"]["name"], cfg["train"]["max_steps"]
+    proc = llmtrain("check-config", write_config(cfg))
+    assert proc.returncode == 2
+    assert proc.stderr.splitlines() == ["run.name: required, no default",
+                                        "train.max_steps: required, no default"]
+
+
+def test_every_problem_is_reported_at_once(home, write_config):
+    cfg = tiny_config(train={"max_steps": 0, "lr": -1.0, "checkpoint_every": 0},
+                      parallel={"strategy": "zero"}, data={"seq_len": 4096})
+    proc = llmtrain("check-config", write_config(cfg))
+    assert proc.returncode == 2
+    assert proc.stderr.splitlines() == [
+        "parallel.strategy: must be one of ddp, fsdp (got 'zero')",
+        "train.max_steps: must be > 0 (got 0)",
+        "train.checkpoint_every: must be > 0 (got 0)",
+        "train.lr: must be > 0 (got -1.0)",
+        "data.seq_len: must be <= the model's max_position_embeddings (got 4096 > 128)",
+    ]
+
+
+def test_tokenizer_larger_than_model_vocab(home, write_config):
+    arch = {**tiny_config()["model"]["architecture"], "vocab_size": 100}
+    proc = llmtrain("check-config", write_config(tiny_config(model={"architecture": arch})))
+    assert proc.returncode == 2
+    assert proc.stderr.splitlines() == [
+        "model.tokenizer: vocabulary of 479 tokens does not fit the model's vocab_size 100"]
+
+
+def test_set_overrides_are_typed_like_the_file(home, write_config):
+    path = write_config(tiny_config())
+    cfg = load_config(path, ["train.lr=1e-3", "train.max_steps=20", "parallel.strategy=fsdp",
+                             "model.architecture.hidden_size=32"])
+    assert (cfg.train.lr, cfg.train.max_steps, cfg.parallel.strategy) == (1e-3, 20, "fsdp")
+    assert cfg.model.architecture["hidden_size"] == 32
+    proc = llmtrain("check-config", path, "--set", "train.max_steps=abc", "--set", "nonsense")
+    assert proc.returncode == 2
+    assert proc.stderr.splitlines() == ["--set nonsense: expected section.key=value",
+                                        "train.max_steps: must be an integer (got 'abc')"]
+
+
+def test_world_size_flag_checks_the_batch_split(home, write_config):
+    path = write_config(tiny_config())
+    assert llmtrain("check-config", path, "--world-size", "1").returncode == 0
+    proc = llmtrain("check-config", path, "--world-size", "3")
+    assert proc.stderr.splitlines() == ["train.global_batch_size: must be divisible by "
+                                        "micro_batch_size x world size = 4 x 3 = 12 (got 8)"]
+
+
+def test_invalid_yaml_is_one_line(home, tmp_path):
+    path = tmp_path / "bad.yaml"
+    path.write_text("train:\n  max_steps: [1, 2\n")
+    proc = llmtrain("check-config", path)
+    assert proc.returncode == 2 and len(proc.stderr.splitlines()) == 1
+    assert proc.stderr.startswith(f"{path}: line ") and "not valid YAML" in proc.stderr
+
+
+def test_unset_home_variable_is_named(tmp_path, monkeypatch, write_config):
+    monkeypatch.delenv("LLMTRAIN_HOME", raising=False)
+    with pytest.raises(ConfigError) as e:
+        load_config(write_config(tiny_config()))
+    assert e.value.problems[0] == ("run.dir: environment variable LLMTRAIN_HOME is not set (source "
+                                   "the env.sh that setup.sh wrote) (got '${LLMTRAIN_HOME}/runs')")
+
+
+def test_paths_resolve_against_the_config_folder(home, tmp_path):
+    cfg_dir = tmp_path / "sub"
+    cfg_dir.mkdir()
+    (cfg_dir / "c.yaml").write_text(yaml.safe_dump(tiny_config(
+        data={"dataset": "../corpus.txt"}, model={"tokenizer": str(DEMO / "tokenizer")})))
+    (tmp_path / "corpus.txt").write_text("hello\n")
+    cfg = load_config(cfg_dir / "c.yaml")
+    assert cfg.data.dataset == str(tmp_path / "corpus.txt")
+    assert cfg.run_dir == home / "runs" / "test"
+    hub = load_config(cfg_dir / "c.yaml", ["model.tokenizer=org/some-model"])
+    assert hub.model.tokenizer == "org/some-model"  # a hub id, looked up under $LLMTRAIN_HOME

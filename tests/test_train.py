@@ -1,0 +1,150 @@
+"""Real training runs under torchrun (gloo, 2 processes): equivalences, run directory, loading."""
+
+from __future__ import annotations
+
+import json
+import re
+
+import pytest
+import torch
+import yaml
+from transformers import AutoTokenizer, LlamaConfig, LlamaForCausalLM
+
+from conftest import DEMO, assert_same_curve, llmtrain, losses, read_metrics, tiny_config, torchrun
+from llmtrain.config import load_config
+from llmtrain.data import StepSampler, TokenStream, batch_tokens, open_prepared
+
+pytestmark = pytest.mark.slow
+
+
+@pytest.fixture(scope="module")
+def setup(tmp_path_factory):
+    """One LLMTRAIN_HOME with the demo data prepared, shared by this module's runs."""
+    root = tmp_path_factory.mktemp("train")
+    mp = pytest.MonkeyPatch()
+    mp.setenv("LLMTRAIN_HOME", str(root / "home"))
+    config = root / "config.yaml"
+    config.write_text(yaml.safe_dump(tiny_config()))
+    llmtrain("prepare", "--config", config, check=True)
+    yield root, config
+    mp.undo()
+
+
+def run_dir(setup, name):
+    return setup[0] / "home" / "runs" / name
+
+
+def test_ddp_fsdp_single_process_and_accumulation_agree(setup):
+    _, config = setup
+    torchrun(2, "train", "--config", config, "--set", "run.name=ddp")
+    torchrun(2, "train", "--config", config, "--set", "run.name=fsdp", "--set", "parallel.strategy=fsdp")
+    torchrun(2, "train", "--config", config, "--set", "run.name=ddp-mb2", "--set", "train.micro_batch_size=2")
+    llmtrain("train", "--config", config, "--set", "run.name=single", check=True)
+
+    ddp = run_dir(setup, "ddp")
+    assert_same_curve(ddp, run_dir(setup, "fsdp"), tol=1e-5)
+    assert_same_curve(ddp, run_dir(setup, "single"), tol=1e-4)  # 1 rank x 2 accumulation steps
+    assert_same_curve(ddp, run_dir(setup, "ddp-mb2"), tol=1e-5)  # micro 2 x accumulation 2
+    curve = losses(ddp)
+    assert [k for k, *_ in curve].count("eval") == 2
+    train = [loss for kind, _, loss in curve if kind == "train"]
+    assert train[0] > 5.5 and train[-1] < train[0] - 1.0  # from ~ln(479) = 6.2, clearly falling
+
+
+def test_run_directory_holds_what_a_user_looks_for(setup):
+    _, config = setup
+    proc = torchrun(2, "train", "--config", config, "--set", "run.name=layout",
+                    "--set", "train.log_every=4")
+    d = run_dir(setup, "layout")
+    assert load_config(d / "config.yaml").train.log_every == 4  # the resolved config, loadable
+    prov = json.loads((d / "provenance.json").read_text())
+    assert prov["world_size"] == 2 and len(prov["hostnames"]) == 2
+    assert prov["packages"]["torch"].startswith(torch.__version__.split("+")[0])
+    assert set(prov["git"]) == {"commit", "dirty"}
+    for rank in (0, 1):
+        assert "done: 8 steps" in (d / "logs" / f"rank-{rank}.log").read_text()
+
+    records = read_metrics(d)
+    train = [r for r in records if r["kind"] == "train"]
+    assert [r["step"] for r in train] == [4, 8]
+    assert {"loss", "lr", "tokens_per_sec", "elapsed_s", "peak_mem_gib", "tokens"} <= set(train[0])
+    assert train[-1]["tokens"] == 8 * 8 * 64 and train[0]["tokens_per_sec"] > 0
+    assert [(r["step"], "eval_loss" in r) for r in records if r["kind"] == "eval"] == [(4, True), (8, True)]
+
+    # Rank 0 prints whole progress lines; no rank's line is ever cut by another's.
+    progress = [line for line in proc.stdout.splitlines() if "[rank" in line]
+    assert all(re.fullmatch(r"\d{4}-\d\d-\d\d \d\d:\d\d:\d\d \[rank \d\] .+", line) for line in progress)
+    assert any(re.search(r"\[rank 0\] step 8/8 \| loss \d+\.\d{4} \| lr .+ tok/s \| eta", line)
+               for line in progress)
+
+
+def test_rerun_with_the_same_name_keeps_metrics_consistent(setup):
+    _, config = setup
+    llmtrain("train", "--config", config, "--set", "run.name=again", "--set", "train.max_steps=4",
+             "--set", "train.warmup_steps=1", check=True)
+    llmtrain("train", "--config", config, "--set", "run.name=again", "--set", "train.max_steps=4",
+             "--set", "train.warmup_steps=1", check=True)
+    steps = [r["step"] for r in read_metrics(run_dir(setup, "again")) if r["kind"] == "train"]
+    assert steps == [1, 2, 3, 4]  # a start from step 0 drops the earlier lines past step 0
+
+
+def tiny_pretrained(folder, tokenizer_dir=DEMO / "tokenizer"):
+    """A tied-embedding Llama saved as a Hugging Face folder with its tokenizer."""
+    torch.manual_seed(0)
+    config = LlamaConfig(vocab_size=512, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=128,
+                         tie_word_embeddings=True)
+    model = LlamaForCausalLM(config)
+    model.save_pretrained(folder)
+    AutoTokenizer.from_pretrained(tokenizer_dir).save_pretrained(folder)
+    return model
+
+
+@pytest.mark.parametrize("nproc,strategy", [(1, "ddp"), (2, "fsdp")])
+def test_pretrained_weights_are_what_training_starts_from(tmp_path, monkeypatch, nproc, strategy):
+    """The first step's loss equals plain transformers' loss of the saved model on that batch."""
+    monkeypatch.setenv("LLMTRAIN_HOME", str(tmp_path / "home"))
+    model = tiny_pretrained(tmp_path / "model")
+    cfg = tiny_config(train={"max_steps": 2, "warmup_steps": 0, "eval_every": 0},
+                      parallel={"strategy": strategy})
+    cfg["model"] = {"name_or_path": str(tmp_path / "model")}
+    path = tmp_path / "c.yaml"
+    path.write_text(yaml.safe_dump(cfg))
+    llmtrain("prepare", "--config", path, check=True)
+    torchrun(nproc, "train", "--config", path)
+
+    c = load_config(path)
+    folder, manifest = open_prepared(c)
+    data = TokenStream(folder, manifest, "train")
+    indices = StepSampler(data.num_samples(64), 8, c.train.seed, 0, 1).next_step()
+    batch = torch.from_numpy(batch_tokens(data, indices, 64))
+    with torch.no_grad():
+        logits = model(input_ids=batch[:, :-1]).logits
+        expected = torch.nn.functional.cross_entropy(logits.flatten(0, 1), batch[:, 1:].flatten())
+    first = read_metrics(c.run_dir)[0]
+    assert first["step"] == 1 and abs(first["loss"] - expected.item()) < 1e-5
+
+
+def test_bf16_fsdp_with_activation_checkpointing_trains(setup):
+    _, config = setup
+    torchrun(2, "train", "--config", config, "--set", "run.name=bf16", "--set", "parallel.strategy=fsdp",
+             "--set", "train.precision=bf16", "--set", "model.activation_checkpointing=true")
+    train = [loss for kind, _, loss in losses(run_dir(setup, "bf16")) if kind == "train"]
+    assert all(x == x for x in train) and train[-1] < train[0] - 1.0
+
+
+def test_model_not_on_disk_names_the_download_script(tmp_path, monkeypatch):
+    monkeypatch.setenv("LLMTRAIN_HOME", str(tmp_path / "home"))
+    cfg = tiny_config()
+    cfg["model"] = {"name_or_path": "org/not-downloaded"}
+    path = tmp_path / "c.yaml"
+    path.write_text(yaml.safe_dump(cfg))
+    check = llmtrain("check-config", path)
+    assert check.returncode == 0
+    assert "note: model.name_or_path: org/not-downloaded is not downloaded yet" in check.stderr
+    proc = llmtrain("prepare", "--config", path)
+    assert proc.returncode == 1
+    assert proc.stderr.splitlines() == [
+        f"error: model.tokenizer: org/not-downloaded is not on disk (looked in "
+        f"{tmp_path}/home/models/org/not-downloaded); download it on the login node with: "
+        f"bash download_data_model.sh"]
