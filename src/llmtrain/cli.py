@@ -3,6 +3,8 @@
     llmtrain check-config FILE [--set section.key=value ...] [--world-size N] [--get KEY]
     llmtrain prepare --config FILE [--set ...]
     llmtrain train --config FILE [--set ...]          # usually under torchrun
+    llmtrain export --run-dir DIR [--step N] --out DIR
+    llmtrain generate (--model DIR | --run-dir DIR [--step N]) --prompt TEXT
 
 User errors (a bad config, unprepared data, a missing model) print one line each on stderr
 and exit non-zero; only bugs show a traceback. Torch is imported only by the commands that
@@ -63,6 +65,23 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--config", required=True)
     _overrides(p)
     p.set_defaults(func=cmd_train)
+
+    p = sub.add_parser("export", help="write a checkpoint as a Hugging Face model folder")
+    p.add_argument("--run-dir", required=True)
+    p.add_argument("--step", type=int, help="checkpoint step (default: the newest complete one)")
+    p.add_argument("--out", required=True)
+    p.set_defaults(func=cmd_export)
+
+    p = sub.add_parser("generate", help="complete a prompt with a trained model")
+    src = p.add_mutually_exclusive_group(required=True)
+    src.add_argument("--model", help="a Hugging Face model folder (e.g. from export)")
+    src.add_argument("--run-dir", help="a run directory: its newest checkpoint, or --step")
+    p.add_argument("--step", type=int)
+    p.add_argument("--prompt", required=True)
+    p.add_argument("--max-new-tokens", type=int, default=64)
+    p.add_argument("--temperature", type=float, default=0.8, help="0: greedy")
+    p.add_argument("--seed", type=int, default=0)
+    p.set_defaults(func=cmd_generate)
     return ap
 
 
@@ -117,6 +136,23 @@ def cmd_train(args) -> int:
     cfg = load_config(args.config, args.overrides, world_size=world_size)
     from .train import train
     train(cfg)
+    return 0
+
+
+def cmd_export(args) -> int:
+    from .export import export
+    out = export(args.run_dir, args.out, args.step)
+    print(f"exported: {out}")
+    return 0
+
+
+def cmd_generate(args) -> int:
+    from .export import generate, load_checkpoint_model, load_folder
+    if args.model:
+        model, tokenizer = load_folder(args.model)
+    else:
+        model, tokenizer = load_checkpoint_model(args.run_dir, args.step)
+    print(generate(model, tokenizer, args.prompt, args.max_new_tokens, args.temperature, args.seed))
     return 0
 
 

@@ -88,7 +88,11 @@ class TrainConfig:
     log_every: int = 10  # steps between metrics lines
     eval_every: int = 500  # steps between evaluations; 0 disables evaluation
     eval_samples: int = 256  # validation samples per evaluation, over all ranks
-    checkpoint_every: int = 1000  # steps between checkpoints
+    checkpoint_every: int = 1000  # steps between checkpoints (and one at the end)
+    keep_checkpoints: int = 3  # complete checkpoints kept; at least 2
+    async_checkpoint: bool = False  # write checkpoints in the background after staging
+    resume: str = "auto"  # auto: newest complete checkpoint of the run; none; or a checkpoint path
+    log_samples: bool = False  # debugging: each rank writes its sample indices per step to logs/
 
 
 @dataclass(frozen=True)
@@ -237,7 +241,7 @@ def _build_section(section: str, cls: type, body: dict, base: Path, problems: li
             problems.append(f"{where}: required, no default")
             ok = False
             continue
-        if isinstance(value, str) and name in _PATH_KEYS.get(section, ()):
+        if isinstance(value, str) and name in _PATH_KEYS.get(section, ()) and value not in _NOT_PATHS:
             try:
                 value = _expand(value, base)
             except ValueError as e:
@@ -302,7 +306,9 @@ _PATH_KEYS = {
     "run": ("dir",),
     "model": ("name_or_path", "tokenizer"),
     "data": ("dataset", "prepared_dir"),
+    "train": ("resume",),
 }
+_NOT_PATHS = ("auto", "none")
 
 
 def _expand(value: str, base: Path) -> str:
@@ -374,6 +380,11 @@ def validate(cfg: Config, world_size: int | None = None) -> list[str]:
         p.append(f"train.min_lr: must be <= train.lr (got {t.min_lr} > {t.lr})")
     if t.max_steps > 0 and t.warmup_steps >= t.max_steps:
         p.append(f"train.warmup_steps: must be < train.max_steps (got {t.warmup_steps} >= {t.max_steps})")
+    if t.keep_checkpoints < 2:
+        p.append(f"train.keep_checkpoints: must be >= 2, so a damaged newest checkpoint has a "
+                 f"fallback (got {t.keep_checkpoints})")
+    if t.resume not in _NOT_PATHS and not Path(t.resume).is_dir():
+        p.append(f"train.resume: must be auto, none, or a checkpoint folder (got {t.resume!r})")
     if not 0 <= d.validation_fraction < 0.5:
         p.append(f"data.validation_fraction: must be in [0, 0.5) (got {d.validation_fraction})")
     if t.eval_every > 0 and d.validation_fraction == 0:

@@ -74,6 +74,21 @@ class MetricsWriter:
             self.file.close()
 
 
+class SampleLog:
+    """Opt-in (train.log_samples): logs/samples-rank-N.jsonl, {"step": S, "samples": [...]}."""
+
+    def __init__(self, path: Path | None, step: int = 0):
+        self.writer = MetricsWriter(path, step) if path is not None else None
+
+    def write(self, step: int, indices) -> None:
+        if self.writer:
+            self.writer.write({"step": step, "samples": [int(i) for i in indices]})
+
+    def close(self) -> None:
+        if self.writer:
+            self.writer.close()
+
+
 def _lines_up_to(path: Path, step: int) -> list[str]:
     kept = []
     for line in path.read_text().splitlines(keepends=True):

@@ -18,6 +18,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 from . import distributed
+from .checkpoint import Checkpointer, compat_info
 from .config import Config, ConfigError, dump_yaml
 from .data import StepSampler, TokenStream, batch_tokens, open_prepared
 from .distributed import World
@@ -25,7 +26,7 @@ from .metrics import peak_flops, peak_memory_gib, progress_line
 from .model import flops_per_token, load_tokenizer, model_config, num_params
 from .optim import build_optimizer, lr_at, set_lr
 from .parallel import autocast, grad_scaler, gradient_sync, parallelize
-from .rundir import Log, MetricsWriter, hostname, provenance, write_atomic
+from .rundir import Log, MetricsWriter, SampleLog, hostname, provenance, write_atomic
 
 
 @dataclass
@@ -54,8 +55,6 @@ def run(cfg: Config, world: World) -> None:
     t, seq_len = cfg.train, cfg.data.seq_len
     folder, manifest = open_prepared(cfg)
     log = start_run_dir(cfg, world)
-    state = RunState()
-    metrics = MetricsWriter(cfg.run_dir / "metrics.jsonl" if world.is_main else None, state.step)
     torch.manual_seed(t.seed + world.rank)
 
     tokenizer = load_tokenizer(cfg)
@@ -80,12 +79,26 @@ def run(cfg: Config, world: World) -> None:
              f"{t.global_batch_size} = {t.micro_batch_size} x {world.world_size} ranks x {accum} "
              f"accumulation steps")
 
+    state = RunState()
+    checkpointer = Checkpointer(cfg, world, log, compat_info(cfg, config, manifest),
+                                hf_files=(config, tokenizer))
+    resumed = checkpointer.load(model, optimizer)
+    if resumed:
+        state.load_state_dict(resumed["run"])
+        sampler.state.load_state_dict(resumed["sampler"])
+        scaler.load_state_dict(resumed["scaler"])
+    metrics = MetricsWriter(cfg.run_dir / "metrics.jsonl" if world.is_main else None, state.step)
+    samples = SampleLog(cfg.run_dir / "logs" / f"samples-rank-{world.rank}.jsonl"
+                        if t.log_samples else None, state.step)
+
     started = window_start = time.perf_counter()
-    window_steps = 0
+    window_steps, first_step = 0, state.step
     while state.step < t.max_steps:
         lr = lr_at(state.step, t)
         set_lr(optimizer, lr)
-        micro_batches = np.split(sampler.next_step(), accum)
+        indices = sampler.next_step()
+        samples.write(state.step + 1, indices)
+        micro_batches = np.split(indices, accum)
         loss, grad_norm = train_step(model, optimizer, scaler, train_data, micro_batches, cfg, world)
         state.step += 1
         state.tokens += tokens_per_step
@@ -102,7 +115,7 @@ def run(cfg: Config, world: World) -> None:
             if peak:
                 record["mfu"] = flops_per_step * window_steps / (now - window_start) / (peak * world.world_size)
             metrics.write(record)
-            eta = (now - started) / state.step * (t.max_steps - state.step)
+            eta = (now - started) / (state.step - first_step) * (t.max_steps - state.step)
             log.info(progress_line(state.step, t.max_steps, loss, lr, tokens_per_sec, eta))
             window_start, window_steps = time.perf_counter(), 0
 
@@ -113,9 +126,17 @@ def run(cfg: Config, world: World) -> None:
             log.info(f"eval step {state.step}: eval_loss {eval_loss:.4f}")
             window_start = time.perf_counter()  # evaluation time is not training throughput
 
+        if state.step % t.checkpoint_every == 0 or state.step == t.max_steps:
+            checkpointer.save(state.step, model, optimizer, {
+                "run": state.state_dict(), "sampler": sampler.state.state_dict(),
+                "scaler": scaler.state_dict()})
+            window_start = time.perf_counter()
+
+    checkpointer.wait()
     log.info(f"done: {state.step} steps, {state.tokens:,} tokens in "
              f"{time.perf_counter() - started:.1f}s; run_dir: {cfg.run_dir}")
     metrics.close()
+    samples.close()
     log.close()
 
 

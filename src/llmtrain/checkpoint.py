@@ -1,0 +1,251 @@
+"""Sharded, crash-consistent checkpoints with torch.distributed.checkpoint (DCP).
+
+    ckpt = Checkpointer(cfg, world, log)
+    meta = ckpt.load(model, optimizer)          # newest complete checkpoint, or None
+    ckpt.save(step, model, optimizer, extra)    # every checkpoint_every steps and at the end
+    ckpt.wait()                                 # before exit: the last save completes
+
+    <run_dir>/checkpoints/
+        step-00000100/          complete: DCP shards + .metadata, rng-rank-N.pt, buffers.pt,
+                                the HF config.json and tokenizer files, meta.json (last)
+        .tmp-step-00000200/     being written; never loaded, removed at the next start
+        latest                  "step-00000100", replaced (write + rename) after each save
+
+A save is written under .tmp-<name>, completed (meta.json last), renamed, and only then does
+`latest` move and do old checkpoints go, so a kill at any instant leaves the previous complete
+checkpoint in place. meta.json holds the global state: the step, tokens seen, the sampler
+position (global, so any world size resumes it), the loss-scaler state, and what must match
+on resume (model architecture, tokenizer, data, seq_len, global batch).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.api import CheckpointException
+from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+
+from .config import Config, UserError
+from .distributed import World
+from .parallel import unwrap
+from .rundir import Log, write_atomic
+
+META = "meta.json"
+BUFFERS = "buffers.pt"
+LATEST = "latest"
+# Keys that must be equal to continue a run, and keys whose change is only logged.
+MUST_MATCH = ("model", "tokenizer_vocab", "data_fingerprint", "seq_len", "global_batch_size")
+MAY_CHANGE = ("lr", "min_lr", "warmup_steps", "max_steps", "eval_every", "checkpoint_every",
+              "weight_decay", "grad_clip")
+
+
+class CheckpointMismatch(UserError):
+    pass
+
+
+def step_name(step: int) -> str:
+    return f"step-{step:08d}"
+
+
+def complete_checkpoints(folder: Path) -> list[Path]:
+    """Complete checkpoints (meta.json written), newest first."""
+    found = [p for p in folder.glob("step-*") if (p / META).is_file()]
+    return sorted(found, key=lambda p: p.name, reverse=True)
+
+
+def resolve(run_dir: Path, step: int | None = None) -> Path:
+    """The checkpoint to read for export/generate: step N, or the newest complete one."""
+    folder = run_dir / "checkpoints"
+    found = complete_checkpoints(folder)
+    if step is not None:
+        found = [p for p in found if p.name == step_name(step)]
+    if not found:
+        what = f"step {step}" if step is not None else "any complete checkpoint"
+        raise UserError(f"no {what} in {folder}")
+    return found[0]
+
+
+class Checkpointer:
+    def __init__(self, cfg: Config, world: World, log: Log, compat: dict, hf_files=()):
+        """hf_files: objects with save_pretrained (the HF config, the tokenizer) that make each
+        checkpoint self-contained for export."""
+        self.cfg, self.world, self.log, self.compat = cfg, world, log, compat
+        self.hf_files = hf_files
+        self.folder = cfg.run_dir / "checkpoints"
+        self.pending = None  # (future, tmp, final, meta) of the async save in flight
+        # Async saves upload on their own gloo group: sharing the training group crashed when
+        # training collectives overlapped the upload (torch-stack-facts.md).
+        self.group = dist.new_group(backend="gloo") if cfg.train.async_checkpoint else None
+        if world.is_main:
+            self.folder.mkdir(parents=True, exist_ok=True)
+            for stale in self.folder.glob(".tmp-*"):
+                shutil.rmtree(stale, ignore_errors=True)
+        dist.barrier()
+
+    # -- saving ---------------------------------------------------------------------------
+
+    def save(self, step: int, model, optimizer, extra: dict) -> None:
+        self.wait()  # at most one save in flight
+        final = self.folder / step_name(step)
+        if final.exists():  # resumed exactly at a checkpoint: it is already there
+            return
+        tmp = self.folder / f".tmp-{final.name}"
+        if self.world.is_main:
+            tmp.mkdir(parents=True, exist_ok=True)
+        dist.barrier()
+        model_sd, optim_sd = get_state_dict(model, optimizer)
+        torch.save(_rng_state(), tmp / f"rng-rank-{self.world.rank}.pt")
+        if self.world.is_main:  # buffers (rotary inv_freq, ...) are replicated and not all in model_sd
+            torch.save({k: v.cpu() for k, v in unwrap(model).named_buffers()}, tmp / BUFFERS)
+            for obj in self.hf_files:
+                obj.save_pretrained(tmp)
+        meta = {"step": step, "world_size": self.world.world_size, **extra,
+                "compat": self.compat, "settings": _settings(self.cfg)}
+        state = {"model": model_sd, "optim": optim_sd}
+        if self.group is not None:
+            future = dcp.async_save(state, checkpoint_id=tmp, process_group=self.group)
+            self.pending = (future, tmp, final, meta)
+        else:
+            dcp.save(state, checkpoint_id=tmp)
+            self._complete(tmp, final, meta)
+
+    def wait(self) -> None:
+        if self.pending is not None:
+            future, tmp, final, meta = self.pending
+            self.pending = None
+            future.result()
+            self._complete(tmp, final, meta)
+
+    def _complete(self, tmp: Path, final: Path, meta: dict) -> None:
+        """Rank 0, once every shard is written: meta.json, rename, move `latest`, prune."""
+        if not self.world.is_main:
+            return
+        write_atomic(tmp / META, json.dumps(meta, indent=2) + "\n")
+        _fsync_dir(tmp)
+        os.rename(tmp, final)
+        write_atomic(self.folder / LATEST, final.name + "\n")
+        _fsync_dir(self.folder)
+        for old in complete_checkpoints(self.folder)[self.cfg.train.keep_checkpoints:]:
+            shutil.rmtree(old, ignore_errors=True)
+        self.log.info(f"checkpoint saved: {final}")
+
+    # -- loading --------------------------------------------------------------------------
+
+    def load(self, model, optimizer) -> dict | None:
+        """Restore model and optimizer; return the checkpoint's meta, or None to start fresh."""
+        resume = self.cfg.train.resume
+        if resume == "none":
+            return None
+        if resume == "auto":
+            candidates = self._candidates()
+        else:
+            path = Path(resume)
+            if not (path / META).is_file():
+                raise UserError(f"train.resume: {path} is not a complete checkpoint (no {META})")
+            candidates = [path]
+        for ckpt in candidates:
+            meta = _read_meta(ckpt)
+            if meta is None:
+                self.log.info(f"warning: skipping checkpoint {ckpt}: unreadable {META}")
+                continue
+            self._check_compatible(ckpt, meta)
+            try:
+                model_sd, optim_sd = get_state_dict(model, optimizer)
+                state = {"model": model_sd, "optim": optim_sd}
+                dcp.load(state, checkpoint_id=ckpt)
+            # A damaged shard: fall back to the previous checkpoint, which then overwrites every
+            # key. DCP gathers the ranks' read errors into a CheckpointException, a BaseException.
+            except (Exception, CheckpointException) as e:
+                self.log.info(f"warning: skipping checkpoint {ckpt}: cannot load it "
+                              f"({type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''})")
+                continue
+            set_state_dict(model, optimizer, model_state_dict=state["model"],
+                           optim_state_dict=state["optim"])
+            rng = ckpt / f"rng-rank-{self.world.rank}.pt"
+            if rng.exists():  # a new rank (larger world) keeps its fresh seed
+                _set_rng_state(torch.load(rng, weights_only=False))
+            self.log.info(f"resumed from {ckpt} (step {meta['step']}, saved by "
+                          f"{meta['world_size']} ranks)")
+            return meta
+        if candidates:
+            raise UserError(f"no loadable checkpoint in {self.folder}: all {len(candidates)} "
+                            f"are damaged; set train.resume: none to start over")
+        return None
+
+    def _candidates(self) -> list[Path]:
+        found = complete_checkpoints(self.folder)
+        latest = self.folder / LATEST
+        if latest.exists():
+            pointed = self.folder / latest.read_text().strip()
+            if pointed in found:  # newest first, but the pointer wins if it names an older one
+                found.remove(pointed)
+                found.insert(0, pointed)
+        return found
+
+    def _check_compatible(self, ckpt: Path, meta: dict) -> None:
+        saved = meta.get("compat", {})
+        for key in MUST_MATCH:
+            if key in saved and saved[key] != self.compat[key]:
+                detail = _diff(saved[key], self.compat[key])
+                raise CheckpointMismatch(
+                    f"checkpoint {ckpt} does not match this config: {key} differs ({detail}); "
+                    f"use a new run.name, or set train.resume: none to start over")
+        now = _settings(self.cfg)
+        for key, before in meta.get("settings", {}).items():
+            if now.get(key) != before:
+                self.log.info(f"changed since the checkpoint: train.{key} {before} -> {now.get(key)}")
+
+
+def compat_info(cfg: Config, model_config, manifest: dict) -> dict:
+    arch = {k: v for k, v in model_config.to_diff_dict().items()
+            if not k.startswith("_") and k not in ("transformers_version", "use_cache", "dtype",
+                                                    "torch_dtype", "architectures")}
+    return {"model": arch, "tokenizer_vocab": manifest["tokenizer"]["vocab_size"],
+            "data_fingerprint": manifest["fingerprint"], "seq_len": cfg.data.seq_len,
+            "global_batch_size": cfg.train.global_batch_size}
+
+
+def _settings(cfg: Config) -> dict:
+    return {k: getattr(cfg.train, k) for k in MAY_CHANGE}
+
+
+def _diff(saved, now) -> str:
+    if isinstance(saved, dict) and isinstance(now, dict):
+        keys = sorted(k for k in set(saved) | set(now) if saved.get(k) != now.get(k))
+        return ", ".join(f"{k}: {saved.get(k)!r} -> {now.get(k)!r}" for k in keys[:3])
+    return f"{saved!r} -> {now!r}"
+
+
+def _read_meta(ckpt: Path) -> dict | None:
+    try:
+        return json.loads((ckpt / META).read_text())
+    except (OSError, ValueError):
+        return None
+
+
+def _rng_state() -> dict:
+    state = {"cpu": torch.get_rng_state()}
+    if torch.cuda.is_available():
+        state["cuda"] = torch.cuda.get_rng_state()
+    return state
+
+
+def _set_rng_state(state: dict) -> None:
+    torch.set_rng_state(state["cpu"])
+    if "cuda" in state and torch.cuda.is_available():
+        torch.cuda.set_rng_state(state["cuda"])
+
+
+def _fsync_dir(path: Path) -> None:
+    """Make a rename durable: the directory entry must reach the disk, not only the file."""
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
