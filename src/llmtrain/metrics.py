@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import resource
 import sys
+import time
 
 import torch
 
@@ -17,6 +18,38 @@ def peak_flops(device: torch.device) -> float | None:
         return None
     name = torch.cuda.get_device_name(device)
     return next((v for k, v in PEAK_FLOPS.items() if k in name), None)
+
+
+class Throughput:
+    """Tokens/s and MFU over the steps since the last reading; ETA from all steps so far.
+
+    `pause()` after work that is not training (evaluation, a checkpoint), so it is not counted.
+    """
+
+    def __init__(self, tokens_per_step: int, flops_per_step: float, peak: float | None,
+                 world_size: int, first_step: int, total_steps: int):
+        self.tokens_per_step, self.flops_per_step = tokens_per_step, flops_per_step
+        self.peak_total = peak * world_size if peak else None
+        self.first_step, self.total_steps = first_step, total_steps
+        self.started = self.window_start = time.perf_counter()
+        self.window_steps = 0
+
+    def step(self) -> None:
+        self.window_steps += 1
+
+    def pause(self) -> None:
+        self.window_start = time.perf_counter()
+
+    def read(self, step: int) -> dict:
+        now = time.perf_counter()
+        steps_per_sec = self.window_steps / (now - self.window_start)
+        out = {"tokens_per_sec": steps_per_sec * self.tokens_per_step,
+               "elapsed_s": now - self.started,
+               "eta_s": (now - self.started) / max(1, step - self.first_step) * (self.total_steps - step)}
+        if self.peak_total:
+            out["mfu"] = steps_per_sec * self.flops_per_step / self.peak_total
+        self.window_start, self.window_steps = now, 0
+        return out
 
 
 def peak_memory_gib(device: torch.device) -> float:

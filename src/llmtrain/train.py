@@ -9,7 +9,6 @@ last one only), clip, step; then log, evaluate and checkpoint when their turn co
 from __future__ import annotations
 
 import json
-import time
 from dataclasses import dataclass
 
 import numpy as np
@@ -22,7 +21,7 @@ from .checkpoint import Checkpointer, compat_info
 from .config import Config, ConfigError, dump_yaml
 from .data import StepSampler, TokenStream, batch_tokens, open_prepared
 from .distributed import World
-from .metrics import peak_flops, peak_memory_gib, progress_line
+from .metrics import Throughput, peak_flops, peak_memory_gib, progress_line
 from .model import flops_per_token, load_tokenizer, model_config, num_params
 from .optim import build_optimizer, lr_at, set_lr
 from .parallel import autocast, grad_scaler, gradient_sync, parallelize
@@ -72,9 +71,6 @@ def run(cfg: Config, world: World) -> None:
     sampler = StepSampler(train_data.num_samples(seq_len), t.global_batch_size, t.seed,
                           world.rank, world.world_size)
     accum = t.global_batch_size // (t.micro_batch_size * world.world_size)
-    tokens_per_step = t.global_batch_size * seq_len
-    flops_per_step = flops_per_token(config, n_params, seq_len) * tokens_per_step
-    peak = peak_flops(world.device)
     log.info(f"data: {sampler.num_samples:,} samples of {seq_len} tokens; global batch "
              f"{t.global_batch_size} = {t.micro_batch_size} x {world.world_size} ranks x {accum} "
              f"accumulation steps")
@@ -90,54 +86,49 @@ def run(cfg: Config, world: World) -> None:
     metrics = MetricsWriter(cfg.run_dir / "metrics.jsonl" if world.is_main else None, state.step)
     samples = SampleLog(cfg.run_dir / "logs" / f"samples-rank-{world.rank}.jsonl"
                         if t.log_samples else None, state.step)
+    tokens_per_step = t.global_batch_size * seq_len
+    meter = Throughput(tokens_per_step, flops_per_token(config, n_params, seq_len) * tokens_per_step,
+                       peak_flops(world.device), world.world_size, state.step, t.max_steps)
 
-    started = window_start = time.perf_counter()
-    window_steps, first_step = 0, state.step
     while state.step < t.max_steps:
         lr = lr_at(state.step, t)
         set_lr(optimizer, lr)
         indices = sampler.next_step()
         samples.write(state.step + 1, indices)
-        micro_batches = np.split(indices, accum)
-        loss, grad_norm = train_step(model, optimizer, scaler, train_data, micro_batches, cfg, world)
+        loss, grad_norm = train_step(model, optimizer, scaler, train_data, np.split(indices, accum),
+                                     cfg, world)
         state.step += 1
         state.tokens += tokens_per_step
-        window_steps += 1
+        meter.step()
 
-        if state.step % t.log_every == 0 or state.step == t.max_steps:
+        if due(state.step, t.log_every, t.max_steps):
             loss, grad_norm = distributed.all_mean([loss.item(), float(grad_norm)], world.device)
-            now = time.perf_counter()
-            tokens_per_sec = window_steps * tokens_per_step / (now - window_start)
-            record = {"kind": "train", "step": state.step, "loss": loss, "lr": lr,
-                      "grad_norm": grad_norm, "tokens_per_sec": tokens_per_sec,
-                      "tokens": state.tokens, "elapsed_s": now - started,
-                      "peak_mem_gib": peak_memory_gib(world.device)}
-            if peak:
-                record["mfu"] = flops_per_step * window_steps / (now - window_start) / (peak * world.world_size)
-            metrics.write(record)
-            eta = (now - started) / (state.step - first_step) * (t.max_steps - state.step)
-            log.info(progress_line(state.step, t.max_steps, loss, lr, tokens_per_sec, eta))
-            window_start, window_steps = time.perf_counter(), 0
-
-        if val_data is not None and t.eval_every and (state.step % t.eval_every == 0
-                                                      or state.step == t.max_steps):
+            speed = meter.read(state.step)
+            metrics.write({"kind": "train", "step": state.step, "loss": loss, "lr": lr,
+                           "grad_norm": grad_norm, "tokens": state.tokens, **speed,
+                           "peak_mem_gib": peak_memory_gib(world.device)})
+            log.info(progress_line(state.step, t.max_steps, loss, lr, speed["tokens_per_sec"],
+                                   speed["eta_s"]))
+        if val_data is not None and t.eval_every and due(state.step, t.eval_every, t.max_steps):
             eval_loss = evaluate(model, val_data, cfg, world)
             metrics.write({"kind": "eval", "step": state.step, "eval_loss": eval_loss})
             log.info(f"eval step {state.step}: eval_loss {eval_loss:.4f}")
-            window_start = time.perf_counter()  # evaluation time is not training throughput
-
-        if state.step % t.checkpoint_every == 0 or state.step == t.max_steps:
+            meter.pause()
+        if due(state.step, t.checkpoint_every, t.max_steps):
             checkpointer.save(state.step, model, optimizer, {
                 "run": state.state_dict(), "sampler": sampler.state.state_dict(),
                 "scaler": scaler.state_dict()})
-            window_start = time.perf_counter()
+            meter.pause()
 
-    checkpointer.wait()
-    log.info(f"done: {state.step} steps, {state.tokens:,} tokens in "
-             f"{time.perf_counter() - started:.1f}s; run_dir: {cfg.run_dir}")
-    metrics.close()
-    samples.close()
-    log.close()
+    checkpointer.wait()  # the last save completes before the process group goes
+    log.info(f"done: {state.step} steps, {state.tokens:,} tokens; run_dir: {cfg.run_dir}")
+    for f in (metrics, samples, log):
+        f.close()
+
+
+def due(step: int, every: int, last: int) -> bool:
+    """Every `every` steps (0: never), and always at the last step."""
+    return (every > 0 and step % every == 0) or step == last
 
 
 def train_step(model, optimizer, scaler, data: TokenStream, micro_batches, cfg: Config,
