@@ -16,6 +16,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import os
+import shutil
 import statistics
 import time
 from pathlib import Path
@@ -54,6 +55,8 @@ def main() -> None:
     config_path = Path("/tmp/llmtrain-ckpt-bench.yaml")
     config_path.write_text(yaml.safe_dump(demo))
     cfg = load_config(config_path, world_size=int(os.environ.get("WORLD_SIZE", 1)))
+    if int(os.environ.get("RANK", 0)) == 0:  # earlier checkpoints of the same steps would be skipped
+        shutil.rmtree(cfg.run_dir, ignore_errors=True)
     world = distributed.init(cfg)
     try:
         tokenizer = load_tokenizer(cfg)
@@ -90,6 +93,7 @@ def main() -> None:
             dist.barrier()
             upload_s.append(time.perf_counter() - t1)
         if world.is_main:
+            asyn.close()
             s, b, u = (statistics.median(x) for x in (sync_s, block_s, upload_s))
             print(f"{args.strategy}, {world.world_size} ranks, {state_mb:.0f} MB of model+optimizer "
                   f"state: sync save {s * 1000:.0f} ms; async blocks {b * 1000:.0f} ms "

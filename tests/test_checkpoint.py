@@ -67,17 +67,20 @@ def logged_step(run_dir: Path) -> int:
         return 0
 
 
-@pytest.mark.parametrize("strategy", ["ddp", "fsdp"])
-def test_killed_and_restarted_run_is_bit_identical(setup, strategy):
+@pytest.mark.parametrize("strategy,async_save", [("ddp", False), ("fsdp", False), ("fsdp", True)])
+def test_killed_and_restarted_run_is_bit_identical(setup, strategy, async_save):
     root, config = setup
     ref_dir = root / "home" / "runs" / f"ref-{strategy}"
-    torchrun(2, "train", "--config", config, "--set", f"run.name=ref-{strategy}",
-             "--set", f"parallel.strategy={strategy}")
+    if not ref_dir.exists():
+        torchrun(2, "train", "--config", config, "--set", f"run.name=ref-{strategy}",
+                 "--set", f"parallel.strategy={strategy}")
 
-    name = f"killed-{strategy}"
+    name = f"killed-{strategy}-{async_save}"
     run_dir = root / "home" / "runs" / name
-    sets = (f"run.name={name}", f"parallel.strategy={strategy}")
-    kill_when(launch(2, config, *sets), lambda: logged_step(run_dir) >= 7)  # after step 5's save
+    sets = (f"run.name={name}", f"parallel.strategy={strategy}",
+            f"train.async_checkpoint={str(async_save).lower()}")
+    latest = run_dir / "checkpoints" / "latest"
+    kill_when(launch(2, config, *sets), lambda: latest.exists() and logged_step(run_dir) >= 7)
     assert logged_step(run_dir) < 16
     torchrun(2, "train", "--config", config, *(x for s in sets for x in ("--set", s)))
 

@@ -100,6 +100,7 @@ def run(cfg: Config, world: World) -> None:
         state.step += 1
         state.tokens += tokens_per_step
         meter.step()
+        checkpointer.poll()
 
         if due(state.step, t.log_every, t.max_steps):
             loss, grad_norm = distributed.all_mean([loss.item(), float(grad_norm)], world.device)
@@ -120,7 +121,7 @@ def run(cfg: Config, world: World) -> None:
                 "scaler": scaler.state_dict()})
             meter.pause()
 
-    checkpointer.wait()  # the last save completes before the process group goes
+    checkpointer.close()  # the last save completes before the process group goes
     log.info(f"done: {state.step} steps, {state.tokens:,} tokens; run_dir: {cfg.run_dir}")
     for f in (metrics, samples, log):
         f.close()
