@@ -1,23 +1,32 @@
 #!/usr/bin/env bash
-# Validate a run, prepare its data, and start it: here with --local (torchrun on this machine),
-# or on the cluster through Slurm.
+# Validate a run and start it: queued on Slurm (train.slurm), or here with --local (torchrun).
+# Everything is checked before anything is queued: config, model/tokenizer/dataset on disk, and
+# the data prepared (else a CPU prepare job runs first, and training waits for it: afterok).
 #
-#   bash submit.sh --local [--config FILE] [--nproc N] [--set section.key=value ...]
+#   bash submit.sh [--config FILE] [--nodes N] [--time T] [--set section.key=value ...] [--dry-run]
+#   bash submit.sh --local [--config FILE] [--nproc N] [--set ...]
 set -euo pipefail
+shopt -s inherit_errexit  # a failing sbatch inside $(...) stops the script too
 
 REPO="$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)"
 readonly REPO
 
 usage() {
   cat >&2 <<'EOF'
-Usage: bash submit.sh [--local] [--config FILE] [--nproc N] [--set section.key=value ...]
+Usage: bash submit.sh [options] [-- extra sbatch arguments]
 
-  --config FILE   the run's config (default: config.yaml next to this script)
-  --set K=V       override a config value, e.g. --set train.max_steps=100 (repeatable)
-  --local         run on this machine with torchrun instead of submitting to Slurm
-  --nproc N       --local: processes to start (default: the config's slurm.procs_per_node)
+  --config FILE          the run's config (default: config.yaml next to this script)
+  --set K=V              override a config value, e.g. --set train.max_steps=100 (repeatable)
+  --nodes N              slurm.nodes            --gpus-per-node N   slurm.gpus_per_node
+  --procs-per-node N     slurm.procs_per_node   --time T            slurm.time
+  --partition P          slurm.partition        --account A         slurm.account
+  --qos Q                slurm.qos
+  --dependency SPEC      sbatch --dependency, e.g. afterok:123
+  --dry-run              print the sbatch command(s) and submit nothing
+  --local                run on this machine with torchrun instead of Slurm
+  --nproc N              --local: processes to start (default: slurm.procs_per_node)
 
-Prints "run_dir: PATH" on a line of its own; metrics.jsonl and logs/ are in that folder.
+Prints job_id:, run_dir: and log: lines (run_dir: only, with --local).
 EOF
 }
 
@@ -38,44 +47,116 @@ load_env() {
 run_local() {
   local config="$1" nproc="$2"
   shift 2
-  local sets=("$@")
   if [[ -z "$nproc" ]]; then
-    nproc="$(llmtrain check-config "$config" "${sets[@]}" --get slurm.procs_per_node)"
+    nproc="$(llmtrain check-config "$config" "$@" --get slurm.procs_per_node)"
     nproc="${nproc:-1}"
   fi
   [[ "$nproc" =~ ^[1-9][0-9]*$ ]] || die "--nproc: must be a positive integer (got '$nproc')"
-  # Validate for this world size before anything runs: one line per problem, exit 2.
-  llmtrain check-config "$config" "${sets[@]}" --world-size "$nproc" >/dev/null || exit 2
-  llmtrain prepare --config "$config" "${sets[@]}"
+  llmtrain check-config "$config" "$@" --world-size "$nproc" --offline >/dev/null || exit 2
+  llmtrain prepare --config "$config" "$@"
   local run_dir
-  run_dir="$(llmtrain check-config "$config" "${sets[@]}" --get run_dir)"
+  run_dir="$(llmtrain check-config "$config" "$@" --get run_dir)"
   echo "run_dir: $run_dir"
   # --standalone: a private rendezvous on a free local port, so two local runs never meet.
-  torchrun --standalone --nproc-per-node "$nproc" -m llmtrain train --config "$config" "${sets[@]}"
+  torchrun --standalone --nproc-per-node "$nproc" -m llmtrain train --config "$config" "$@"
   echo "run_dir: $run_dir"
 }
 
+submit_slurm() {
+  local config="$1" dependency="$2"
+  shift 2
+  local sets=() extra=()
+  while (($#)) && [[ "$1" != -- ]]; do sets+=("$1"); shift; done
+  (($#)) && shift && extra=("$@")
+
+  command -v sbatch >/dev/null || die "no Slurm on this machine (sbatch not found); to run here, use: bash submit.sh --local"
+  llmtrain check-config "$config" "${sets[@]}" --offline >/dev/null || exit 2
+  local v extra_cfg
+  mapfile -t v < <(llmtrain check-config "$config" "${sets[@]}" --get run.name --get run_dir \
+    --get slurm.nodes --get slurm.gpus_per_node --get slurm.procs_per_node --get slurm.cpus_per_node \
+    --get slurm.mem --get slurm.time --get slurm.partition --get slurm.account --get slurm.qos \
+    --get prepared)
+  mapfile -t extra_cfg < <(llmtrain check-config "$config" "${sets[@]}" --get slurm.extra_args | sed '/^$/d')
+  local name="${v[0]}" run_dir="${v[1]}" gpus="${v[3]}"
+
+  local sbatch=(sbatch --parsable
+    --job-name="$name" --nodes="${v[2]}" --ntasks-per-node=1 --cpus-per-task="${v[5]}"
+    --mem="${v[6]}" --time="${v[7]}" --output="$run_dir/%x-%j.out")
+  ((gpus > 0)) && sbatch+=(--gpus-per-node="$gpus")
+  [[ -n "${v[8]}" ]] && sbatch+=(--partition="${v[8]}")
+  [[ -n "${v[9]}" ]] && sbatch+=(--account="${v[9]}")
+  [[ -n "${v[10]}" ]] && sbatch+=(--qos="${v[10]}")
+  sbatch+=("${extra_cfg[@]}" "${extra[@]}")
+  # The job's environment: which config, which llmtrain home, how many processes per node.
+  local env=(env "LLMTRAIN_CONFIG=$config" "LLMTRAIN_HOME=$LLMTRAIN_HOME"
+    "LLMTRAIN_PROCS_PER_NODE=${v[4]:-$gpus}")
+
+  ((DRY_RUN)) || mkdir -p "$run_dir"
+  local dep="$dependency"
+  if [[ "${v[11]}" != yes ]]; then  # unprepared data: one CPU job tokenizes it first
+    local prep_id
+    prep_id="$(sbatch_or_print "${env[@]}" LLMTRAIN_STEP=prepare "${sbatch[@]}" \
+      --job-name="prepare-$name" --nodes=1 --output="$run_dir/prepare-%j.out" \
+      ${dependency:+--dependency="$dependency"} "$REPO/train.slurm" "${sets[@]}")"
+    echo "prepare_job_id: $prep_id (tokenizes the data on one node; training waits for it)"
+    dep="afterok:$prep_id"
+  fi
+  local job_id
+  job_id="$(sbatch_or_print "${env[@]}" "${sbatch[@]}" ${dep:+--dependency="$dep"} \
+    "$REPO/train.slurm" "${sets[@]}")"
+  echo "job_id: $job_id"
+  echo "run_dir: $run_dir"
+  echo "log: $run_dir/$name-$job_id.out"
+  echo "watch: squeue -j $job_id; tail -f $run_dir/$name-$job_id.out; llmtrain status $job_id"
+}
+
+# Run an sbatch command line and print the job id; with --dry-run, print the command line
+# (shell-quoted, on the real stdout) and a placeholder id instead.
+DRY_RUN=0
+sbatch_or_print() {
+  if ((DRY_RUN)); then
+    printf '%q ' "$@" >&3
+    printf '\n' >&3
+    echo "DRY_RUN_JOB_ID"
+    return
+  fi
+  local out
+  out="$("$@")" || die "sbatch failed (above); nothing more was submitted"
+  [[ -n "$out" ]] || die "sbatch printed no job id"
+  echo "${out%%;*}"  # --parsable prints "id" or "id;cluster"
+}
+
 main() {
-  local config="$REPO/config.yaml" local_mode=0 nproc=""
-  local sets=()
+  local config="$REPO/config.yaml" local_mode=0 nproc="" dependency=""
+  local sets=() extra=()
   while (($#)); do
     case "$1" in
       --config) config="${2:?--config needs a file}"; shift 2 ;;
       --set) sets+=(--set "${2:?--set needs section.key=value}"); shift 2 ;;
+      --nodes) sets+=(--set "slurm.nodes=${2:?--nodes needs a number}"); shift 2 ;;
+      --gpus-per-node) sets+=(--set "slurm.gpus_per_node=${2:?--gpus-per-node needs a number}"); shift 2 ;;
+      --procs-per-node) sets+=(--set "slurm.procs_per_node=${2:?--procs-per-node needs a number}"); shift 2 ;;
+      --time) sets+=(--set "slurm.time=${2:?--time needs HH:MM:SS}"); shift 2 ;;
+      --partition) sets+=(--set "slurm.partition=${2:?--partition needs a name}"); shift 2 ;;
+      --account) sets+=(--set "slurm.account=${2:?--account needs a name}"); shift 2 ;;
+      --qos) sets+=(--set "slurm.qos=${2:?--qos needs a name}"); shift 2 ;;
+      --dependency) dependency="${2:?--dependency needs a spec}"; shift 2 ;;
+      --dry-run) DRY_RUN=1; shift ;;
       --local) local_mode=1; shift ;;
       --nproc) nproc="${2:?--nproc needs a number}"; shift 2 ;;
+      --) shift; extra=("$@"); break ;;
       -h | --help) usage; exit 0 ;;
       *) echo "submit.sh: unknown option: $1" >&2; usage; exit 2 ;;
     esac
   done
   [[ -f "$config" ]] || die "--config: no such file: $config"
+  config="$(cd "$(dirname "$config")" && pwd)/$(basename "$config")"  # jobs start elsewhere
   load_env
   if ((local_mode)); then
     run_local "$config" "$nproc" "${sets[@]}"
-  elif ! command -v sbatch >/dev/null; then
-    die "no Slurm on this machine (sbatch not found); to run here, use: bash submit.sh --local"
   else
-    die "submitting to Slurm is not available yet (issue 4); use: bash submit.sh --local"
+    exec 3>&1  # sbatch_or_print's dry-run output, around the $(...) capture
+    submit_slurm "$config" "$dependency" "${sets[@]}" -- "${extra[@]}"
   fi
 }
 

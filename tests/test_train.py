@@ -142,6 +142,9 @@ def test_model_not_on_disk_names_the_download_script(tmp_path, monkeypatch):
     check = llmtrain("check-config", path)
     assert check.returncode == 0
     assert "note: model.name_or_path: org/not-downloaded is not downloaded yet" in check.stderr
+    offline = llmtrain("check-config", path, "--offline")
+    assert offline.returncode == 2 and offline.stderr.splitlines()[0].startswith(
+        "model.name_or_path: org/not-downloaded is not downloaded yet (looked in ")
     proc = llmtrain("prepare", "--config", path)
     assert proc.returncode == 1
     assert proc.stderr.splitlines() == [

@@ -5,6 +5,7 @@
     llmtrain train --config FILE [--set ...]          # usually under torchrun
     llmtrain export --run-dir DIR [--step N] --out DIR
     llmtrain generate (--model DIR | --run-dir DIR [--step N]) --prompt TEXT
+    llmtrain status RUN_DIR|JOB_ID [--follow]
 
 User errors (a bad config, unprepared data, a missing model) print one line each on stderr
 and exit non-zero; only bugs show a traceback. Torch is imported only by the commands that
@@ -52,8 +53,11 @@ def parser() -> argparse.ArgumentParser:
     _overrides(p)
     p.add_argument("--world-size", type=int, help="check the batch split for this many "
                    "processes (default: slurm.nodes x slurm.procs_per_node)")
-    p.add_argument("--get", metavar="KEY", help="print one resolved value (run_dir, "
-                   "world_size, prepared_dir, or section.key) instead of a summary")
+    p.add_argument("--get", metavar="KEY", action="append", help="print a resolved value "
+                   "(run_dir, world_size, prepared_dir, prepared, or section.key) instead of a "
+                   "summary; repeatable, one line each")
+    p.add_argument("--offline", action="store_true", help="require the model, tokenizer and "
+                   "dataset on disk (as a job on an offline compute node will)")
     p.set_defaults(func=cmd_check_config)
 
     p = sub.add_parser("prepare", help="tokenize and pack the dataset (idempotent)")
@@ -82,6 +86,12 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--temperature", type=float, default=0.8, help="0: greedy")
     p.add_argument("--seed", type=int, default=0)
     p.set_defaults(func=cmd_generate)
+
+    p = sub.add_parser("status", help="job state, progress, checkpoints and log of a run")
+    p.add_argument("target", metavar="RUN_DIR|JOB_ID")
+    p.add_argument("--follow", action="store_true", help="refresh until interrupted")
+    p.add_argument("--interval", type=float, default=10.0, help="seconds between refreshes")
+    p.set_defaults(func=cmd_status)
     return ap
 
 
@@ -92,15 +102,19 @@ def _overrides(p: argparse.ArgumentParser) -> None:
 
 def cmd_check_config(args) -> int:
     cfg = load_config(args.config, args.overrides, world_size=args.world_size)
+    missing = [f"{what}: {source} is not downloaded yet (looked in {local_path(source, kind)}); "
+               f"run: bash download_data_model.sh --config {args.config}"
+               for source, kind, what in ((cfg.model.name_or_path, "models", "model.name_or_path"),
+                                          (tokenizer_source(cfg), "models", "model.tokenizer"),
+                                          (cfg.data.dataset, "datasets", "data.dataset"))
+               if source and not local_path(source, kind).exists()]
+    if args.offline and missing:
+        raise ConfigError(list(dict.fromkeys(missing)))
     if args.get:
-        print(_get(cfg, args.get))
+        print("\n".join(str(_get(cfg, key)) for key in args.get))
         return 0
-    for source, kind, what in ((cfg.model.name_or_path, "models", "model.name_or_path"),
-                               (tokenizer_source(cfg), "models", "model.tokenizer"),
-                               (cfg.data.dataset, "datasets", "data.dataset")):
-        if source and not local_path(source, kind).exists():
-            print(f"note: {what}: {source} is not downloaded yet "
-                  f"(bash download_data_model.sh)", file=sys.stderr)
+    for line in dict.fromkeys(missing):
+        print(f"note: {line}", file=sys.stderr)
     t = cfg.train
     print(f"{args.config}: OK — run {cfg.run.name!r}, {t.max_steps} steps of "
           f"{t.global_batch_size} x {cfg.data.seq_len} tokens, {cfg.parallel.strategy}, "
@@ -113,14 +127,17 @@ def _get(cfg, key: str):
         return cfg.run_dir
     if key == "world_size":
         return cfg.world_size
-    if key == "prepared_dir":
-        from .data import prepared_path
-        return prepared_path(cfg)
+    if key in ("prepared_dir", "prepared"):
+        from .data import prepared_path, read_manifest
+        path = prepared_path(cfg)
+        return path if key == "prepared_dir" else ("yes" if read_manifest(path) else "no")
     section, _, name = key.partition(".")
     try:
         value = getattr(getattr(cfg, section), name)
     except AttributeError:
         raise ConfigError([f"--get {key}: no such key"]) from None
+    if isinstance(value, list):
+        return "\n".join(value)
     return "" if value is None else value
 
 
@@ -153,6 +170,12 @@ def cmd_generate(args) -> int:
     else:
         model, tokenizer = load_checkpoint_model(args.run_dir, args.step)
     print(generate(model, tokenizer, args.prompt, args.max_new_tokens, args.temperature, args.seed))
+    return 0
+
+
+def cmd_status(args) -> int:
+    from .status import status
+    status(args.target, args.follow, args.interval)
     return 0
 
 

@@ -1,4 +1,4 @@
-"""Throughput, MFU, peak memory and the compact progress line."""
+"""Throughput, MFU, peak memory and the compact progress line (torch only where needed)."""
 
 from __future__ import annotations
 
@@ -6,16 +6,15 @@ import resource
 import sys
 import time
 
-import torch
-
 # Dense bf16 peak FLOP/s per GPU, from the vendors' datasheets (no sparsity).
 PEAK_FLOPS = {"H200": 989e12, "H100": 989e12, "A100": 312e12, "L40S": 362e12, "A10G": 125e12,
               "L4": 121e12, "V100": 125e12}
 
 
-def peak_flops(device: torch.device) -> float | None:
+def peak_flops(device) -> float | None:
     if device.type != "cuda":
         return None
+    import torch
     name = torch.cuda.get_device_name(device)
     return next((v for k, v in PEAK_FLOPS.items() if k in name), None)
 
@@ -52,8 +51,9 @@ class Throughput:
         return out
 
 
-def peak_memory_gib(device: torch.device) -> float:
+def peak_memory_gib(device) -> float:
     if device.type == "cuda":
+        import torch
         return torch.cuda.max_memory_allocated(device) / 2**30
     rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss  # KiB on Linux, bytes on macOS
     return rss / (2**30 if sys.platform == "darwin" else 2**20)
