@@ -1,0 +1,172 @@
+"""The Slurm path on a real cluster (cluster/local-cluster.sh: slurmctld + 2 slurmd, munge)."""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import shlex
+import subprocess
+import time
+from pathlib import Path
+
+import pytest
+import yaml
+
+from conftest import REPO, read_metrics, tiny_config
+
+pytestmark = pytest.mark.slow
+CLUSTER = REPO / "cluster" / "local-cluster.sh"
+
+
+@pytest.fixture(scope="module")
+def cluster(tmp_path_factory):
+    """Start the project's test cluster (unless one runs already); stop only what we started."""
+    state = Path(os.environ.get("LLMTRAIN_CLUSTER_DIR", "/tmp/llmtrain-cluster"))
+    pidfile = state / "run" / "slurmctld.pid"
+    running = pidfile.exists() and subprocess.run(["kill", "-0", pidfile.read_text().strip()],
+                                                  capture_output=True).returncode == 0
+    if not running:
+        subprocess.run(["bash", str(CLUSTER), "start"], check=True, capture_output=True, text=True)
+    mp = pytest.MonkeyPatch()
+    mp.setenv("SLURM_CONF", str(state / "etc" / "slurm.conf"))
+    yield
+    mp.undo()
+    if not running:
+        subprocess.run(["bash", str(CLUSTER), "stop"], check=True, capture_output=True)
+
+
+@pytest.fixture
+def job_config(tmp_path, cluster):
+    """A tiny config whose runs and prepared data live in tmp_path (a path with a space)."""
+    def make(**sections) -> Path:
+        root = tmp_path / "shared fs"
+        cfg = tiny_config(run={"name": "slurm", "dir": str(root / "runs")},
+                          data={"prepared_dir": str(root / "prepared")}, **sections)
+        path = tmp_path / "job.yaml"
+        path.write_text(yaml.safe_dump(cfg))
+        return path
+    return make
+
+
+def submit(*args, env=None) -> dict:
+    proc = subprocess.run(["bash", str(REPO / "submit.sh"), *map(str, args)], capture_output=True,
+                          text=True, env=env, timeout=120)
+    assert proc.returncode == 0, proc.stderr
+    return dict(re.findall(r"^(\w+): (.*)$", proc.stdout, re.MULTILINE))
+
+
+def wait_for(job_id: str, timeout: float = 240) -> str:
+    """The job's final state (COMPLETED, FAILED, ...), from scontrol."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        out = subprocess.run(["scontrol", "show", "job", job_id], capture_output=True, text=True).stdout
+        state = re.search(r"JobState=(\w+)", out).group(1)
+        if state not in ("PENDING", "RUNNING", "CONFIGURING", "COMPLETING"):
+            return state
+        time.sleep(1)
+    subprocess.run(["scancel", job_id])
+    raise AssertionError(f"job {job_id} still {state} after {timeout}s")
+
+
+@pytest.mark.parametrize("procs", [1, 2])
+def test_two_node_job_completes_with_everything_in_the_run_dir(job_config, procs):
+    config = job_config(train={"global_batch_size": 8, "micro_batch_size": 2})
+    out = submit("--config", config, "--nodes", 2, "--procs-per-node", procs)
+    # Unprepared data: a CPU prepare job runs first, and training waits for it (afterok).
+    assert "prepare_job_id" in out
+    assert wait_for(out["job_id"]) == "COMPLETED"
+    run_dir = Path(out["run_dir"])
+    assert out["log"] == f"{run_dir}/slurm-{out['job_id']}.out"
+    log = Path(out["log"]).read_text()
+    assert "done: 8 steps" in log and "(hosts: node1, node2)" in log
+    prov = json.loads((run_dir / "provenance.json").read_text())
+    assert prov["world_size"] == 2 * procs and sorted(set(prov["hostnames"])) == ["node1", "node2"]
+    assert prov["slurm"]["SLURM_JOB_ID"] == out["job_id"] and prov["slurm"]["SLURM_NNODES"] == "2"
+    assert [r["step"] for r in read_metrics(run_dir) if r["kind"] == "train"] == list(range(1, 9))
+    assert (run_dir / "checkpoints" / "step-00000008" / "meta.json").is_file()
+    status = subprocess.run(["llmtrain", "status", out["job_id"]], capture_output=True, text=True)
+    assert f"job: {out['job_id']} COMPLETED" in status.stdout
+    assert "progress: step 8/8 (100%)" in status.stdout and "step-00000008 (latest)" in status.stdout
+
+
+def test_two_jobs_on_the_same_nodes_both_complete(job_config, tmp_path):
+    config = job_config()
+    subprocess.run(["llmtrain", "prepare", "--config", str(config)], check=True, capture_output=True)
+    a = submit("--config", config, "--nodes", 2, "--procs-per-node", 1, "--set", "run.name=a")
+    b = submit("--config", config, "--nodes", 2, "--procs-per-node", 1, "--set", "run.name=b")
+    assert "prepare_job_id" not in a  # prepared already: no prepare job
+    assert (wait_for(a["job_id"]), wait_for(b["job_id"])) == ("COMPLETED", "COMPLETED")
+    ports = {re.search(r"rendezvous node1:(\d+)", Path(x["log"]).read_text()).group(1) for x in (a, b)}
+    assert len(ports) == 2  # each job its own rendezvous port
+
+
+def test_a_crashing_rank_fails_the_job_promptly(job_config, tmp_path):
+    config = job_config(train={"max_steps": 500})
+    subprocess.run(["llmtrain", "prepare", "--config", str(config)], check=True, capture_output=True)
+    crash = tmp_path / "crash"
+    crash.mkdir()
+    # Rank 1 (on node2) dies as Python starts; the other rank would wait for it forever.
+    (crash / "sitecustomize.py").write_text(
+        "import os, sys\nif os.environ.get('RANK') == '1':\n"
+        "    sys.stderr.write('injected crash on rank 1\\n'); sys.stderr.flush(); os._exit(3)\n")
+    env = {**os.environ, "PYTHONPATH": str(crash)}
+    out = submit("--config", config, "--nodes", 2, "--procs-per-node", 1, env=env)
+    t0 = time.monotonic()
+    assert wait_for(out["job_id"], timeout=120) == "FAILED"
+    assert time.monotonic() - t0 < 90  # srun --kill-on-bad-exit, not the wall-time limit
+    assert "injected crash on rank 1" in Path(out["log"]).read_text()
+
+
+DRY_RUN_CASES = [
+    ([], ["--nodes=1", "--time=01:00:00", "--cpus-per-task=8", "--mem=0"], ["--partition", "--gpus-per-node"]),
+    (["--nodes", "2", "--procs-per-node", "1", "--time", "02:30:00"], ["--nodes=2", "--time=02:30:00"], []),
+    (["--partition", "gpu", "--account", "acme", "--qos", "high"],
+     ["--partition=gpu", "--account=acme", "--qos=high"], []),
+    (["--gpus-per-node", "4", "--procs-per-node", "4", "--set", "train.micro_batch_size=2"],
+     ["--gpus-per-node=4"], []),
+    (["--dependency", "afterok:41"], ["--dependency=afterok:41"], []),
+    (["--", "--exclusive", "--constraint=a100"], ["--exclusive", "--constraint=a100"], []),
+    (["--set", "slurm.extra_args=[--reservation=r1]"], ["--reservation=r1"], []),
+]
+
+
+@pytest.mark.parametrize("flags,present,absent", DRY_RUN_CASES)
+def test_dry_run_prints_the_exact_sbatch_command(job_config, flags, present, absent):
+    config = job_config(slurm={"nodes": 1, "procs_per_node": 2})
+    subprocess.run(["llmtrain", "prepare", "--config", str(config)], check=True, capture_output=True)
+    proc = subprocess.run(["bash", str(REPO / "submit.sh"), "--config", str(config), "--dry-run", *flags],
+                          capture_output=True, text=True)
+    assert proc.returncode == 0, proc.stderr
+    [command] = [shlex.split(line) for line in proc.stdout.splitlines() if line.startswith("env ")]
+    assert command[command.index("sbatch") + 1] == "--parsable"
+    assert f"LLMTRAIN_CONFIG={config}" in command and "--job-name=slurm" in command
+    options = command[:command.index(str(REPO / "train.slurm"))]
+    for item in present:
+        assert item in options, (item, command)
+    if "--gpus-per-node" in flags:
+        assert "LLMTRAIN_PROCS_PER_NODE=4" in options
+    for item in absent:
+        assert not any(o.startswith(item) for o in options), (item, command)
+    assert not subprocess.run(["squeue", "-h", "-n", "slurm"], capture_output=True, text=True).stdout
+
+
+def test_dry_run_chains_a_prepare_job_when_data_is_not_prepared(job_config):
+    config = job_config()
+    proc = subprocess.run(["bash", str(REPO / "submit.sh"), "--config", str(config), "--dry-run"],
+                          capture_output=True, text=True)
+    prepare, train = [shlex.split(x) for x in proc.stdout.splitlines() if x.startswith("env ")]
+    assert "LLMTRAIN_STEP=prepare" in prepare and "--job-name=prepare-slurm" in prepare
+    assert "--dependency=afterok:DRY_RUN_JOB_ID" in train
+
+
+def test_submit_refuses_a_model_that_is_not_downloaded(job_config):
+    config = job_config()
+    raw = yaml.safe_load(config.read_text())
+    raw["model"] = {"name_or_path": "org/absent"}
+    config.write_text(yaml.safe_dump(raw))
+    proc = subprocess.run(["bash", str(REPO / "submit.sh"), "--config", str(config)],
+                          capture_output=True, text=True)
+    assert proc.returncode == 2
+    assert proc.stderr.splitlines()[0].startswith("model.name_or_path: org/absent is not downloaded yet")
+    assert "bash download_data_model.sh" in proc.stderr
