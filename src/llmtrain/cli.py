@@ -6,6 +6,7 @@
     llmtrain export --run-dir DIR [--step N] --out DIR
     llmtrain generate (--model DIR | --run-dir DIR [--step N]) --prompt TEXT
     llmtrain status RUN_DIR|JOB_ID [--follow]
+    llmtrain download [--config FILE] [--model ID] [--dataset ID] [--force] ...
 
 User errors (a bad config, unprepared data, a missing model) print one line each on stderr
 and exit non-zero; only bugs show a traceback. Torch is imported only by the commands that
@@ -92,6 +93,18 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--follow", action="store_true", help="refresh until interrupted")
     p.add_argument("--interval", type=float, default=10.0, help="seconds between refreshes")
     p.set_defaults(func=cmd_status)
+
+    p = sub.add_parser("download", help="fetch hub models/datasets into $LLMTRAIN_HOME (login node)")
+    p.add_argument("--config", help="download the hub ids this config names")
+    _overrides(p)
+    p.add_argument("--model", help="model repo id (instead of the config's)")
+    p.add_argument("--dataset", help="dataset repo id (instead of the config's)")
+    p.add_argument("--revision", help="model revision: branch, tag or commit (default: main)")
+    p.add_argument("--dataset-revision", help="dataset revision (default: main)")
+    p.add_argument("--allow-pattern", action="append", dest="allow_patterns", metavar="GLOB",
+                   help="only files matching (repeatable), e.g. '*.safetensors'")
+    p.add_argument("--force", action="store_true", help="download again even if complete")
+    p.set_defaults(func=cmd_download)
     return ap
 
 
@@ -170,6 +183,19 @@ def cmd_generate(args) -> int:
     else:
         model, tokenizer = load_checkpoint_model(args.run_dir, args.step)
     print(generate(model, tokenizer, args.prompt, args.max_new_tokens, args.temperature, args.seed))
+    return 0
+
+
+def cmd_download(args) -> int:
+    from .download import download, targets
+    cfg = load_config(args.config, args.overrides, world_size=1) if args.config else None
+    todo = targets(cfg, args.model, args.dataset)
+    if not todo:
+        raise UserError("nothing to download: the config names no hub ids (only local paths); "
+                        "or pass --model / --dataset")
+    for repo_type, repo_id in todo:
+        revision = args.dataset_revision if repo_type == "dataset" else args.revision
+        download(repo_type, repo_id, revision, args.allow_patterns, args.force)
     return 0
 
 

@@ -1,0 +1,65 @@
+#!/usr/bin/env bash
+# Fetch the Hugging Face model and dataset of a run onto the shared filesystem, on the login
+# node (compute nodes usually have no internet). Complete downloads are skipped next time.
+#
+#   bash download_data_model.sh [--config FILE] [--model ID] [--dataset ID] [--force]
+set -euo pipefail
+
+REPO="$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)"
+readonly REPO
+
+usage() {
+  cat >&2 <<'EOF_USAGE'
+Usage: bash download_data_model.sh [options]
+
+  --config FILE          download the hub ids named in this config (default: config.yaml)
+  --model ID             model repo id instead [MODEL_NAME]
+  --dataset ID           dataset repo id instead [DATASET_NAME]
+  --revision REV         model branch, tag or commit [REVISION] (default: main)
+  --dataset-revision REV dataset revision [DATASET_REVISION] (default: main)
+  --allow-pattern GLOB   only matching files, repeatable [ALLOW_PATTERNS, space-separated]
+  --force                download again even if complete [FORCE_REFRESH=1]
+
+Gated models: set HF_TOKEN or log in once with `hf auth login`; the token is never printed.
+Files land in $LLMTRAIN_HOME/models/<id> and $LLMTRAIN_HOME/datasets/<id>.
+EOF_USAGE
+}
+
+die() { echo "download_data_model.sh: $*" >&2; exit 1; }
+
+# Same discovery as submit.sh: $LLMTRAIN_HOME, $SHARED_DIR/$PROJECT_NAME, the recorded home.
+load_env() {
+  local home="${LLMTRAIN_HOME:-}"
+  if [[ -z "$home" && -n "${SHARED_DIR:-}" ]]; then home="$SHARED_DIR/${PROJECT_NAME:-llmtrain}"; fi
+  if [[ -z "$home" && -f "$REPO/.llmtrain-home" ]]; then home="$(<"$REPO/.llmtrain-home")"; fi
+  home="${home:-$REPO/workspace/llmtrain}"
+  [[ -f "$home/env.sh" ]] || die "no llmtrain environment in $home; run: bash setup.sh"
+  # shellcheck source=/dev/null
+  source "$home/env.sh"
+}
+
+main() {
+  local args=() config="$REPO/config.yaml" pattern patterns=()
+  [[ -n "${MODEL_NAME:-}" ]] && args+=(--model "$MODEL_NAME")
+  [[ -n "${DATASET_NAME:-}" ]] && args+=(--dataset "$DATASET_NAME")
+  [[ -n "${REVISION:-}" ]] && args+=(--revision "$REVISION")
+  [[ -n "${DATASET_REVISION:-}" ]] && args+=(--dataset-revision "$DATASET_REVISION")
+  read -ra patterns <<<"${ALLOW_PATTERNS:-}"  # split on spaces, never glob
+  for pattern in "${patterns[@]}"; do args+=(--allow-pattern "$pattern"); done
+  [[ "${FORCE_REFRESH:-0}" == 1 ]] && args+=(--force)
+  while (($#)); do
+    case "$1" in
+      --config) config="${2:?--config needs a file}"; shift 2 ;;
+      --model | --dataset | --revision | --dataset-revision | --allow-pattern)
+        args+=("$1" "${2:?$1 needs a value}"); shift 2 ;;
+      --force) args+=(--force); shift ;;
+      -h | --help) usage; exit 0 ;;
+      *) echo "download_data_model.sh: unknown option: $1" >&2; usage; exit 2 ;;
+    esac
+  done
+  load_env
+  [[ -f "$config" ]] || die "--config: no such file: $config"
+  llmtrain download --config "$config" "${args[@]}"
+}
+
+main "$@"

@@ -1,0 +1,105 @@
+"""`llmtrain download`: hub models and datasets into the shared layout, once, atomically.
+
+    llmtrain download [--config FILE] [--model ID] [--dataset ID] [--revision REV]
+                      [--dataset-revision REV] [--allow-pattern GLOB ...] [--force]
+
+Uses huggingface_hub's own client (`snapshot_download`; HF_ENDPOINT, HF_TOKEN and the token
+file are honoured by it). Each repo lands in `$LLMTRAIN_HOME/{models,datasets}/<id>`:
+downloaded into `.<name>.tmp-<pid>`, a marker (repo id, requested revision, commit) written
+into it, then renamed, so an interrupted download is never mistaken for a finished one. A lock
+file per repo serialises concurrent invocations; the second finds the marker and skips.
+"""
+
+from __future__ import annotations
+
+import fcntl
+import json
+import os
+import shutil
+import time
+from pathlib import Path
+
+from .config import HOME_VAR, Config, UserError, is_hub_id, tokenizer_source
+
+MARKER = ".llmtrain-download.json"
+
+
+def targets(cfg: Config | None, model: str | None, dataset: str | None) -> list[tuple[str, str]]:
+    """(repo_type, repo_id) to fetch: the flags, else the hub ids the config names."""
+    found = []
+    if model:
+        found.append(("model", model))
+    if dataset:
+        found.append(("dataset", dataset))
+    if cfg is not None:
+        if not model:
+            for source in (cfg.model.name_or_path, tokenizer_source(cfg)):
+                if source and is_hub_id(source):
+                    found.append(("model", source))
+        if not dataset and is_hub_id(cfg.data.dataset):
+            found.append(("dataset", cfg.data.dataset))
+    return list(dict.fromkeys(found))
+
+
+def download(repo_type: str, repo_id: str, revision: str | None, allow_patterns: list[str] | None,
+             force: bool, log=print) -> Path:
+    home = os.environ.get(HOME_VAR)
+    if not home:
+        raise UserError(f"{HOME_VAR} is not set: source the env.sh that setup.sh wrote")
+    dest = Path(home) / f"{repo_type}s" / repo_id
+    dest.parent.mkdir(parents=True, exist_ok=True)
+    wanted = {"repo_id": repo_id, "repo_type": repo_type, "revision": revision or "main",
+              "allow_patterns": allow_patterns or None}
+    with _lock(Path(home) / f"{repo_type}s" / ".locks" / (repo_id.replace("/", "--") + ".lock")):
+        marker = _read_marker(dest)
+        if not force and marker and {k: marker.get(k) for k in wanted} == wanted:
+            log(f"{repo_type} {repo_id}: up to date (commit {marker['commit']}) in {dest}")
+            return dest
+        from huggingface_hub import HfApi, snapshot_download
+        from huggingface_hub.errors import GatedRepoError, RepositoryNotFoundError
+
+        try:
+            info = HfApi().repo_info(repo_id, repo_type=repo_type, revision=revision)
+            tmp = dest.with_name(f".{dest.name}.tmp-{os.getpid()}")
+            shutil.rmtree(tmp, ignore_errors=True)
+            log(f"{repo_type} {repo_id}: downloading commit {info.sha} into {dest}")
+            snapshot_download(repo_id, repo_type=repo_type, revision=info.sha, local_dir=tmp,
+                              allow_patterns=allow_patterns or None)
+        except GatedRepoError:
+            raise UserError(f"{repo_type} {repo_id} is gated: accept its terms on the hub, then set "
+                            f"HF_TOKEN or run `hf auth login`") from None
+        except RepositoryNotFoundError:
+            raise UserError(f"{repo_type} {repo_id}: not found on the hub (or private: set HF_TOKEN)") from None
+        shutil.rmtree(tmp / ".cache", ignore_errors=True)  # the client's resume metadata
+        (tmp / MARKER).write_text(json.dumps({**wanted, "commit": info.sha,
+                                              "time": time.strftime("%Y-%m-%dT%H:%M:%S%z")}) + "\n")
+        old = dest.with_name(f".{dest.name}.old-{os.getpid()}")
+        if dest.exists():
+            dest.rename(old)
+        tmp.rename(dest)
+        shutil.rmtree(old, ignore_errors=True)
+        log(f"{repo_type} {repo_id}: done (commit {info.sha})")
+        return dest
+
+
+class _lock:
+    """An exclusive flock on a file: a second invocation for the same repo waits its turn."""
+
+    def __init__(self, path: Path):
+        path.parent.mkdir(parents=True, exist_ok=True)
+        self.path = path
+
+    def __enter__(self):
+        self.fd = os.open(self.path, os.O_CREAT | os.O_RDWR, 0o644)
+        fcntl.flock(self.fd, fcntl.LOCK_EX)
+
+    def __exit__(self, *exc):
+        fcntl.flock(self.fd, fcntl.LOCK_UN)
+        os.close(self.fd)
+
+
+def _read_marker(dest: Path) -> dict | None:
+    try:
+        return json.loads((dest / MARKER).read_text())
+    except (OSError, ValueError):
+        return None

@@ -1,0 +1,162 @@
+"""download_data_model.sh with the real huggingface_hub client against a stand-in hub on 127.0.0.1."""
+
+from __future__ import annotations
+
+import io
+import json
+import os
+import signal
+import subprocess
+import time
+from pathlib import Path
+
+import pytest
+import yaml
+
+from conftest import DEMO, REPO, tiny_config
+from hub_server import Hub, Repo
+
+SECRET = "hf_secretTOKEN1234567890"
+
+
+def model_files(tmp: Path) -> dict[str, bytes]:
+    from transformers import AutoTokenizer, LlamaConfig, LlamaForCausalLM
+    folder = tmp / "src-model"
+    LlamaForCausalLM(LlamaConfig(vocab_size=512, hidden_size=32, intermediate_size=64,
+                                 num_hidden_layers=1, num_attention_heads=2,
+                                 max_position_embeddings=128)).save_pretrained(folder)
+    AutoTokenizer.from_pretrained(DEMO / "tokenizer").save_pretrained(folder)
+    return {p.name: p.read_bytes() for p in folder.iterdir()}
+
+
+def dataset_files() -> dict[str, bytes]:
+    import datasets
+    buf = io.BytesIO()
+    lines = (DEMO / "stories.txt").read_text().splitlines()[:400]
+    datasets.Dataset.from_dict({"text": lines}).to_parquet(buf)
+    return {"data/train-00000-of-00001.parquet": buf.getvalue(), "README.md": b"# stories\n"}
+
+
+@pytest.fixture
+def hub(tmp_path):
+    with Hub() as h:
+        h.repos[("model", "org/tiny")] = Repo(model_files(tmp_path))
+        h.repos[("dataset", "org/stories")] = Repo(dataset_files())
+        yield h
+
+
+@pytest.fixture
+def env(tmp_path, hub):
+    """The environment a user has after `source env.sh`, with a private home and the stand-in hub."""
+    home = tmp_path / "home"
+    home.mkdir()
+    real = Path(os.environ["LLMTRAIN_HOME"])
+    (home / "env.sh").write_text(f'source "{real}/env.sh"\nexport LLMTRAIN_HOME="{home}"\n'
+                                 f'export HF_HOME="{home}/hf"\n')
+    clean = {k: v for k, v in os.environ.items() if not k.startswith(("HF_", "LLMTRAIN_"))}
+    return {**clean, "LLMTRAIN_HOME": str(home), "HF_HOME": str(home / "hf"),
+            "HF_ENDPOINT": hub.url, "HF_HUB_DISABLE_XET": "1"}
+
+
+@pytest.fixture
+def config(tmp_path):
+    cfg = tiny_config(data={"dataset": "org/stories"}, train={"max_steps": 2, "warmup_steps": 0,
+                                                              "eval_every": 0})
+    cfg["model"] = {"name_or_path": "org/tiny"}
+    path = tmp_path / "c.yaml"
+    path.write_text(yaml.safe_dump(cfg))
+    return path
+
+
+def download(env, *args, **kw) -> subprocess.CompletedProcess:
+    return subprocess.run(["bash", str(REPO / "download_data_model.sh"), *map(str, args)],
+                          capture_output=True, text=True, env=env, timeout=120, **kw)
+
+
+def test_fresh_download_then_skip_then_force(env, config, hub):
+    first = download(env, "--config", config)
+    assert first.returncode == 0, first.stderr
+    home = Path(env["LLMTRAIN_HOME"])
+    model, data = home / "models" / "org" / "tiny", home / "datasets" / "org" / "stories"
+    marker = json.loads((model / ".llmtrain-download.json").read_text())
+    assert marker["commit"] == hub.repos[("model", "org/tiny")].sha and marker["revision"] == "main"
+    assert (data / "data" / "train-00000-of-00001.parquet").is_file()
+    assert not list(home.glob("*/org/.*.tmp-*"))
+
+    # Offline from here on: the config validates, prepares and trains from the downloaded files.
+    offline = {**env, "HF_HUB_OFFLINE": "1"}
+    run = lambda *a: subprocess.run(["llmtrain", *map(str, a)], capture_output=True, text=True, env=offline)
+    assert run("check-config", config, "--offline").returncode == 0
+    assert run("prepare", "--config", config).returncode == 0
+    trained = run("train", "--config", config)
+    assert trained.returncode == 0, trained.stderr
+
+    gets = {k: r.gets for k, r in hub.repos.items()}
+    second = download(env, "--config", config)
+    assert second.returncode == 0 and "model org/tiny: up to date" in second.stdout
+    assert {k: r.gets for k, r in hub.repos.items()} == gets  # nothing fetched again
+
+    forced = download({**env, "FORCE_REFRESH": "1"}, "--config", config)
+    assert forced.returncode == 0
+    assert hub.repos[("model", "org/tiny")].gets == 2 * gets[("model", "org/tiny")]
+
+
+def test_interrupted_download_is_never_taken_for_complete(env, config, hub):
+    repo = hub.repos[("model", "org/tiny")]
+    repo.files["extra-weights.bin"] = os.urandom(4 << 20)  # 64 chunks, served in ~3 s
+    repo.slow = 0.05
+    proc = subprocess.Popen(["bash", str(REPO / "download_data_model.sh"), "--config", str(config)],
+                            env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, start_new_session=True)
+    models = Path(env["LLMTRAIN_HOME"]) / "models" / "org"
+    deadline = time.monotonic() + 60
+    while not list(models.glob(".tiny.tmp-*")):
+        assert time.monotonic() < deadline and proc.poll() is None
+        time.sleep(0.05)
+    time.sleep(1.0)  # mid-way through the slow file
+    assert proc.poll() is None
+    os.killpg(proc.pid, signal.SIGKILL)
+    proc.wait()
+    assert not (models / "tiny").exists()  # only the temporary folder: not a model
+
+    repo.slow = 0
+    again = download(env, "--config", config)
+    assert again.returncode == 0, again.stderr
+    assert (models / "tiny" / "extra-weights.bin").read_bytes() == repo.files["extra-weights.bin"]
+
+
+def test_two_concurrent_downloads_of_one_repo(env, config, hub):
+    procs = [subprocess.Popen(["bash", str(REPO / "download_data_model.sh"), "--config", str(config)],
+                              env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+             for _ in range(2)]
+    outs = [p.communicate(timeout=120) for p in procs]
+    assert [p.returncode for p in procs] == [0, 0], outs
+    assert sum("model org/tiny: up to date" in out for out, _ in outs) == 1  # the other waited
+    repo = hub.repos[("model", "org/tiny")]
+    assert repo.gets == len(repo.files)  # every file fetched once
+    model = Path(env["LLMTRAIN_HOME"]) / "models" / "org" / "tiny"
+    assert all((model / name).read_bytes() == data for name, data in repo.files.items())
+
+
+def test_gated_model_uses_the_token_and_never_prints_it(env, config, hub):
+    hub.repos[("model", "org/tiny")].token = SECRET
+    denied = download(env, "--config", config)
+    assert denied.returncode == 1
+    assert denied.stderr.strip().splitlines()[-1].startswith("error: model org/tiny is gated")
+
+    ok = download({**env, "HF_TOKEN": SECRET}, "--config", config)
+    assert ok.returncode == 0, ok.stderr
+    assert f"Bearer {SECRET}" in hub.repos[("model", "org/tiny")].seen_auth
+    home = Path(env["LLMTRAIN_HOME"])
+    for text in (ok.stdout, ok.stderr, denied.stdout, denied.stderr,
+                 *(p.read_text(errors="ignore") for p in home.rglob("*.json"))):
+        assert SECRET not in text
+
+
+def test_flags_and_env_override_the_config(env, config, hub):
+    hub.repos[("model", "other/model")] = Repo(hub.repos[("model", "org/tiny")].files)
+    out = download({**env, "MODEL_NAME": "other/model", "ALLOW_PATTERNS": "*.json"}, "--config", config)
+    assert out.returncode == 0, out.stderr
+    got = Path(env["LLMTRAIN_HOME"]) / "models" / "other" / "model"
+    assert sorted(p.name for p in got.iterdir() if not p.name.startswith(".")) == sorted(
+        n for n in hub.repos[("model", "other/model")].files if n.endswith(".json"))
+    assert not (Path(env["LLMTRAIN_HOME"]) / "models" / "org").exists()
