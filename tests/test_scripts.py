@@ -10,7 +10,9 @@ import pytest
 
 from conftest import REPO, read_metrics
 
-SCRIPTS = ["setup.sh", "submit.sh"]
+SCRIPTS = ["setup.sh", "submit.sh", "download_data_model.sh", "train.slurm",
+           "cluster/local-cluster.sh", ".ci/run"]
+USER_SCRIPTS = ["setup.sh", "submit.sh", "download_data_model.sh"]
 pytestmark = pytest.mark.slow
 
 
@@ -27,7 +29,7 @@ def test_scripts_pass_shellcheck_and_bash_n(script):
     assert bash("-n", REPO / script).returncode == 0
 
 
-@pytest.mark.parametrize("script", SCRIPTS)
+@pytest.mark.parametrize("script", USER_SCRIPTS)
 def test_unknown_flag_is_exit_2_with_usage(script):
     proc = bash(REPO / script, "--frobnicate")
     assert proc.returncode == 2
