@@ -75,13 +75,14 @@ submit_slurm() {
   mapfile -t v < <(llmtrain check-config "$config" "${sets[@]}" --get run.name --get run_dir \
     --get slurm.nodes --get slurm.gpus_per_node --get slurm.procs_per_node --get slurm.cpus_per_node \
     --get slurm.mem --get slurm.time --get slurm.partition --get slurm.account --get slurm.qos \
-    --get prepared)
+    --get prepared --get slurm.signal_lead_s --get slurm.max_requeues)
   mapfile -t extra_cfg < <(llmtrain check-config "$config" "${sets[@]}" --get slurm.extra_args | sed '/^$/d')
   local name="${v[0]}" run_dir="${v[1]}" gpus="${v[3]}"
 
   local sbatch=(sbatch --parsable
     --job-name="$name" --nodes="${v[2]}" --ntasks-per-node=1 --cpus-per-task="${v[5]}"
-    --mem="${v[6]}" --time="${v[7]}" --output="$run_dir/%x-%j.out")
+    --mem="${v[6]}" --time="${v[7]}" --output="$run_dir/%x-%j.out" --open-mode=append --requeue)
+  ((v[12] > 0)) && sbatch+=(--signal="B:USR1@${v[12]}")
   ((gpus > 0)) && sbatch+=(--gpus-per-node="$gpus")
   [[ -n "${v[8]}" ]] && sbatch+=(--partition="${v[8]}")
   [[ -n "${v[9]}" ]] && sbatch+=(--account="${v[9]}")
@@ -89,7 +90,8 @@ submit_slurm() {
   sbatch+=("${extra_cfg[@]}" "${extra[@]}")
   # The job's environment: which config, which llmtrain home, how many processes per node.
   local env=(env "LLMTRAIN_CONFIG=$config" "LLMTRAIN_HOME=$LLMTRAIN_HOME"
-    "LLMTRAIN_PROCS_PER_NODE=${v[4]:-$gpus}")
+    "LLMTRAIN_PROCS_PER_NODE=${v[4]:-$gpus}" "LLMTRAIN_RUN_DIR=$run_dir"
+    "LLMTRAIN_MAX_REQUEUES=${v[13]}")
 
   ((DRY_RUN)) || mkdir -p "$run_dir"
   local dep="$dependency"

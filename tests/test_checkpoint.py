@@ -15,7 +15,7 @@ import pytest
 import torch
 import yaml
 
-from conftest import llmtrain, losses, read_metrics, tiny_config, torchrun
+from conftest import DEMO, llmtrain, losses, read_metrics, tiny_config, torchrun
 from llmtrain.config import load_config
 from llmtrain.data import StepSampler, TokenStream, open_prepared
 
@@ -200,3 +200,8 @@ def test_generate_from_a_run_and_from_an_exported_folder(setup, tmp_path):
     llmtrain("export", "--run-dir", run_dir, "--out", tmp_path / "hf", check=True)
     b = llmtrain("generate", "--model", tmp_path / "hf", *args, check=True).stdout
     assert a == b and a.startswith("Once upon a time,") and len(a) > len("Once upon a time,") + 20
+    # It reads like the training stories: nearly every generated word is one of the corpus's.
+    import re
+    corpus = set(re.findall(r"[A-Za-z]+", (DEMO / "stories.txt").read_text()))
+    words = re.findall(r"[A-Za-z]+", a[len("Once upon a time,"):])
+    assert len(words) >= 5 and sum(w in corpus for w in words) >= 0.8 * len(words), a

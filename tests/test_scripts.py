@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import shlex
 import shutil
 import subprocess
 
@@ -65,6 +66,15 @@ def test_setup_in_a_path_with_spaces_then_demo_through_submit(tmp_path):
     assert demo.stdout.splitlines().count(f"run_dir: {run_dir}") == 2  # before and after training
     train = [r["loss"] for r in read_metrics(run_dir) if r["kind"] == "train"]
     assert train[0] > 4.5 and train[-1] < 1.5
+
+    # The Slurm path from the same spaced paths: the exact command, every path one argument.
+    if shutil.which("sbatch"):
+        dry = bash(clone / "submit.sh", "--config", clone / "configs" / "demo.yaml", "--dry-run",
+                   env=env)
+        assert dry.returncode == 0, dry.stderr
+        [cmd] = [shlex.split(x) for x in dry.stdout.splitlines() if x.startswith("env ")]
+        assert str(clone / "train.slurm") in cmd and f"LLMTRAIN_HOME={home}" in cmd
+        assert f"--output={run_dir}/%x-%j.out" in cmd
 
 
 def test_submit_rejects_a_bad_config_before_starting(tmp_path):

@@ -94,6 +94,11 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--interval", type=float, default=10.0, help="seconds between refreshes")
     p.set_defaults(func=cmd_status)
 
+    p = sub.add_parser("control", help="ask a running job to save now, or to save and stop")
+    p.add_argument("run_dir")
+    p.add_argument("action", choices=["save", "stop"])
+    p.set_defaults(func=cmd_control)
+
     p = sub.add_parser("download", help="fetch hub models/datasets into $LLMTRAIN_HOME (login node)")
     p.add_argument("--config", help="download the hub ids this config names")
     _overrides(p)
@@ -196,6 +201,16 @@ def cmd_download(args) -> int:
     for repo_type, repo_id in todo:
         revision = args.dataset_revision if repo_type == "dataset" else args.revision
         download(repo_type, repo_id, revision, args.allow_patterns, args.force)
+    return 0
+
+
+def cmd_control(args) -> int:
+    from pathlib import Path
+    if not (Path(args.run_dir) / "config.yaml").is_file():
+        raise UserError(f"{args.run_dir}: not a run directory (no config.yaml)")
+    from .control import request
+    path = request(args.run_dir, args.action)
+    print(f"{args.action} requested: {path} (acted on within seconds, at a step boundary)")
     return 0
 
 

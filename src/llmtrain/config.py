@@ -93,6 +93,7 @@ class TrainConfig:
     async_checkpoint: bool = False  # write checkpoints in the background after staging
     resume: str = "auto"  # auto: newest complete checkpoint of the run; none; or a checkpoint path
     log_samples: bool = False  # debugging: each rank writes its sample indices per step to logs/
+    max_bad_steps: int = 3  # consecutive steps with a non-finite loss/grad norm skipped before stopping
 
 
 @dataclass(frozen=True)
@@ -115,6 +116,8 @@ class SlurmConfig:
     account: Optional[str] = None
     qos: Optional[str] = None
     extra_args: list = field(default_factory=list)  # further sbatch arguments, verbatim
+    signal_lead_s: int = 120  # save and requeue this long before the time limit; 0: never
+    max_requeues: int = 5  # requeues of one job after preemption/time limit, against crash loops
 
 
 @dataclass(frozen=True)
@@ -380,6 +383,11 @@ def validate(cfg: Config, world_size: int | None = None) -> list[str]:
         p.append(f"train.min_lr: must be <= train.lr (got {t.min_lr} > {t.lr})")
     if t.max_steps > 0 and t.warmup_steps >= t.max_steps:
         p.append(f"train.warmup_steps: must be < train.max_steps (got {t.warmup_steps} >= {t.max_steps})")
+    if t.max_bad_steps < 0:
+        p.append(f"train.max_bad_steps: must be >= 0 (got {t.max_bad_steps})")
+    if s.signal_lead_s < 0 or s.max_requeues < 0:
+        key = "signal_lead_s" if s.signal_lead_s < 0 else "max_requeues"
+        p.append(f"slurm.{key}: must be >= 0 (got {getattr(s, key)})")
     if t.keep_checkpoints < 2:
         p.append(f"train.keep_checkpoints: must be >= 2, so a damaged newest checkpoint has a "
                  f"fallback (got {t.keep_checkpoints})")

@@ -9,6 +9,7 @@ last one only), clip, step; then log, evaluate and checkpoint when their turn co
 from __future__ import annotations
 
 import json
+import os
 from dataclasses import dataclass
 
 import numpy as np
@@ -18,7 +19,8 @@ import torch.nn.functional as F
 
 from . import distributed
 from .checkpoint import Checkpointer, compat_info
-from .config import Config, ConfigError, dump_yaml
+from .control import Control
+from .config import Config, ConfigError, UserError, dump_yaml
 from .data import StepSampler, TokenStream, batch_tokens, open_prepared
 from .distributed import World
 from .metrics import Throughput, peak_flops, peak_memory_gib, progress_line
@@ -34,12 +36,20 @@ class RunState:
 
     step: int = 0
     tokens: int = 0
+    skipped: int = 0  # steps skipped for a non-finite loss or gradient norm, in all
+    bad_in_a_row: int = 0
 
     def state_dict(self) -> dict:
-        return {"step": self.step, "tokens": self.tokens}
+        return {"step": self.step, "tokens": self.tokens, "skipped": self.skipped,
+                "bad_in_a_row": self.bad_in_a_row}
 
     def load_state_dict(self, sd: dict) -> None:
         self.step, self.tokens = int(sd["step"]), int(sd["tokens"])
+        self.skipped, self.bad_in_a_row = int(sd.get("skipped", 0)), int(sd.get("bad_in_a_row", 0))
+
+
+class TrainingDiverged(UserError):
+    pass
 
 
 def train(cfg: Config) -> None:
@@ -90,13 +100,21 @@ def run(cfg: Config, world: World) -> None:
     meter = Throughput(tokens_per_step, flops_per_token(config, n_params, seq_len) * tokens_per_step,
                        peak_flops(world.device), world.world_size, state.step, t.max_steps)
 
+    control = Control(cfg, world, log)
+    reason = "done"
     while state.step < t.max_steps:
         lr = lr_at(state.step, t)
         set_lr(optimizer, lr)
         indices = sampler.next_step()
         samples.write(state.step + 1, indices)
-        loss, grad_norm = train_step(model, optimizer, scaler, train_data, np.split(indices, accum),
-                                     cfg, world)
+        loss, grad_norm = forward_backward(model, optimizer, scaler, train_data, np.split(indices, accum),
+                                           cfg, world, state.step + 1)
+        verdict = control.agree(finite(loss, grad_norm, cfg))
+        if verdict.nonfinite:
+            skip_step(optimizer, state, indices, t, log)
+        else:
+            optimizer_step(optimizer, scaler)
+            state.bad_in_a_row = 0
         state.step += 1
         state.tokens += tokens_per_step
         meter.step()
@@ -107,7 +125,8 @@ def run(cfg: Config, world: World) -> None:
             speed = meter.read(state.step)
             metrics.write({"kind": "train", "step": state.step, "loss": loss, "lr": lr,
                            "grad_norm": grad_norm, "tokens": state.tokens, **speed,
-                           "peak_mem_gib": peak_memory_gib(world.device)})
+                           "peak_mem_gib": peak_memory_gib(world.device),
+                           "skipped_steps": state.skipped})
             log.info(progress_line(state.step, t.max_steps, loss, lr, speed["tokens_per_sec"],
                                    speed["eta_s"]))
         if val_data is not None and t.eval_every and due(state.step, t.eval_every, t.max_steps):
@@ -115,13 +134,18 @@ def run(cfg: Config, world: World) -> None:
             metrics.write({"kind": "eval", "step": state.step, "eval_loss": eval_loss})
             log.info(f"eval step {state.step}: eval_loss {eval_loss:.4f}")
             meter.pause()
-        if due(state.step, t.checkpoint_every, t.max_steps):
+        if due(state.step, t.checkpoint_every, t.max_steps) or verdict.save or verdict.stop:
             checkpointer.save(state.step, model, optimizer, {
                 "run": state.state_dict(), "sampler": sampler.state.state_dict(),
                 "scaler": scaler.state_dict()})
             meter.pause()
+        if verdict.stop:
+            reason = verdict.reason
+            log.info(f"stopping at step {state.step} ({reason}); the checkpoint is saved")
+            break
 
     checkpointer.close()  # the last save completes before the process group goes
+    control.exit(reason, state.step)
     log.info(f"done: {state.step} steps, {state.tokens:,} tokens; run_dir: {cfg.run_dir}")
     for f in (metrics, samples, log):
         f.close()
@@ -132,15 +156,15 @@ def due(step: int, every: int, last: int) -> bool:
     return (every > 0 and step % every == 0) or step == last
 
 
-def train_step(model, optimizer, scaler, data: TokenStream, micro_batches, cfg: Config,
-               world: World) -> tuple[torch.Tensor, torch.Tensor]:
-    """Forward/backward over this rank's micro-batches, then one optimizer step."""
+def forward_backward(model, optimizer, scaler, data: TokenStream, micro_batches, cfg: Config, world: World,
+                     step: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """This rank's micro-batches, gradients reduced on the last; returns (loss, clipped norm)."""
     total = torch.zeros((), device=world.device)
     for i, indices in enumerate(micro_batches):
         batch = to_device(batch_tokens(data, indices, cfg.data.seq_len), world.device)
         with gradient_sync(model, enabled=i == len(micro_batches) - 1):
             with autocast(cfg, world.device):
-                loss = lm_loss(model, batch)
+                loss = lm_loss(model, batch) * _injected_fault(step, world)
             scaler.scale(loss / len(micro_batches)).backward()
         total += loss.detach()
     scaler.unscale_(optimizer)
@@ -148,10 +172,44 @@ def train_step(model, optimizer, scaler, data: TokenStream, micro_batches, cfg: 
     grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm)
     if hasattr(grad_norm, "full_tensor"):  # FSDP2: a DTensor holding the global norm
         grad_norm = grad_norm.full_tensor()
+    return total / len(micro_batches), grad_norm
+
+
+def optimizer_step(optimizer, scaler) -> None:
     scaler.step(optimizer)
     scaler.update()
     optimizer.zero_grad(set_to_none=True)
-    return total / len(micro_batches), grad_norm
+
+
+def finite(loss: torch.Tensor, grad_norm: torch.Tensor, cfg: Config) -> torch.Tensor:
+    """False when the loss or the gradient norm is NaN/inf. Under fp16 an infinite norm is the
+    loss scaler's business (it skips that step and lowers the scale), so only the loss counts."""
+    ok = torch.isfinite(loss)
+    return ok if cfg.train.precision == "fp16" else ok & torch.isfinite(grad_norm.to(loss.device))
+
+
+def skip_step(optimizer, state: RunState, indices, t, log: Log) -> None:
+    optimizer.zero_grad(set_to_none=True)
+    state.skipped += 1
+    state.bad_in_a_row += 1
+    step = state.step + 1
+    log.info(f"warning: step {step}: non-finite loss or gradient norm on some rank; step skipped "
+             f"({state.bad_in_a_row} in a row, {state.skipped} in all); this rank's samples: "
+             f"{[int(i) for i in indices]}")
+    if state.bad_in_a_row > t.max_bad_steps:
+        raise TrainingDiverged(
+            f"training stopped at step {step}: {state.bad_in_a_row} steps in a row had a non-finite "
+            f"loss or gradient norm (train.max_bad_steps is {t.max_bad_steps}); lower train.lr, "
+            f"check the data (logs/rank-*.log name the samples), or resume from an earlier "
+            f"checkpoint with train.resume")
+
+
+def _injected_fault(step: int, world: World) -> float:
+    """Testing hook: LLMTRAIN_INJECT_NAN_STEPS="5,6" makes rank 0's loss NaN at those steps."""
+    steps = os.environ.get("LLMTRAIN_INJECT_NAN_STEPS")
+    if steps and world.rank == 0 and str(step) in steps.split(","):
+        return float("nan")
+    return 1.0
 
 
 def lm_loss(model, batch: torch.Tensor) -> torch.Tensor:
@@ -215,6 +273,8 @@ def start_run_dir(cfg: Config, world: World) -> Log:
         write_atomic(run_dir / "provenance.json",
                      json.dumps(provenance(world.world_size, hosts), indent=2) + "\n")
     log = Log(world.rank, run_dir / "logs")
-    log.info(f"run_dir: {run_dir} (hosts: {', '.join(sorted(set(hosts)))})")
+    restarts = os.environ.get("SLURM_RESTART_COUNT")
+    log.info(f"run_dir: {run_dir} (hosts: {', '.join(sorted(set(hosts)))})"
+             + (f"; SLURM_RESTART_COUNT={restarts}" if restarts else ""))
     return log
 

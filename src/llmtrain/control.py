@@ -1,0 +1,135 @@
+"""Stopping and saving on request, agreed by every rank at a step boundary.
+
+    control = Control(cfg, world, log)
+    verdict = control.agree(finite)     # once per step: ONE all-reduce carries every flag
+    if verdict.stop: save, control.exit(reason, step), leave the loop
+
+Requests come from:
+- signals: SIGUSR1 or SIGTERM to a training process (torchrun forwards SIGTERM; `scancel -s USR1`
+  reaches job steps). The handler only sets a flag.
+- switch files in `<run_dir>/control/`: `stop` (save and stop) and `save` (save, go on), written by
+  `llmtrain control RUN_DIR stop|save` or by train.slurm's trap when Slurm sends the batch shell
+  its warning signal (`--signal=B:USR1@lead`). A file's text is the reason ("preempt", "user").
+- the job's end time: rank 0 reads it from Slurm once, and asks to stop `slurm.signal_lead_s`
+  seconds before it, signal or not.
+
+Rank 0 stats the switch files at most every few seconds; the agreement is a MAX all-reduce of
+[stop, save, non-finite] so every rank takes the same decision at the same step.
+`<run_dir>/control/exit.json` tells train.slurm why the trainer stopped: "preempt", "deadline"
+and "signal" are requeued; "user" and "done" are not.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import time
+from dataclasses import dataclass
+from datetime import datetime
+from pathlib import Path
+
+from .config import Config
+from .rundir import Log, write_atomic
+
+SWITCH_POLL_S = 2.0
+REQUEUE_REASONS = ("preempt", "deadline", "signal")
+
+
+@dataclass(frozen=True)
+class Verdict:
+    stop: bool
+    save: bool
+    nonfinite: bool
+    reason: str
+
+
+class Control:
+    def __init__(self, cfg: Config, world, log: Log):
+        self.world, self.log = world, log
+        self.folder = cfg.run_dir / "control"
+        self.signal_reason: str | None = None
+        self.reason = ""
+        self.lead_s = cfg.slurm.signal_lead_s
+        self.end_time = job_end_time() if world.is_main and self.lead_s > 0 else None
+        self.last_poll = 0.0
+        if world.is_main:
+            self.folder.mkdir(parents=True, exist_ok=True)
+            (self.folder / "exit.json").unlink(missing_ok=True)
+            if self.end_time:
+                log.info(f"job ends at {datetime.fromtimestamp(self.end_time):%H:%M:%S}: saving and "
+                         f"stopping {self.lead_s}s before, for a requeue")
+        for sig in (signal.SIGUSR1, signal.SIGTERM):
+            signal.signal(sig, self._on_signal)
+
+    def _on_signal(self, signum, frame) -> None:
+        self.signal_reason = "signal"  # only a flag: the loop acts at the next step boundary
+
+    def agree(self, finite) -> Verdict:
+        """One collective per step: every rank learns whether any rank wants to stop or save,
+        or saw a non-finite loss or gradient norm (`finite`: a bool tensor on the device)."""
+        import torch
+        import torch.distributed as dist
+
+        stop, save = 0.0, 0.0
+        if self.signal_reason:
+            stop, self.reason = 1.0, self.signal_reason
+        if self.world.is_main:
+            now = time.time()
+            if now - self.last_poll >= SWITCH_POLL_S:
+                self.last_poll = now
+                reason = self._take("stop")
+                if reason:
+                    stop, self.reason = 1.0, reason
+                if self._take("save"):
+                    save = 1.0
+            if self.end_time and now > self.end_time - self.lead_s and not stop:
+                stop, self.reason = 1.0, "deadline"
+        flags = torch.stack([torch.tensor(stop, device=finite.device),
+                             torch.tensor(save, device=finite.device),
+                             (~finite).float()])
+        dist.all_reduce(flags, op=dist.ReduceOp.MAX)
+        stop_any, save_any, bad = (bool(x) for x in flags.tolist())
+        if stop_any and not self.reason:
+            self.reason = "signal"  # another rank's request; rank 0 writes the reason it saw
+        return Verdict(stop_any, save_any, bad, self.reason)
+
+    def _take(self, name: str) -> str | None:
+        path = self.folder / name
+        try:
+            reason = path.read_text().strip() or "user"
+        except FileNotFoundError:
+            return None
+        path.unlink(missing_ok=True)
+        self.log.info(f"{name} requested ({reason}) through {path}")
+        return reason
+
+    def exit(self, reason: str, step: int) -> None:
+        """Record why training ended, for train.slurm (rank 0)."""
+        if self.world.is_main:
+            requeue = reason in REQUEUE_REASONS
+            write_atomic(self.folder / "exit.json",
+                         json.dumps({"reason": reason, "step": step, "requeue": requeue}) + "\n")
+
+
+def request(run_dir: Path, what: str, reason: str = "user") -> Path:
+    """`llmtrain control RUN_DIR stop|save`: ask a running trainer to stop or save."""
+    folder = Path(run_dir) / "control"
+    folder.mkdir(parents=True, exist_ok=True)
+    path = folder / what
+    write_atomic(path, reason + "\n")
+    return path
+
+
+def job_end_time() -> float | None:
+    """The Slurm job's end (epoch seconds), or None outside Slurm or with no limit."""
+    job = os.environ.get("SLURM_JOB_ID")
+    if not job:
+        return None
+    try:
+        out = subprocess.run(["squeue", "-h", "-j", job, "-o", "%e"], capture_output=True,
+                             text=True, timeout=20).stdout.strip()
+        return datetime.strptime(out, "%Y-%m-%dT%H:%M:%S").timestamp()
+    except (OSError, ValueError, subprocess.TimeoutExpired):
+        return None
