@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from conftest import REPO, read_metrics, tiny_config
+from conftest import REPO, losses, read_metrics, tiny_config
 
 pytestmark = pytest.mark.slow
 CLUSTER = REPO / "cluster" / "local-cluster.sh"
@@ -62,7 +62,8 @@ def wait_for(job_id: str, timeout: float = 240) -> str:
     while time.monotonic() < deadline:
         out = subprocess.run(["scontrol", "show", "job", job_id], capture_output=True, text=True).stdout
         state = re.search(r"JobState=(\w+)", out).group(1)
-        if state not in ("PENDING", "RUNNING", "CONFIGURING", "COMPLETING"):
+        if state not in ("PENDING", "RUNNING", "CONFIGURING", "COMPLETING", "REQUEUED",
+                         "REQUEUE_FED", "REQUEUE_HOLD", "RESIZING", "SUSPENDED"):
             return state
         time.sleep(1)
     subprocess.run(["scancel", job_id])
@@ -170,3 +171,54 @@ def test_submit_refuses_a_model_that_is_not_downloaded(job_config):
     assert proc.returncode == 2
     assert proc.stderr.splitlines()[0].startswith("model.name_or_path: org/absent is not downloaded yet")
     assert "bash download_data_model.sh" in proc.stderr
+
+
+def logged(run_dir: Path) -> int:
+    try:
+        return max((r["step"] for r in read_metrics(run_dir)), default=0)
+    except (OSError, ValueError):
+        return 0
+
+
+@pytest.mark.parametrize("at_step", [3, 40])
+def test_warning_signal_saves_requeues_and_resumes_bit_identically(job_config, at_step):
+    """Slurm's warning signal to the batch shell (what --signal=B:USR1@lead sends), mid-run."""
+    config = job_config(train={"max_steps": 300, "checkpoint_every": 1000, "eval_every": 0})
+    subprocess.run(["llmtrain", "prepare", "--config", str(config)], check=True, capture_output=True)
+    common = ["--config", config, "--nodes", 2, "--procs-per-node", 1]
+    ref = submit(*common, "--set", "run.name=uninterrupted")
+    job = submit(*common, "--set", f"run.name=preempted-{at_step}")
+    run_dir = Path(job["run_dir"])
+    deadline = time.monotonic() + 120
+    while logged(run_dir) < at_step:
+        assert time.monotonic() < deadline, "the job never reached the step"
+        time.sleep(0.1)
+    subprocess.run(["scancel", "-b", "-s", "USR1", job["job_id"]], check=True)
+    assert wait_for(job["job_id"], timeout=300) == "COMPLETED"
+    assert wait_for(ref["job_id"], timeout=300) == "COMPLETED"
+
+    log = Path(job["log"]).read_text()
+    stopped = re.search(r"stopping at step (\d+) \(preempt\)", log)
+    assert stopped and int(stopped.group(1)) < 300
+    assert "requeueing job" in log and "SLURM_RESTART_COUNT=1" in log
+    assert f"resumed from {run_dir}/checkpoints/step-{int(stopped.group(1)):08d}" in log
+    assert losses(run_dir) == losses(Path(ref["run_dir"]))  # every step, bit for bit
+
+
+def test_time_limit_without_a_signal_still_saves_and_continues(job_config):
+    """No warning signal at all (signal_lead_s only feeds the trainer's own deadline)."""
+    config = job_config(train={"max_steps": 1000000, "checkpoint_every": 1000000, "eval_every": 0,
+                               "log_every": 50, "lr": 1e-4, "min_lr": 1e-5},
+                        slurm={"signal_lead_s": 45, "max_requeues": 1})
+    subprocess.run(["llmtrain", "prepare", "--config", str(config)], check=True, capture_output=True)
+    # The sbatch --signal is removed (after --, the last --signal wins): only the deadline is left.
+    job = submit("--config", config, "--nodes", 2, "--procs-per-node", 1, "--time", "00:01:00",
+                 "--", "--signal=B:URG@1")
+    assert wait_for(job["job_id"], timeout=240) == "COMPLETED"
+    log = Path(job["log"]).read_text()
+    stops = re.findall(r"stopping at step (\d+) \(deadline\)", log)
+    assert len(stops) == 2  # the first attempt, then the requeued one
+    assert "requeueing job" in log and "not requeueing: the job was requeued 1 times already" in log
+    ckpts = Path(job["run_dir"]) / "checkpoints"
+    assert (ckpts / (ckpts / "latest").read_text().strip()).name == f"step-{int(stops[1]):08d}"
+    assert int(stops[1]) > int(stops[0])

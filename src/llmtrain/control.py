@@ -33,7 +33,7 @@ from pathlib import Path
 from .config import Config
 from .rundir import Log, write_atomic
 
-SWITCH_POLL_S = 2.0
+SWITCH_POLL_S = 1.0
 REQUEUE_REASONS = ("preempt", "deadline", "signal")
 
 

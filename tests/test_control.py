@@ -1,0 +1,102 @@
+"""Switches and non-finite losses under real torchrun processes."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import yaml
+
+from conftest import llmtrain, losses, read_metrics, tiny_config, torchrun
+from test_checkpoint import kill_when, logged_step
+
+pytestmark = pytest.mark.slow
+
+
+@pytest.fixture(scope="module")
+def setup(tmp_path_factory):
+    root = tmp_path_factory.mktemp("control")
+    mp = pytest.MonkeyPatch()
+    mp.setenv("LLMTRAIN_HOME", str(root / "home"))
+    config = root / "config.yaml"
+    config.write_text(yaml.safe_dump(tiny_config(
+        train={"max_steps": 150, "checkpoint_every": 1000, "eval_every": 0, "log_every": 1})))
+    llmtrain("prepare", "--config", config, check=True)
+    yield root, config
+    mp.undo()
+
+
+def start(config: Path, name: str, env=None) -> subprocess.Popen:
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
+           "-m", "llmtrain", "train", "--config", str(config), "--set", f"run.name={name}"]
+    return subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                            env=env, start_new_session=True)
+
+
+def test_stop_switch_saves_stops_and_resumes_bit_identically(setup):
+    root, config = setup
+    torchrun(2, "train", "--config", config, "--set", "run.name=ref")
+    run_dir = root / "home" / "runs" / "stopped"
+    proc = start(config, "stopped")
+    while logged_step(run_dir) < 5:
+        assert proc.poll() is None, proc.stdout.read()
+    assert llmtrain("control", run_dir, "stop", check=True).stdout.startswith("stop requested")
+    out, _ = proc.communicate(timeout=60)
+    assert proc.returncode == 0, out
+    exit_info = json.loads((run_dir / "control" / "exit.json").read_text())
+    assert exit_info["reason"] == "user" and exit_info["requeue"] is False
+    stopped_at = exit_info["step"]
+    assert 5 <= stopped_at < 150 and (run_dir / "checkpoints" / f"step-{stopped_at:08d}").is_dir()
+    assert f"stopping at step {stopped_at} (user)" in out
+
+    torchrun(2, "train", "--config", config, "--set", "run.name=stopped")
+    assert losses(run_dir) == losses(root / "home" / "runs" / "ref")
+
+
+def test_save_switch_checkpoints_and_goes_on(setup):
+    root, config = setup
+    run_dir = root / "home" / "runs" / "saved"
+    proc = start(config, "saved")
+    while logged_step(run_dir) < 3:
+        assert proc.poll() is None, proc.stdout.read()
+    llmtrain("control", run_dir, "save", check=True)
+    out, _ = proc.communicate(timeout=60)
+    assert proc.returncode == 0, out
+    saved = sorted(p.name for p in (run_dir / "checkpoints").glob("step-*"))
+    assert len(saved) == 2 and saved[-1] == "step-00000150"  # the requested one and the final one
+    assert json.loads((run_dir / "control" / "exit.json").read_text())["reason"] == "done"
+
+
+def test_a_non_finite_step_is_skipped_and_logged(setup):
+    root, config = setup
+    env = {**os.environ, "LLMTRAIN_INJECT_NAN_STEPS": "7"}
+    proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone",
+                           "--nproc-per-node", "2", "-m", "llmtrain", "train", "--config", str(config),
+                           "--set", "run.name=nan-once"], capture_output=True, text=True, env=env)
+    assert proc.returncode == 0, proc.stderr
+    log = (root / "home" / "runs" / "nan-once" / "logs" / "rank-0.log").read_text()
+    assert "warning: step 7: non-finite loss or gradient norm on some rank; step skipped (1 in a row" in log
+    assert "this rank's samples: [" in log
+    last = [r for r in read_metrics(root / "home" / "runs" / "nan-once") if r["kind"] == "train"][-1]
+    assert last["step"] == 150 and last["skipped_steps"] == 1 and last["loss"] == last["loss"]
+
+
+def test_too_many_non_finite_steps_stop_with_a_diagnostic(setup):
+    root, config = setup
+    env = {**os.environ, "LLMTRAIN_INJECT_NAN_STEPS": "4,5,6,7,8"}
+    proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone",
+                           "--nproc-per-node", "2", "-m", "llmtrain", "train", "--config", str(config),
+                           "--set", "run.name=nan-many", "--set", "train.checkpoint_every=2"],
+                          capture_output=True, text=True, env=env)
+    assert proc.returncode != 0
+    errors = {x for x in proc.stderr.splitlines() if x.startswith("error:")}
+    assert errors == {"error: training stopped at step 7: 4 steps in a row had a non-finite loss or "
+                      "gradient norm (train.max_bad_steps is 3); lower train.lr, check the data "
+                      "(logs/rank-*.log name the samples), or resume from an earlier checkpoint "
+                      "with train.resume"}
+    ckpts = root / "home" / "runs" / "nan-many" / "checkpoints"
+    assert (ckpts / (ckpts / "latest").read_text().strip() / "meta.json").is_file()
