@@ -180,14 +180,27 @@ def logged(run_dir: Path) -> int:
         return 0
 
 
-@pytest.mark.parametrize("at_step", [3, 40])
-def test_warning_signal_saves_requeues_and_resumes_bit_identically(job_config, at_step):
-    """Slurm's warning signal to the batch shell (what --signal=B:USR1@lead sends), mid-run."""
-    config = job_config(train={"max_steps": 300, "checkpoint_every": 1000, "eval_every": 0})
+@pytest.fixture(scope="module")
+def uninterrupted(cluster, tmp_path_factory):
+    """One uninterrupted 2-node run, the reference for every preemption trial."""
+    root = tmp_path_factory.mktemp("preempt")
+    cfg = tiny_config(run={"name": "uninterrupted", "dir": str(root / "runs")},
+                      data={"prepared_dir": str(root / "prepared")},
+                      train={"max_steps": 200, "checkpoint_every": 1000, "eval_every": 0})
+    config = root / "job.yaml"
+    config.write_text(yaml.safe_dump(cfg))
     subprocess.run(["llmtrain", "prepare", "--config", str(config)], check=True, capture_output=True)
-    common = ["--config", config, "--nodes", 2, "--procs-per-node", 1]
-    ref = submit(*common, "--set", "run.name=uninterrupted")
-    job = submit(*common, "--set", f"run.name=preempted-{at_step}")
+    ref = submit("--config", config, "--nodes", 2, "--procs-per-node", 1)
+    assert wait_for(ref["job_id"], timeout=300) == "COMPLETED"
+    return config, Path(ref["run_dir"])
+
+
+@pytest.mark.parametrize("at_step", [3, 40])
+def test_warning_signal_saves_requeues_and_resumes_bit_identically(uninterrupted, at_step):
+    """Slurm's warning signal to the batch shell (what --signal=B:USR1@lead sends), mid-run."""
+    config, ref_dir = uninterrupted
+    job = submit("--config", config, "--nodes", 2, "--procs-per-node", 1,
+                 "--set", f"run.name=preempted-{at_step}")
     run_dir = Path(job["run_dir"])
     deadline = time.monotonic() + 120
     while logged(run_dir) < at_step:
@@ -195,14 +208,13 @@ def test_warning_signal_saves_requeues_and_resumes_bit_identically(job_config, a
         time.sleep(0.1)
     subprocess.run(["scancel", "-b", "-s", "USR1", job["job_id"]], check=True)
     assert wait_for(job["job_id"], timeout=300) == "COMPLETED"
-    assert wait_for(ref["job_id"], timeout=300) == "COMPLETED"
 
     log = Path(job["log"]).read_text()
     stopped = re.search(r"stopping at step (\d+) \(preempt\)", log)
-    assert stopped and int(stopped.group(1)) < 300
+    assert stopped and int(stopped.group(1)) < 200
     assert "requeueing job" in log and "SLURM_RESTART_COUNT=1" in log
     assert f"resumed from {run_dir}/checkpoints/step-{int(stopped.group(1)):08d}" in log
-    assert losses(run_dir) == losses(Path(ref["run_dir"]))  # every step, bit for bit
+    assert losses(run_dir) == losses(ref_dir)  # every step, bit for bit
 
 
 def test_time_limit_without_a_signal_still_saves_and_continues(job_config):
