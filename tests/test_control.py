@@ -6,6 +6,7 @@ import json
 import os
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -100,3 +101,24 @@ def test_too_many_non_finite_steps_stop_with_a_diagnostic(setup):
                       "with train.resume"}
     ckpts = root / "home" / "runs" / "nan-many" / "checkpoints"
     assert (ckpts / (ckpts / "latest").read_text().strip() / "meta.json").is_file()
+
+
+def test_a_rank_that_stops_participating_is_named_within_the_timeout(setup):
+    root, config = setup
+    env = {**os.environ, "LLMTRAIN_INJECT_HANG_STEP": "6"}
+    t0 = time.monotonic()
+    proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone",
+                           "--nproc-per-node", "2", "--shutdown-timeout", "5", "-m", "llmtrain",
+                           "train", "--config", str(config), "--set", "run.name=hang",
+                           "--set", "parallel.collective_timeout_s=15"],
+                          capture_output=True, text=True, env=env, timeout=120)
+    elapsed = time.monotonic() - t0
+    assert proc.returncode != 0
+    run_dir = root / "home" / "runs" / "hang"
+    [line] = {x for x in proc.stderr.splitlines() if x.startswith("error:")}
+    assert line.startswith("error: a collective did not complete within "
+                           "parallel.collective_timeout_s=15s: rank 1 on ")
+    assert "(last heartbeat " in line and "stopped participating: stuck or dead" in line
+    assert elapsed < 15 + 40  # the timeout, the diagnosis, the shutdown: not the wall time
+    # faulthandler's watchdog dumped the stuck rank's stacks into its own log.
+    assert "_injected_fault" in (run_dir / "logs" / "rank-1.log").read_text()

@@ -102,6 +102,7 @@ class ParallelConfig:
     backend: Literal["auto", "nccl", "gloo"] = "auto"  # auto: nccl on GPUs, gloo on CPUs
     reshard_after_forward: bool = True  # FSDP2: free gathered params after forward (ZeRO-3)
     socket_ifname: Optional[str] = None  # network interface for NCCL/gloo (e.g. ib0)
+    collective_timeout_s: int = 600  # a collective stuck this long ends the job, naming the rank
 
 
 @dataclass(frozen=True)
@@ -383,6 +384,8 @@ def validate(cfg: Config, world_size: int | None = None) -> list[str]:
         p.append(f"train.min_lr: must be <= train.lr (got {t.min_lr} > {t.lr})")
     if t.max_steps > 0 and t.warmup_steps >= t.max_steps:
         p.append(f"train.warmup_steps: must be < train.max_steps (got {t.warmup_steps} >= {t.max_steps})")
+    if cfg.parallel.collective_timeout_s < 10:
+        p.append(f"parallel.collective_timeout_s: must be >= 10 (got {cfg.parallel.collective_timeout_s})")
     if t.max_bad_steps < 0:
         p.append(f"train.max_bad_steps: must be >= 0 (got {t.max_bad_steps})")
     if s.signal_lead_s < 0 or s.max_requeues < 0:

@@ -21,9 +21,11 @@ and "signal" are requeued; "user" and "done" are not.
 
 from __future__ import annotations
 
+import faulthandler
 import json
 import os
 import signal
+import socket
 import subprocess
 import time
 from dataclasses import dataclass
@@ -34,6 +36,7 @@ from .config import Config
 from .rundir import Log, write_atomic
 
 SWITCH_POLL_S = 1.0
+HEARTBEAT_S = 2.0
 REQUEUE_REASONS = ("preempt", "deadline", "signal")
 
 
@@ -53,7 +56,9 @@ class Control:
         self.reason = ""
         self.lead_s = cfg.slurm.signal_lead_s
         self.end_time = job_end_time() if world.is_main and self.lead_s > 0 else None
-        self.last_poll = 0.0
+        self.last_poll = self.last_beat = 0.0
+        self.timeout_s = cfg.parallel.collective_timeout_s
+        self.heartbeat = cfg.run_dir / "logs" / f"heartbeat-rank-{world.rank}.json"
         if world.is_main:
             self.folder.mkdir(parents=True, exist_ok=True)
             (self.folder / "exit.json").unlink(missing_ok=True)
@@ -63,8 +68,24 @@ class Control:
         for sig in (signal.SIGUSR1, signal.SIGTERM):
             signal.signal(sig, self._on_signal)
 
+    def beat(self, step: int) -> None:
+        """At each step start: a heartbeat file for the hang diagnosis (every few seconds), and
+        a watchdog that dumps this rank's stacks into its log if the step outlasts the timeout."""
+        now = time.time()
+        if now - self.last_beat >= HEARTBEAT_S:
+            self.last_beat = now
+            write_atomic(self.heartbeat, json.dumps({"step": step, "time": now,
+                                                     "host": socket.gethostname()}))
+        if self.log.file is not None:
+            faulthandler.dump_traceback_later(self.timeout_s, file=self.log.file)
+
     def _on_signal(self, signum, frame) -> None:
         self.signal_reason = "signal"  # only a flag: the loop acts at the next step boundary
+        # A rank stuck in a collective never reaches that boundary: if it has not stopped within
+        # the collective timeout, dump its stacks and exit (torchrun would SIGKILL it 30 s after
+        # its SIGTERM anyway, without a word). The save after a stop runs well within this.
+        if self.log.file is not None:
+            faulthandler.dump_traceback_later(self.timeout_s, exit=True, file=self.log.file)
 
     def agree(self, finite) -> Verdict:
         """One collective per step: every rank learns whether any rank wants to stop or save,
@@ -107,6 +128,7 @@ class Control:
 
     def exit(self, reason: str, step: int) -> None:
         """Record why training ended, for train.slurm (rank 0)."""
+        faulthandler.cancel_dump_traceback_later()
         if self.world.is_main:
             requeue = reason in REQUEUE_REASONS
             write_atomic(self.folder / "exit.json",
@@ -133,3 +155,30 @@ def job_end_time() -> float | None:
         return datetime.strptime(out, "%Y-%m-%dT%H:%M:%S").timestamp()
     except (OSError, ValueError, subprocess.TimeoutExpired):
         return None
+
+
+def diagnose_hang(run_dir: Path, world, timeout_s: int) -> str:
+    """Name the ranks that are stuck: every rank whose collective timed out says so in its
+    heartbeat file; after a grace period, those that never did are the ones not participating."""
+    mine = run_dir / "logs" / f"heartbeat-rank-{world.rank}.json"
+    try:
+        last = json.loads(mine.read_text())
+    except (OSError, ValueError):
+        last = {"step": 0}
+    write_atomic(mine, json.dumps({**last, "timed_out": time.time(), "host": socket.gethostname()}))
+    time.sleep(HEARTBEAT_S + 1)  # the other waiting ranks time out within about the same time
+    stuck = []
+    for rank in range(world.world_size):
+        try:
+            beat = json.loads((run_dir / "logs" / f"heartbeat-rank-{rank}.json").read_text())
+        except (OSError, ValueError):
+            stuck.append(f"rank {rank} (never reported)")
+            continue
+        if "timed_out" not in beat:
+            stuck.append(f"rank {rank} on {beat['host']} (last heartbeat {time.time() - beat['time']:.0f}s "
+                         f"ago, at step {beat['step']})")
+    head = f"a collective did not complete within parallel.collective_timeout_s={timeout_s}s"
+    if stuck:
+        return (f"{head}: {', '.join(stuck)} stopped participating: stuck or dead; its stack "
+                f"dump is in {run_dir}/logs/rank-N.log")
+    return f"{head}; every rank reported the timeout; stack dumps are in {run_dir}/logs/rank-*.log"

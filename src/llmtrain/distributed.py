@@ -46,7 +46,7 @@ def init(cfg: Config) -> World:
         os.environ.setdefault("NCCL_SOCKET_IFNAME", cfg.parallel.socket_ifname)
         os.environ.setdefault("GLOO_SOCKET_IFNAME", cfg.parallel.socket_ifname)
     if "MASTER_ADDR" in os.environ:
-        dist.init_process_group(backend, timeout=timedelta(minutes=10),
+        dist.init_process_group(backend, timeout=timedelta(seconds=cfg.parallel.collective_timeout_s),
                                 device_id=device if device.type == "cuda" else None)
     else:  # a plain `llmtrain train`: a group of one, so FSDP2 and collectives still work
         dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1)

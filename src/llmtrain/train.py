@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import os
+import time
 from dataclasses import dataclass
 
 import numpy as np
@@ -19,7 +20,7 @@ import torch.nn.functional as F
 
 from . import distributed
 from .checkpoint import Checkpointer, compat_info
-from .control import Control
+from .control import Control, diagnose_hang
 from .config import Config, ConfigError, UserError, dump_yaml
 from .data import StepSampler, TokenStream, batch_tokens, open_prepared
 from .distributed import World
@@ -52,10 +53,19 @@ class TrainingDiverged(UserError):
     pass
 
 
+class CollectiveTimeout(UserError):
+    pass
+
+
 def train(cfg: Config) -> None:
     world = distributed.init(cfg)
     try:
         run(cfg, world)
+    except RuntimeError as e:  # gloo: "Timed out waiting"; NCCL's watchdog: "...timeout"
+        if "timed out" not in str(e).lower() and "timeout" not in str(e).lower():
+            raise
+        raise CollectiveTimeout(diagnose_hang(cfg.run_dir, world,
+                                              cfg.parallel.collective_timeout_s)) from None
     finally:
         distributed.teardown()
 
@@ -103,6 +113,7 @@ def run(cfg: Config, world: World) -> None:
     control = Control(cfg, world, log)
     reason = "done"
     while state.step < t.max_steps:
+        control.beat(state.step)
         lr = lr_at(state.step, t)
         set_lr(optimizer, lr)
         indices = sampler.next_step()
@@ -205,7 +216,10 @@ def skip_step(optimizer, state: RunState, indices, t, log: Log) -> None:
 
 
 def _injected_fault(step: int, world: World) -> float:
-    """Testing hook: LLMTRAIN_INJECT_NAN_STEPS="5,6" makes rank 0's loss NaN at those steps."""
+    """Testing hooks: LLMTRAIN_INJECT_NAN_STEPS="5,6" makes rank 0's loss NaN at those steps;
+    LLMTRAIN_INJECT_HANG_STEP=5 makes the last rank stop participating at step 5."""
+    if os.environ.get("LLMTRAIN_INJECT_HANG_STEP") == str(step) and world.rank == world.world_size - 1:
+        time.sleep(10**6)
     steps = os.environ.get("LLMTRAIN_INJECT_NAN_STEPS")
     if steps and world.rank == 0 and str(step) in steps.split(","):
         return float("nan")
