@@ -21,6 +21,7 @@ on resume (model architecture, tokenizer, data, seq_len, global batch).
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import shutil
@@ -111,21 +112,41 @@ class Checkpointer:
             tmp.mkdir(parents=True, exist_ok=True)
         dist.barrier()
         model_sd, optim_sd = get_state_dict(model, optimizer)
-        torch.save(_rng_state(), tmp / f"rng-rank-{self.world.rank}.pt")
-        if self.world.is_main:  # buffers (rotary inv_freq, ...) are replicated and not all in model_sd
-            torch.save({k: v.cpu() for k, v in unwrap(model).named_buffers()}, tmp / BUFFERS)
-            for obj in self.hf_files:
-                obj.save_pretrained(tmp)
         meta = {"step": step, "world_size": self.world.world_size, **extra,
                 "compat": self.compat, "settings": _settings(self.cfg)}
         state = {"model": model_sd, "optim": optim_sd}
-        if self.group is not None:
-            future = dcp.async_save(state, checkpoint_id=tmp, process_group=self.group,
-                                    async_stager=self.stager)
-            self.pending = (future, tmp, final, meta)
-        else:
-            dcp.save(state, checkpoint_id=tmp)
-            self._complete(tmp, final, meta)
+        with self._failing_save(tmp, final):
+            torch.save(_rng_state(), tmp / f"rng-rank-{self.world.rank}.pt")
+            if self.world.is_main:  # buffers (rotary inv_freq, ...): replicated, not all in model_sd
+                torch.save({k: v.cpu() for k, v in unwrap(model).named_buffers()}, tmp / BUFFERS)
+                for obj in self.hf_files:
+                    obj.save_pretrained(tmp)
+            if self.group is not None:
+                future = dcp.async_save(state, checkpoint_id=tmp, process_group=self.group,
+                                        async_stager=self.stager)
+                self.pending = (future, tmp, final, meta)
+            else:
+                dcp.save(state, checkpoint_id=tmp)
+                self._complete(tmp, final, meta)
+
+    @contextlib.contextmanager
+    def _failing_save(self, tmp: Path, final: Path):
+        """A save that cannot be written (a full disk, a lost mount) ends the run with one line;
+        its partial folder goes, and the previous checkpoint stays the one to resume from."""
+        try:
+            yield
+        except (OSError, CheckpointException, RuntimeError) as e:
+            # torch's zip writer reports a full disk as a RuntimeError ("unexpected pos").
+            full = shutil.disk_usage(self.folder).free < 1 << 20
+            if isinstance(e, RuntimeError) and not full:
+                raise
+            cause = "No space left on device" if full else _root_cause(e)
+            if self.world.is_main:
+                shutil.rmtree(tmp, ignore_errors=True)
+            previous = complete_checkpoints(self.folder)
+            keep = f"{previous[0].name} is intact" if previous else "there is no earlier checkpoint"
+            raise UserError(f"checkpoint {final.name} could not be written ({cause}); {keep}; "
+                            f"free space in {self.folder} and start the run again") from None
 
     def close(self) -> None:
         """Complete the save in flight and free the staging buffer."""
@@ -143,8 +164,9 @@ class Checkpointer:
         if self.pending is not None:
             future, tmp, final, meta = self.pending
             self.pending = None
-            future.result()
-            self._complete(tmp, final, meta)
+            with self._failing_save(tmp, final):
+                future.result()
+                self._complete(tmp, final, meta)
 
     def _complete(self, tmp: Path, final: Path, meta: dict) -> None:
         """Rank 0, once every shard is written: meta.json, rename, move `latest`, prune."""
@@ -244,6 +266,22 @@ def _diff(saved, now) -> str:
         keys = sorted(k for k in set(saved) | set(now) if saved.get(k) != now.get(k))
         return ", ".join(f"{k}: {saved.get(k)!r} -> {now.get(k)!r}" for k in keys[:3])
     return f"{saved!r} -> {now!r}"
+
+
+def _root_cause(e: BaseException) -> str:
+    """The OS error behind DCP's wrapped per-rank failures, as one short phrase."""
+    seen = e
+    for _ in range(20):  # bounded: exception chains can loop
+        if isinstance(seen, tuple):  # CheckpointException.failures: {rank: (exception, traceback)}
+            seen = seen[0]
+        if not isinstance(seen, BaseException):
+            break
+        if isinstance(seen, OSError) and seen.strerror:
+            return seen.strerror
+        failures = getattr(seen, "failures", None)
+        seen = next(iter(failures.values())) if failures else (seen.__cause__ or seen.__context__)
+    text = str(e).strip().splitlines()
+    return text[-1][:200] if text else type(e).__name__
 
 
 def _read_meta(ckpt: Path) -> dict | None:

@@ -50,7 +50,11 @@ def prepare(cfg: Config, log=print) -> Path:
     splits = load_splits(cfg)
     tmp = final.with_name(f"{final.name}.tmp-{os.getpid()}")
     shutil.rmtree(tmp, ignore_errors=True)
-    tmp.mkdir(parents=True)
+    try:
+        tmp.mkdir(parents=True)
+    except OSError as e:
+        raise PrepareError(f"data.prepared_dir: cannot create {tmp.parent} ({e.strerror}); "
+                           f"choose a writable folder") from None
     dtype = np.uint16 if len(tokenizer) <= np.iinfo(np.uint16).max + 1 else np.uint32
     manifest = {
         "format": FORMAT_VERSION,
@@ -79,6 +83,10 @@ def prepare(cfg: Config, log=print) -> Path:
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
+    if manifest["splits"]["train"]["tokens"] == 0:
+        shutil.rmtree(final, ignore_errors=True)
+        raise PrepareError(f"data.dataset: {cfg.data.dataset} has no text in column "
+                           f"{cfg.data.text_field!r}")
     counts = ", ".join(f"{s} {m['tokens']:,} tokens" for s, m in manifest["splits"].items())
     log(f"prepared {final} ({counts}) in {time.time() - t0:.1f}s")
     return final
@@ -92,22 +100,18 @@ def load_splits(cfg: Config) -> dict:
     if not src.exists():
         raise PrepareError(f"data.dataset: {src} does not exist; for a hub dataset run "
                            f"bash download_data_model.sh first")
-    if src.is_dir() and any((src / f).exists() for f in
-                            ("state.json", "dataset_info.json", "dataset_dict.json")):
-        ds = datasets.load_from_disk(str(src))
-        if isinstance(ds, datasets.DatasetDict):
-            if cfg.data.split not in ds:
-                raise PrepareError(f"data.split: {cfg.data.split!r} not in {sorted(ds)}")
-            ds = ds[cfg.data.split]
-    elif src.is_file():
-        builder = BUILDERS.get(src.suffix)
-        if builder is None:
-            raise PrepareError(f"data.dataset: unknown file type {src.suffix!r}; "
-                               f"use one of {', '.join(BUILDERS)}")
-        ds = datasets.load_dataset(builder, data_files=str(src), split="train")
-    else:
-        ds = datasets.load_dataset(str(src), split=cfg.data.split)
-
+    if src.is_file() and src.stat().st_size == 0:
+        raise PrepareError(f"data.dataset: {src} is empty; point it at a file with documents")
+    # We report a load failure ourselves, in one line; the library would log it a second time.
+    datasets.logging.set_verbosity(datasets.logging.CRITICAL)
+    try:
+        ds = _load(src, cfg, datasets)
+    except (datasets.exceptions.DatasetGenerationError, ValueError, OSError) as e:
+        cause = e.__cause__ or e
+        raise PrepareError(f"data.dataset: cannot read {src} with the datasets library "
+                           f"({type(cause).__name__}: {str(cause).splitlines()[0][:200]})") from None
+    if len(ds) == 0:
+        raise PrepareError(f"data.dataset: {src} holds no documents (split {cfg.data.split!r})")
     if cfg.data.text_field not in ds.column_names:
         raise PrepareError(f"data.text_field: no column {cfg.data.text_field!r} in "
                            f"{src} (columns: {', '.join(ds.column_names)})")
@@ -121,6 +125,24 @@ def load_splits(cfg: Config) -> dict:
                            f"({len(ds)} documents)")
     parts = ds.train_test_split(test_size=n_val, shuffle=True, seed=0)
     return {"train": parts["train"], "validation": parts["test"]}
+
+
+def _load(src: Path, cfg: Config, datasets):
+    if src.is_dir() and any((src / f).exists() for f in
+                            ("state.json", "dataset_info.json", "dataset_dict.json")):
+        ds = datasets.load_from_disk(str(src))
+        if isinstance(ds, datasets.DatasetDict):
+            if cfg.data.split not in ds:
+                raise PrepareError(f"data.split: {cfg.data.split!r} not in {sorted(ds)}")
+            ds = ds[cfg.data.split]
+        return ds
+    if src.is_file():
+        builder = BUILDERS.get(src.suffix)
+        if builder is None:
+            raise PrepareError(f"data.dataset: unknown file type {src.suffix!r}; "
+                               f"use one of {', '.join(BUILDERS)}")
+        return datasets.load_dataset(builder, data_files=str(src), split="train")
+    return datasets.load_dataset(str(src), split=cfg.data.split)
 
 
 def tokenize(ds, tokenizer, cfg: Config):

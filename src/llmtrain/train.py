@@ -279,7 +279,11 @@ def check_model_fits(cfg: Config, config, manifest: dict) -> None:
 
 def start_run_dir(cfg: Config, world: World) -> Log:
     run_dir = cfg.run_dir
-    run_dir.mkdir(parents=True, exist_ok=True)
+    try:
+        run_dir.mkdir(parents=True, exist_ok=True)
+    except OSError as e:
+        raise UserError(f"run.dir: cannot create {run_dir} ({e.strerror}); choose a writable "
+                        f"folder on the shared filesystem") from None
     hosts = [None] * world.world_size
     dist.all_gather_object(hosts, hostname())
     if world.is_main:

@@ -1,0 +1,179 @@
+"""Bad input never hurts: one line naming the problem and the fix, a non-zero exit, no
+traceback, and nothing half-written (or a run that stays resumable). One row per mistake."""
+
+from __future__ import annotations
+
+import json
+import re
+import subprocess
+from pathlib import Path
+
+import pytest
+import yaml
+
+from conftest import llmtrain, read_metrics, tiny_config
+
+pytestmark = pytest.mark.slow
+
+
+@pytest.fixture(scope="module")
+def world(tmp_path_factory):
+    """A home with the tiny config's data prepared and one finished 4-step run to resume."""
+    root = tmp_path_factory.mktemp("bad")
+    mp = pytest.MonkeyPatch()
+    mp.setenv("LLMTRAIN_HOME", str(root / "home"))
+    config = root / "good.yaml"
+    config.write_text(yaml.safe_dump(tiny_config(train={"max_steps": 4, "warmup_steps": 1,
+                                                        "checkpoint_every": 2})))
+    llmtrain("prepare", "--config", config, check=True)
+    llmtrain("train", "--config", config, "--set", "run.name=done", check=True)
+    yield root, config
+    mp.undo()
+
+
+# (id, command builder, exit code, the exact stderr line: a regex, fully matched)
+# The builder gets (root, good config, tmp_path) and returns the llmtrain arguments.
+def cfg_with(tmp_path, **sections) -> Path:
+    path = tmp_path / "bad.yaml"
+    path.write_text(yaml.safe_dump(tiny_config(**sections)))
+    return path
+
+
+def text_cfg(tmp_path, text: str) -> Path:
+    path = tmp_path / "bad.yaml"
+    path.write_text(text)
+    return path
+
+
+def dataset_cfg(tmp_path, name: str, content: str, **data) -> Path:
+    src = tmp_path / name
+    src.write_text(content)
+    return cfg_with(tmp_path, data={"dataset": str(src), **data})
+
+
+ROWS = [
+    ("unknown-key", lambda r, g, t: ["check-config", cfg_with(t, train={"max_step": 4})], 2,
+     r"train\.max_step: unknown key \(did you mean 'max_steps'\?\)"),
+    ("unknown-section", lambda r, g, t: ["check-config", text_cfg(t, g.read_text() + "modle: {}\n")], 2,
+     r"modle: unknown section \(did you mean 'model'\?\)"),
+    ("malformed-yaml", lambda r, g, t: ["check-config", text_cfg(t, "train: {max_steps: 4\n")], 2,
+     r".*bad\.yaml: line \d+ is not valid YAML \(.+\)"),
+    ("not-a-mapping", lambda r, g, t: ["check-config", text_cfg(t, "- 1\n- 2\n")], 2,
+     r".*bad\.yaml: must be a mapping of sections \(got list\)"),
+    ("wrong-int", lambda r, g, t: ["check-config", cfg_with(t, train={"max_steps": "4k"})], 2,
+     r"train\.max_steps: must be an integer \(got '4k'\)"),
+    ("wrong-bool", lambda r, g, t: ["check-config", cfg_with(t, train={"async_checkpoint": "yes please"})], 2,
+     r"train\.async_checkpoint: must be true or false \(got 'yes please'\)"),
+    ("bad-choice", lambda r, g, t: ["check-config", cfg_with(t, parallel={"strategy": "deepspeed"})], 2,
+     r"parallel\.strategy: must be one of ddp, fsdp \(got 'deepspeed'\)"),
+    ("batch-split", lambda r, g, t: ["check-config", cfg_with(t, train={"global_batch_size": 6})], 2,
+     r"train\.global_batch_size: must be divisible by micro_batch_size x world size = 4 x 2 = 8 \(got 6\)"),
+    ("warmup", lambda r, g, t: ["check-config", cfg_with(t, train={"warmup_steps": 9, "max_steps": 9})], 2,
+     r"train\.warmup_steps: must be < train\.max_steps \(got 9 >= 9\)"),
+    ("seq-len", lambda r, g, t: ["check-config", cfg_with(t, data={"seq_len": 1024})], 2,
+     r"data\.seq_len: must be <= the model's max_position_embeddings \(got 1024 > 128\)"),
+    ("tokenizer-vocab", lambda r, g, t: ["check-config", cfg_with(t, model={"architecture": {
+        **tiny_config()["model"]["architecture"], "vocab_size": 256}})], 2,
+     r"model\.tokenizer: vocabulary of 479 tokens does not fit the model's vocab_size 256"),
+    ("missing-dataset", lambda r, g, t: ["check-config", cfg_with(t, data={"dataset": "./gone.txt"})], 2,
+     r"data\.dataset: no such file or folder \(got '.*/gone\.txt'\)"),
+    ("keep-one", lambda r, g, t: ["check-config", cfg_with(t, train={"keep_checkpoints": 1})], 2,
+     r"train\.keep_checkpoints: must be >= 2, so a damaged newest checkpoint has a fallback \(got 1\)"),
+    ("resume-path", lambda r, g, t: ["check-config", cfg_with(t, train={"resume": "/nonexistent/ckpt"})], 2,
+     r"train\.resume: must be auto, none, or a checkpoint folder \(got '/nonexistent/ckpt'\)"),
+    ("bad-override", lambda r, g, t: ["check-config", g, "--set", "train.max_steps"], 2,
+     r"--set train\.max_steps: expected section\.key=value"),
+    ("no-config", lambda r, g, t: ["check-config", t / "nope.yaml"], 2,
+     r".*nope\.yaml: no such config file"),
+    ("model-not-downloaded", lambda r, g, t: ["prepare", "--config", text_cfg(t, yaml.safe_dump(
+        {**tiny_config(), "model": {"name_or_path": "org/absent"}}))], 1,
+     r"error: model\.tokenizer: org/absent is not on disk \(looked in .*\); download it on the "
+     r"login node with: bash download_data_model\.sh"),
+    ("empty-dataset", lambda r, g, t: ["prepare", "--config", dataset_cfg(t, "empty.txt", "")], 1,
+     r"error: data\.dataset: .*/empty\.txt is empty; point it at a file with documents"),
+    ("no-text-column", lambda r, g, t: ["prepare", "--config", dataset_cfg(
+        t, "docs.jsonl", "\n".join(json.dumps({"body": f"story {i}"}) for i in range(200)))], 1,
+     r"error: data\.text_field: no column 'text' in .*/docs\.jsonl \(columns: body\)"),
+    ("unknown-format", lambda r, g, t: ["prepare", "--config", dataset_cfg(t, "docs.xyz", "a b c\n")], 1,
+     r"error: data\.dataset: unknown file type '\.xyz'; use one of \.txt, \.jsonl, \.json, \.parquet, \.csv, \.arrow"),
+    ("unreadable-jsonl", lambda r, g, t: ["prepare", "--config", dataset_cfg(t, "broken.jsonl", "{not json\n")], 1,
+     r"error: data\.dataset: cannot read .*/broken\.jsonl with the datasets library \(.+\)"),
+    ("unwritable-prepared-dir", lambda r, g, t: ["prepare", "--config", cfg_with(
+        t, data={"prepared_dir": "/proc/llmtrain-prepared"})], 1,
+     r"error: data\.prepared_dir: cannot create /proc/llmtrain-prepared \(.+\); choose a writable folder"),
+    ("unprepared", lambda r, g, t: ["train", "--config", cfg_with(t, data={"validation_fraction": 0.05})], 1,
+     r"error: data: .* is not prepared for this tokenizer and settings \(expected .*\); run: llmtrain "
+     r"prepare --config .*bad\.yaml \(with the same --set options\)"),
+    ("unwritable-run-dir", lambda r, g, t: ["train", "--config", g, "--set", "run.dir=/proc/llmtrain-runs"], 1,
+     r"error: run\.dir: cannot create /proc/llmtrain-runs/test \(.+\); choose a writable folder on the "
+     r"shared filesystem"),
+    ("other-architecture", lambda r, g, t: ["train", "--config", g, "--set", "run.name=done",
+                                            "--set", "model.architecture.num_hidden_layers=3"], 1,
+     r"error: checkpoint .*/step-00000004 does not match this config: model differs \(num_hidden_layers: "
+     r"2 -> 3\); use a new run\.name, or set train\.resume: none to start over"),
+    ("other-seq-len", lambda r, g, t: ["train", "--config", g, "--set", "run.name=done",
+                                       "--set", "data.seq_len=32"], 1,
+     r"error: checkpoint .*/step-00000004 does not match this config: seq_len differs \(64 -> 32\); "
+     r"use a new run\.name, or set train\.resume: none to start over"),
+    ("export-over-files", lambda r, g, t: ["export", "--run-dir", r / "home" / "runs" / "done",
+                                           "--out", Path(__file__).parent], 1,
+     r"error: --out: .* exists and is not empty; choose a new folder"),
+    ("export-no-checkpoint", lambda r, g, t: ["export", "--run-dir", t, "--out", t / "o", "--step", "7"], 1,
+     r"error: no step 7 in .*/checkpoints"),
+    ("generate-not-a-model", lambda r, g, t: ["generate", "--model", t, "--prompt", "hi"], 1,
+     r"error: --model: .* is not a Hugging Face model folder \(no config\.json\)"),
+    ("status-not-a-run", lambda r, g, t: ["status", t], 1,
+     r"error: .* not a run directory \(no config\.yaml\) and not a job id"),
+    ("control-not-a-run", lambda r, g, t: ["control", t, "stop"], 1,
+     r"error: .* not a run directory \(no config\.yaml\)"),
+]
+
+
+@pytest.mark.parametrize("build,code,line", [r[1:] for r in ROWS], ids=[r[0] for r in ROWS])
+def test_bad_input_is_one_line_and_harmless(world, tmp_path, build, code, line):
+    root, good = world
+    runs = root / "home" / "runs"
+    before = {p: p.stat().st_mtime_ns for p in runs.rglob("*") if p.is_file()}
+    proc = llmtrain(*build(root, good, tmp_path))
+    assert proc.returncode == code, proc.stderr
+    progress = re.compile(r".*(examples/s|it/s|ba/s)\]\s*$|\s*$")  # tqdm bars: progress, not errors
+    errors = [x for x in proc.stderr.splitlines() if not progress.fullmatch(x)]
+    assert len(errors) == 1 and re.fullmatch(line, errors[0]), proc.stderr
+    assert "Traceback" not in proc.stderr
+    # Nothing new or changed in any run directory but the logs of a refused start.
+    after = {p: p.stat().st_mtime_ns for p in runs.rglob("*") if p.is_file()}
+    changed = {p for p in after if before.get(p) != after[p] and "logs" not in p.parts
+               and p.name not in ("config.yaml", "provenance.json")}
+    assert not changed, changed
+    assert not list((root / "home").rglob("*.tmp-*"))
+    # The finished run still resumes (it is complete: nothing to do, exit 0).
+    assert (runs / "done" / "checkpoints" / "step-00000004" / "meta.json").is_file()
+
+
+def test_rows_cover_at_least_25_mistakes():
+    assert len(ROWS) >= 25
+
+
+def test_disk_full_during_a_save_keeps_the_previous_checkpoint(world, tmp_path):
+    """A 3 MiB filesystem: the first checkpoint (1.6 MB) fits, the second does not."""
+    root, good = world
+    mount = tmp_path / "small"
+    mount.mkdir()
+    if subprocess.run(["mount", "-t", "tmpfs", "-o", "size=3m", "tmpfs", str(mount)]).returncode:
+        pytest.fail("cannot mount a tmpfs (this test needs root)")
+    try:
+        proc = llmtrain("train", "--config", good, "--set", f"run.dir={mount}", "--set", "run.name=full",
+                        "--set", "train.max_steps=6", "--set", "train.eval_every=0")
+        assert proc.returncode == 1
+        [line] = [x for x in proc.stderr.splitlines() if x.startswith("error:")]
+        assert line == (f"error: checkpoint step-00000004 could not be written (No space left on device); "
+                        f"step-00000002 is intact; free space in {mount}/full/checkpoints and start the "
+                        f"run again")
+        ckpts = mount / "full" / "checkpoints"
+        assert sorted(p.name for p in ckpts.iterdir()) == ["latest", "step-00000002"]
+        assert (ckpts / "latest").read_text().strip() == "step-00000002"
+        # The surviving checkpoint is whole: it loads (and exports, off the full disk).
+        llmtrain("export", "--run-dir", mount / "full", "--out", tmp_path / "hf", check=True)
+        assert [r["step"] for r in read_metrics(mount / "full")][-1] <= 4
+    finally:
+        subprocess.run(["umount", str(mount)], capture_output=True)
