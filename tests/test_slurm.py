@@ -234,3 +234,17 @@ def test_time_limit_without_a_signal_still_saves_and_continues(job_config):
     ckpts = Path(job["run_dir"]) / "checkpoints"
     assert (ckpts / (ckpts / "latest").read_text().strip()).name == f"step-{int(stops[1]):08d}"
     assert int(stops[1]) > int(stops[0])
+
+
+def test_resources_the_cluster_rejects_are_one_clear_failure(job_config):
+    config = job_config()
+    subprocess.run(["llmtrain", "prepare", "--config", str(config)], check=True, capture_output=True)
+    proc = subprocess.run(["bash", str(REPO / "submit.sh"), "--config", str(config),
+                           "--partition", "nosuch", "--set", "run.name=rejected"],
+                          capture_output=True, text=True)
+    assert proc.returncode == 1
+    lines = proc.stderr.strip().splitlines()
+    assert lines[0].startswith("sbatch: error:") and "nosuch" in proc.stderr.lower() or "partition" in lines[0]
+    assert lines[-1] == "submit.sh: sbatch failed (above); nothing more was submitted"
+    assert "job_id:" not in proc.stdout
+    assert not subprocess.run(["squeue", "-h", "-n", "rejected"], capture_output=True, text=True).stdout
