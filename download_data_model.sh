@@ -27,16 +27,8 @@ EOF_USAGE
 
 die() { echo "download_data_model.sh: $*" >&2; exit 1; }
 
-# Same discovery as submit.sh: $LLMTRAIN_HOME, $SHARED_DIR/$PROJECT_NAME, the recorded home.
-load_env() {
-  local home="${LLMTRAIN_HOME:-}"
-  if [[ -z "$home" && -n "${SHARED_DIR:-}" ]]; then home="$SHARED_DIR/${PROJECT_NAME:-llmtrain}"; fi
-  if [[ -z "$home" && -f "$REPO/.llmtrain-home" ]]; then home="$(<"$REPO/.llmtrain-home")"; fi
-  home="${home:-$REPO/workspace/llmtrain}"
-  [[ -f "$home/env.sh" ]] || die "no llmtrain environment in $home; run: bash setup.sh"
-  # shellcheck source=/dev/null
-  source "$home/env.sh"
-}
+# shellcheck source=lib/find-env.sh
+source "$REPO/lib/find-env.sh"
 
 main() {
   local args=() config="$REPO/config.yaml" pattern patterns=()

@@ -32,17 +32,8 @@ EOF
 
 die() { echo "submit.sh: $*" >&2; exit 1; }
 
-# Find the environment setup.sh made: $LLMTRAIN_HOME, $SHARED_DIR/$PROJECT_NAME, the path
-# setup.sh recorded in the repo, or the default layout, in that order.
-load_env() {
-  local home="${LLMTRAIN_HOME:-}"
-  if [[ -z "$home" && -n "${SHARED_DIR:-}" ]]; then home="$SHARED_DIR/${PROJECT_NAME:-llmtrain}"; fi
-  if [[ -z "$home" && -f "$REPO/.llmtrain-home" ]]; then home="$(<"$REPO/.llmtrain-home")"; fi
-  home="${home:-$REPO/workspace/llmtrain}"
-  [[ -f "$home/env.sh" ]] || die "no llmtrain environment in $home; run: bash setup.sh"
-  # shellcheck source=/dev/null
-  source "$home/env.sh"
-}
+# shellcheck source=lib/find-env.sh
+source "$REPO/lib/find-env.sh"
 
 run_local() {
   local config="$1" nproc="$2"

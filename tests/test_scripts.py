@@ -11,7 +11,7 @@ import pytest
 
 from conftest import REPO, read_metrics
 
-SCRIPTS = ["setup.sh", "submit.sh", "download_data_model.sh", "train.slurm",
+SCRIPTS = ["setup.sh", "submit.sh", "download_data_model.sh", "train.slurm", "lib/find-env.sh",
            "cluster/local-cluster.sh", ".ci/run"]
 USER_SCRIPTS = ["setup.sh", "submit.sh", "download_data_model.sh"]
 pytestmark = pytest.mark.slow
