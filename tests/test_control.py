@@ -110,15 +110,15 @@ def test_a_rank_that_stops_participating_is_named_within_the_timeout(setup):
     proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone",
                            "--nproc-per-node", "2", "--shutdown-timeout", "5", "-m", "llmtrain",
                            "train", "--config", str(config), "--set", "run.name=hang",
-                           "--set", "parallel.collective_timeout_s=15"],
+                           "--set", "parallel.collective_timeout_s=10"],
                           capture_output=True, text=True, env=env, timeout=120)
     elapsed = time.monotonic() - t0
     assert proc.returncode != 0
     run_dir = root / "home" / "runs" / "hang"
     [line] = {x for x in proc.stderr.splitlines() if x.startswith("error:")}
     assert line.startswith("error: a collective did not complete within "
-                           "parallel.collective_timeout_s=15s: rank 1 on ")
+                           "parallel.collective_timeout_s=10s: rank 1 on ")
     assert "(last heartbeat " in line and "stopped participating: stuck or dead" in line
-    assert elapsed < 15 + 40  # the timeout, the diagnosis, the shutdown: not the wall time
+    assert elapsed < 10 + 40  # the timeout, the diagnosis, the shutdown: not the wall time
     # faulthandler's watchdog dumped the stuck rank's stacks into its own log.
     assert "_injected_fault" in (run_dir / "logs" / "rank-1.log").read_text()

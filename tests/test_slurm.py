@@ -186,7 +186,7 @@ def uninterrupted(cluster, tmp_path_factory):
     root = tmp_path_factory.mktemp("preempt")
     cfg = tiny_config(run={"name": "uninterrupted", "dir": str(root / "runs")},
                       data={"prepared_dir": str(root / "prepared")},
-                      train={"max_steps": 200, "checkpoint_every": 1000, "eval_every": 0})
+                      train={"max_steps": 120, "checkpoint_every": 1000, "eval_every": 0})
     config = root / "job.yaml"
     config.write_text(yaml.safe_dump(cfg))
     subprocess.run(["llmtrain", "prepare", "--config", str(config)], check=True, capture_output=True)
@@ -211,7 +211,7 @@ def test_warning_signal_saves_requeues_and_resumes_bit_identically(uninterrupted
 
     log = Path(job["log"]).read_text()
     stopped = re.search(r"stopping at step (\d+) \(preempt\)", log)
-    assert stopped and int(stopped.group(1)) < 200
+    assert stopped and int(stopped.group(1)) < 120
     assert "requeueing job" in log and "SLURM_RESTART_COUNT=1" in log
     assert f"resumed from {run_dir}/checkpoints/step-{int(stopped.group(1)):08d}" in log
     assert losses(run_dir) == losses(ref_dir)  # every step, bit for bit
