@@ -66,7 +66,7 @@ submit_slurm() {
   mapfile -t v < <(llmtrain check-config "$config" "${sets[@]}" --get run.name --get run_dir \
     --get slurm.nodes --get slurm.gpus_per_node --get slurm.procs_per_node --get slurm.cpus_per_node \
     --get slurm.mem --get slurm.time --get slurm.partition --get slurm.account --get slurm.qos \
-    --get prepared --get slurm.signal_lead_s --get slurm.max_requeues)
+    --get prepared --get slurm.signal_lead_s --get slurm.max_requeues --get slurm.max_restarts)
   mapfile -t extra_cfg < <(llmtrain check-config "$config" "${sets[@]}" --get slurm.extra_args | sed '/^$/d')
   local name="${v[0]}" run_dir="${v[1]}" gpus="${v[3]}"
 
@@ -82,7 +82,7 @@ submit_slurm() {
   # The job's environment: which config, which llmtrain home, how many processes per node.
   local env=(env "LLMTRAIN_CONFIG=$config" "LLMTRAIN_HOME=$LLMTRAIN_HOME"
     "LLMTRAIN_PROCS_PER_NODE=${v[4]:-$gpus}" "LLMTRAIN_RUN_DIR=$run_dir"
-    "LLMTRAIN_MAX_REQUEUES=${v[13]}")
+    "LLMTRAIN_MAX_REQUEUES=${v[13]}" "LLMTRAIN_MAX_RESTARTS=${v[14]}")
 
   ((DRY_RUN)) || mkdir -p "$run_dir"
   local dep="$dependency"

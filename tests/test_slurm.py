@@ -249,3 +249,35 @@ def test_resources_the_cluster_rejects_are_one_clear_failure(job_config):
                      "submit.sh: sbatch failed (above); nothing more was submitted"]
     assert "job_id:" not in proc.stdout
     assert not subprocess.run(["squeue", "-h", "-n", "rejected"], capture_output=True, text=True).stdout
+
+
+def worker_pid(job_id: str, rank: int) -> int | None:
+    """The training process of `rank` in a job (all fake nodes share this machine's /proc)."""
+    for proc in Path("/proc").iterdir():
+        try:
+            env = dict(x.split("=", 1) for x in (proc / "environ").read_text().split("\0") if "=" in x)
+            cmd = (proc / "cmdline").read_text()
+        except (OSError, ValueError):
+            continue
+        if (env.get("SLURM_JOB_ID") == job_id and env.get("RANK") == str(rank)
+                and "llmtrain" in cmd and "torch.distributed.run" not in cmd and "torchrun" not in cmd):
+            return int(proc.name)
+    return None
+
+
+def test_a_killed_worker_is_restarted_and_resumes_bit_identically(uninterrupted):
+    """slurm.max_restarts: torchrun restarts the workers, which resume from the newest checkpoint."""
+    config, ref_dir = uninterrupted
+    job = submit("--config", config, "--nodes", 2, "--procs-per-node", 1, "--set", "run.name=restarted",
+                 "--set", "slurm.max_restarts=1", "--set", "train.checkpoint_every=10")
+    run_dir = Path(job["run_dir"])
+    deadline = time.monotonic() + 120
+    while logged(run_dir) < 25 or worker_pid(job["job_id"], 1) is None:
+        assert time.monotonic() < deadline, "the job never reached step 25"
+        time.sleep(0.1)
+    os.kill(worker_pid(job["job_id"], 1), 9)
+    assert wait_for(job["job_id"], timeout=300) == "COMPLETED"
+    log = Path(job["log"]).read_text()
+    assert re.search(rf"resumed from {run_dir}/checkpoints/step-000000[2-9]0 ", log), log[-3000:]
+    # checkpoint_every differs from the reference, which changes nothing in the losses.
+    assert losses(run_dir) == losses(ref_dir)

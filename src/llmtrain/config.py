@@ -119,6 +119,7 @@ class SlurmConfig:
     extra_args: list = field(default_factory=list)  # further sbatch arguments, verbatim
     signal_lead_s: int = 120  # save and requeue this long before the time limit; 0: never
     max_requeues: int = 5  # requeues of one job after preemption/time limit, against crash loops
+    max_restarts: int = 0  # torchrun restarts of failed workers within a job (they resume)
 
 
 @dataclass(frozen=True)
@@ -388,9 +389,9 @@ def validate(cfg: Config, world_size: int | None = None) -> list[str]:
         p.append(f"parallel.collective_timeout_s: must be >= 10 (got {cfg.parallel.collective_timeout_s})")
     if t.max_bad_steps < 0:
         p.append(f"train.max_bad_steps: must be >= 0 (got {t.max_bad_steps})")
-    if s.signal_lead_s < 0 or s.max_requeues < 0:
-        key = "signal_lead_s" if s.signal_lead_s < 0 else "max_requeues"
-        p.append(f"slurm.{key}: must be >= 0 (got {getattr(s, key)})")
+    for key in ("signal_lead_s", "max_requeues", "max_restarts"):
+        if getattr(s, key) < 0:
+            p.append(f"slurm.{key}: must be >= 0 (got {getattr(s, key)})")
     if t.keep_checkpoints < 2:
         p.append(f"train.keep_checkpoints: must be >= 2, so a damaged newest checkpoint has a "
                  f"fallback (got {t.keep_checkpoints})")
