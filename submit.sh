@@ -80,7 +80,9 @@ submit_slurm() {
   [[ -n "${v[10]}" ]] && sbatch+=(--qos="${v[10]}")
   sbatch+=("${extra_cfg[@]}" "${extra[@]}")
   # The job's environment: which config, which llmtrain home, how many processes per node.
-  local env=(env "LLMTRAIN_CONFIG=$config" "LLMTRAIN_HOME=$LLMTRAIN_HOME"
+  local quoted
+  printf -v quoted '%q ' "${sbatch[@]:1}"  # for a continuation job, should requeue be refused
+  local env=(env "LLMTRAIN_CONFIG=$config" "LLMTRAIN_HOME=$LLMTRAIN_HOME" "LLMTRAIN_SBATCH_ARGS=$quoted"
     "LLMTRAIN_PROCS_PER_NODE=${v[4]:-$gpus}" "LLMTRAIN_RUN_DIR=$run_dir"
     "LLMTRAIN_MAX_REQUEUES=${v[13]}" "LLMTRAIN_MAX_RESTARTS=${v[14]}")
 

@@ -269,7 +269,7 @@ def test_a_killed_worker_is_restarted_and_resumes_bit_identically(uninterrupted)
     """slurm.max_restarts: torchrun restarts the workers, which resume from the newest checkpoint."""
     config, ref_dir = uninterrupted
     job = submit("--config", config, "--nodes", 2, "--procs-per-node", 1, "--set", "run.name=restarted",
-                 "--set", "slurm.max_restarts=1", "--set", "train.checkpoint_every=10")
+                 "--set", "slurm.max_restarts=3", "--set", "train.checkpoint_every=10")
     run_dir = Path(job["run_dir"])
     deadline = time.monotonic() + 120
     while logged(run_dir) < 25 or worker_pid(job["job_id"], 1) is None:
@@ -280,4 +280,22 @@ def test_a_killed_worker_is_restarted_and_resumes_bit_identically(uninterrupted)
     log = Path(job["log"]).read_text()
     assert re.search(rf"resumed from {run_dir}/checkpoints/step-000000[2-9]0 ", log), log[-3000:]
     # checkpoint_every differs from the reference, which changes nothing in the losses.
+    assert losses(run_dir) == losses(ref_dir)
+
+
+def test_where_requeue_is_refused_a_continuation_job_finishes_the_run(uninterrupted):
+    config, ref_dir = uninterrupted
+    job = submit("--config", config, "--nodes", 2, "--procs-per-node", 1,
+                 "--set", "run.name=continued", "--", "--no-requeue")
+    run_dir = Path(job["run_dir"])
+    deadline = time.monotonic() + 120
+    while logged(run_dir) < 10:
+        assert time.monotonic() < deadline, "the job never reached step 10"
+        time.sleep(0.1)
+    subprocess.run(["scancel", "-b", "-s", "USR1", job["job_id"]], check=True)
+    assert wait_for(job["job_id"], timeout=300) == "COMPLETED"
+    m = re.search(r"requeue refused; submitted continuation job (\d+)", Path(job["log"]).read_text())
+    assert m, Path(job["log"]).read_text()[-2000:]
+    assert wait_for(m.group(1), timeout=300) == "COMPLETED"
+    assert "resumed from" in (run_dir / f"continued-{m.group(1)}.out").read_text()
     assert losses(run_dir) == losses(ref_dir)

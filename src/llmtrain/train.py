@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import os
+import signal
 import time
 from dataclasses import dataclass
 
@@ -67,6 +68,10 @@ def train(cfg: Config) -> None:
         raise CollectiveTimeout(diagnose_hang(cfg.run_dir, world,
                                               cfg.parallel.collective_timeout_s)) from None
     finally:
+        # Stop requests mean nothing outside the loop: a SIGTERM from torchrun while this rank
+        # is on its way out (another rank failed) must end it now, not 30 s later.
+        for sig in (signal.SIGTERM, signal.SIGUSR1):
+            signal.signal(sig, signal.SIG_DFL)
         distributed.teardown()
 
 
