@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import subprocess
@@ -46,6 +47,21 @@ def tiny_config(**sections) -> dict:
     for name, values in sections.items():
         cfg[name] = {**cfg.get(name, {}), **values}
     return cfg
+
+
+@contextlib.contextmanager
+def prepared_home(tmp_path_factory, name: str, cfg: dict):
+    """For a module's runs: a private LLMTRAIN_HOME and `cfg` with its data prepared."""
+    root = tmp_path_factory.mktemp(name)
+    mp = pytest.MonkeyPatch()
+    mp.setenv("LLMTRAIN_HOME", str(root / "home"))
+    config = root / "config.yaml"
+    config.write_text(yaml.safe_dump(cfg))
+    try:
+        llmtrain("prepare", "--config", config, check=True)
+        yield root, config
+    finally:
+        mp.undo()
 
 
 @pytest.fixture

@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from conftest import llmtrain, read_metrics, tiny_config
+from conftest import llmtrain, prepared_home, read_metrics, tiny_config
 
 pytestmark = pytest.mark.slow
 
@@ -19,16 +19,10 @@ pytestmark = pytest.mark.slow
 @pytest.fixture(scope="module")
 def world(tmp_path_factory):
     """A home with the tiny config's data prepared and one finished 4-step run to resume."""
-    root = tmp_path_factory.mktemp("bad")
-    mp = pytest.MonkeyPatch()
-    mp.setenv("LLMTRAIN_HOME", str(root / "home"))
-    config = root / "good.yaml"
-    config.write_text(yaml.safe_dump(tiny_config(train={"max_steps": 4, "warmup_steps": 1,
-                                                        "checkpoint_every": 2})))
-    llmtrain("prepare", "--config", config, check=True)
-    llmtrain("train", "--config", config, "--set", "run.name=done", check=True)
-    yield root, config
-    mp.undo()
+    cfg = tiny_config(train={"max_steps": 4, "warmup_steps": 1, "checkpoint_every": 2})
+    with prepared_home(tmp_path_factory, "bad", cfg) as (root, config):
+        llmtrain("train", "--config", config, "--set", "run.name=done", check=True)
+        yield root, config
 
 
 # (id, command builder, exit code, the exact stderr line: a regex, fully matched)

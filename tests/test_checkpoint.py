@@ -13,9 +13,8 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
-import yaml
 
-from conftest import DEMO, llmtrain, losses, read_metrics, tiny_config, torchrun
+from conftest import DEMO, llmtrain, prepared_home, losses, read_metrics, tiny_config, torchrun
 from llmtrain.config import load_config
 from llmtrain.data import StepSampler, TokenStream, open_prepared
 
@@ -24,17 +23,12 @@ pytestmark = pytest.mark.slow
 
 @pytest.fixture(scope="module")
 def setup(tmp_path_factory):
-    root = tmp_path_factory.mktemp("ckpt")
-    mp = pytest.MonkeyPatch()
-    mp.setenv("LLMTRAIN_HOME", str(root / "home"))
-    config = root / "config.yaml"
     # 16 steps of 8 samples; the corpus has ~3,700 samples of 64 tokens, so every kill falls
     # mid-epoch; micro batch 2 gives gradient accumulation (2 per rank on 2 ranks).
-    config.write_text(yaml.safe_dump(tiny_config(
-        train={"max_steps": 16, "micro_batch_size": 2, "checkpoint_every": 5, "eval_every": 8})))
-    llmtrain("prepare", "--config", config, check=True)
-    yield root, config
-    mp.undo()
+    cfg = tiny_config(train={"max_steps": 16, "micro_batch_size": 2, "checkpoint_every": 5,
+                             "eval_every": 8})
+    with prepared_home(tmp_path_factory, "ckpt", cfg) as home:
+        yield home
 
 
 def launch(nproc: int, config: Path, *sets: str) -> subprocess.Popen:

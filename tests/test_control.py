@@ -10,9 +10,8 @@ import time
 from pathlib import Path
 
 import pytest
-import yaml
 
-from conftest import llmtrain, losses, read_metrics, tiny_config, torchrun
+from conftest import llmtrain, prepared_home, losses, read_metrics, tiny_config, torchrun
 from test_checkpoint import kill_when, logged_step
 
 pytestmark = pytest.mark.slow
@@ -20,15 +19,10 @@ pytestmark = pytest.mark.slow
 
 @pytest.fixture(scope="module")
 def setup(tmp_path_factory):
-    root = tmp_path_factory.mktemp("control")
-    mp = pytest.MonkeyPatch()
-    mp.setenv("LLMTRAIN_HOME", str(root / "home"))
-    config = root / "config.yaml"
-    config.write_text(yaml.safe_dump(tiny_config(
-        train={"max_steps": 150, "checkpoint_every": 1000, "eval_every": 0, "log_every": 1})))
-    llmtrain("prepare", "--config", config, check=True)
-    yield root, config
-    mp.undo()
+    cfg = tiny_config(train={"max_steps": 150, "checkpoint_every": 1000, "eval_every": 0,
+                             "log_every": 1})
+    with prepared_home(tmp_path_factory, "control", cfg) as home:
+        yield home
 
 
 def start(config: Path, name: str, env=None) -> subprocess.Popen:

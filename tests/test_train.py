@@ -10,7 +10,7 @@ import torch
 import yaml
 from transformers import AutoTokenizer, LlamaConfig, LlamaForCausalLM
 
-from conftest import DEMO, assert_same_curve, llmtrain, losses, read_metrics, tiny_config, torchrun
+from conftest import DEMO, assert_same_curve, prepared_home, llmtrain, losses, read_metrics, tiny_config, torchrun
 from llmtrain.config import load_config
 from llmtrain.data import StepSampler, TokenStream, batch_tokens, open_prepared
 
@@ -20,14 +20,8 @@ pytestmark = pytest.mark.slow
 @pytest.fixture(scope="module")
 def setup(tmp_path_factory):
     """One LLMTRAIN_HOME with the demo data prepared, shared by this module's runs."""
-    root = tmp_path_factory.mktemp("train")
-    mp = pytest.MonkeyPatch()
-    mp.setenv("LLMTRAIN_HOME", str(root / "home"))
-    config = root / "config.yaml"
-    config.write_text(yaml.safe_dump(tiny_config()))
-    llmtrain("prepare", "--config", config, check=True)
-    yield root, config
-    mp.undo()
+    with prepared_home(tmp_path_factory, "train", tiny_config()) as home:
+        yield home
 
 
 def run_dir(setup, name):
