@@ -48,6 +48,14 @@ run_local() {
   local run_dir
   run_dir="$(llmtrain check-config "$config" "$@" --get run_dir)"
   echo "run_dir: $run_dir"
+  # torchrun sets OMP_NUM_THREADS=1 when it starts several processes: each gets its share of the
+  # CPUs this process may use instead, unless the user chose a number.
+  if [[ -z "${OMP_NUM_THREADS:-}" ]]; then
+    local cpus
+    cpus="$(nproc)"  # the CPUs in this process's affinity mask
+    export OMP_NUM_THREADS=$((cpus / nproc > 1 ? cpus / nproc : 1))
+  fi
+  echo "torchrun: $nproc process(es) x $OMP_NUM_THREADS thread(s) (OMP_NUM_THREADS)"
   # --standalone: a private rendezvous on a free local port, so two local runs never meet.
   torchrun --standalone --nproc-per-node "$nproc" -m llmtrain train --config "$config" "$@"
   echo "run_dir: $run_dir"
@@ -70,15 +78,16 @@ submit_slurm() {
   mapfile -t extra_cfg < <(llmtrain check-config "$config" "${sets[@]}" --get slurm.extra_args | sed '/^$/d')
   local name="${v[0]}" run_dir="${v[1]}" gpus="${v[3]}"
 
+  local place=()  # where both jobs run
+  [[ -n "${v[8]}" ]] && place+=(--partition="${v[8]}")
+  [[ -n "${v[9]}" ]] && place+=(--account="${v[9]}")
+  [[ -n "${v[10]}" ]] && place+=(--qos="${v[10]}")
   local sbatch=(sbatch --parsable
     --job-name="$name" --nodes="${v[2]}" --ntasks-per-node=1 --cpus-per-task="${v[5]}"
     --mem="${v[6]}" --time="${v[7]}" --output="$run_dir/%x-%j.out" --open-mode=append --requeue)
   ((v[12] > 0)) && sbatch+=(--signal="B:USR1@${v[12]}")
   ((gpus > 0)) && sbatch+=(--gpus-per-node="$gpus")
-  [[ -n "${v[8]}" ]] && sbatch+=(--partition="${v[8]}")
-  [[ -n "${v[9]}" ]] && sbatch+=(--account="${v[9]}")
-  [[ -n "${v[10]}" ]] && sbatch+=(--qos="${v[10]}")
-  sbatch+=("${extra_cfg[@]}" "${extra[@]}")
+  sbatch+=("${place[@]}" "${extra_cfg[@]}" "${extra[@]}")
   # The job's environment: which config, which llmtrain home, how many processes per node.
   local quoted
   printf -v quoted '%q ' "${sbatch[@]:1}"  # for a continuation job, should requeue be refused
@@ -89,9 +98,13 @@ submit_slurm() {
   ((DRY_RUN)) || mkdir -p "$run_dir"
   local dep="$dependency"
   if [[ "${v[11]}" != yes ]]; then  # unprepared data: one CPU job tokenizes it first
-    local prep_id
-    prep_id="$(sbatch_or_print "${env[@]}" LLMTRAIN_STEP=prepare "${sbatch[@]}" \
-      --job-name="prepare-$name" --nodes=1 --output="$run_dir/prepare-%j.out" \
+    # The training job's CPUs, memory, time and place; one task on one node; no GPUs, so none
+    # of the user's GPU requests either; no warning signal (the prepare step has no trap).
+    local prep=(sbatch --parsable --cpus-per-task="${v[5]}" --mem="${v[6]}" --time="${v[7]}"
+      --requeue --open-mode=append "${place[@]}") prep_id
+    without_gpus prep "${extra_cfg[@]}" "${extra[@]}"
+    prep_id="$(sbatch_or_print "${env[@]}" LLMTRAIN_STEP=prepare "${prep[@]}" \
+      --job-name="prepare-$name" --nodes=1 --ntasks=1 --output="$run_dir/prepare-%j.out" \
       ${dependency:+--dependency="$dependency"} "$REPO/train.slurm" "${sets[@]}")"
     echo "prepare_job_id: $prep_id (tokenizes the data on one node; training waits for it)"
     dep="afterok:$prep_id"
@@ -103,6 +116,30 @@ submit_slurm() {
   echo "run_dir: $run_dir"
   echo "log: $run_dir/$name-$job_id.out"
   echo "watch: squeue -j $job_id; tail -f $run_dir/$name-$job_id.out; llmtrain status $job_id"
+}
+
+# Append sbatch arguments to the array named $1, less their GPU requests: --gpus*, -G, --gpu-*,
+# --cpus-per-gpu, --mem-per-gpu (each with its value), and the gpu entries of a --gres.
+without_gpus() {
+  local -n out="$1"
+  shift
+  local arg spec entries kept
+  while (($#)); do
+    arg="$1"
+    shift
+    case "$arg" in
+      --gres | --gres=*)
+        if [[ "$arg" == --gres ]]; then spec="${1-}"; shift || true; else spec="${arg#--gres=}"; fi
+        IFS=, read -ra entries <<<"$spec"
+        kept=()
+        for spec in "${entries[@]}"; do [[ "$spec" == gpu* ]] || kept+=("$spec"); done
+        ((${#kept[@]} == 0)) || out+=("--gres=$(IFS=,; echo "${kept[*]}")")
+        ;;
+      --gpus*=* | --gpu-*=* | --cpus-per-gpu=* | --mem-per-gpu=* | -G?*) ;;
+      --gpus* | --gpu-* | --cpus-per-gpu | --mem-per-gpu | -G) shift || true ;;  # and its value
+      *) out+=("$arg") ;;
+    esac
+  done
 }
 
 # Run an sbatch command line and print the job id; with --dry-run, print the command line

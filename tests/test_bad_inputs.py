@@ -59,7 +59,7 @@ ROWS = [
     ("wrong-bool", lambda r, g, t: ["check-config", cfg_with(t, train={"async_checkpoint": "yes please"})], 2,
      r"train\.async_checkpoint: must be true or false \(got 'yes please'\)"),
     ("bad-choice", lambda r, g, t: ["check-config", cfg_with(t, parallel={"strategy": "deepspeed"})], 2,
-     r"parallel\.strategy: must be one of ddp, fsdp \(got 'deepspeed'\)"),
+     r"parallel\.strategy: must be one of ddp, fsdp, hsdp \(got 'deepspeed'\)"),
     ("batch-split", lambda r, g, t: ["check-config", cfg_with(t, train={"global_batch_size": 6})], 2,
      r"train\.global_batch_size: must be divisible by micro_batch_size x world size = 4 x 2 = 8 \(got 6\)"),
     ("warmup", lambda r, g, t: ["check-config", cfg_with(t, train={"warmup_steps": 9, "max_steps": 9})], 2,

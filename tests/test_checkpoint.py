@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -119,6 +120,65 @@ def test_incompatible_resume_names_the_difference(setup):
     [line] = [x for x in proc.stderr.splitlines() if x.startswith("error:")]
     assert "does not match this config: global_batch_size differs (8 -> 16)" in line
     assert "Traceback" not in proc.stderr
+
+
+def test_a_refused_start_leaves_the_run_files_as_they_were(setup):
+    root, config = setup
+    run_dir = root / "home" / "runs" / "refused"
+    llmtrain("train", "--config", config, "--set", "run.name=refused", "--set", "train.max_steps=5",
+             check=True)
+    before = {name: (run_dir / name).read_bytes() for name in ("config.yaml", "provenance.json",
+                                                               "metrics.jsonl")}
+    proc = llmtrain("train", "--config", config, "--set", "run.name=refused",
+                    "--set", "data.seq_len=32")
+    assert proc.returncode == 1 and "seq_len differs (64 -> 32)" in proc.stderr
+    assert {name: (run_dir / name).read_bytes() for name in before} == before
+
+
+def test_a_resume_takes_the_configs_optimizer_settings(setup):
+    """weight_decay/betas/eps changed for a resume are used, not the checkpoint's."""
+    root, config = setup
+    first = ["--set", "train.max_steps=8", "--set", "train.checkpoint_every=4"]
+    for name in ("wd-same", "wd-changed"):
+        llmtrain("train", "--config", config, "--set", f"run.name={name}", *first,
+                 "--set", "train.eval_every=0", check=True)
+        ckpts = root / "home" / "runs" / name / "checkpoints"
+        shutil.rmtree(ckpts / "step-00000008")
+        (ckpts / "latest").write_text("step-00000004\n")
+    llmtrain("train", "--config", config, "--set", "run.name=wd-same", *first,
+             "--set", "train.eval_every=0", check=True)
+    proc = llmtrain("train", "--config", config, "--set", "run.name=wd-changed", *first,
+                    "--set", "train.eval_every=0", "--set", "train.weight_decay=20.0",
+                    "--set", "train.beta2=0.5", check=True)
+    assert "changed since the checkpoint: train.weight_decay 0.1 -> 20.0" in proc.stdout
+    same, changed = (losses(root / "home" / "runs" / n) for n in ("wd-same", "wd-changed"))
+    assert same[:4] == changed[:4]  # the steps before the checkpoint
+    # Decay of 20 x lr shrinks every matrix by ~6% a step: steps 6-8 must show it.
+    assert all(abs(a[2] - b[2]) > 1e-3 for a, b in zip(same[5:], changed[5:])), (same, changed)
+
+
+def test_an_error_with_an_async_save_in_flight_lets_the_save_complete(setup):
+    """The step after an async checkpoint fails: the checkpoint still completes (meta.json,
+    `latest`) before the process group goes, and the error is one line."""
+    root, config = setup
+    env = {**os.environ, "LLMTRAIN_INJECT_NAN_STEPS": "6"}
+    proc = subprocess.run(
+        [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
+         "-m", "llmtrain", "train", "--config", str(config), "--set", "run.name=async-error",
+         "--set", "parallel.strategy=fsdp", "--set", "train.async_checkpoint=true",
+         "--set", "train.max_bad_steps=0", "--set", "train.eval_every=0"],
+        capture_output=True, text=True, env=env, timeout=240)
+    assert proc.returncode != 0
+    errors = {x for x in proc.stderr.splitlines() if x.startswith("error:")}
+    assert errors == {"error: training stopped at step 6: 1 steps in a row had a non-finite loss "
+                      "or gradient norm (train.max_bad_steps is 0); lower train.lr, check the "
+                      "data (logs/rank-*.log name the samples), or resume from an earlier "
+                      "checkpoint with train.resume"}
+    ckpts = root / "home" / "runs" / "async-error" / "checkpoints"
+    assert (ckpts / "step-00000005" / "meta.json").is_file()
+    assert (ckpts / "latest").read_text() == "step-00000005\n"
+    assert not list(ckpts.glob(".tmp-*"))
+    assert "terminate called" not in proc.stderr
 
 
 def test_kill_during_save_never_leaves_a_bad_latest(setup):

@@ -40,7 +40,7 @@ BROKEN = [
     ({"model": {"activation_checkpointing": "maybe"}},
      "model.activation_checkpointing: must be true or false (got 'maybe')"),
     ({"parallel": {"strategy": "zero3"}},
-     "parallel.strategy: must be one of ddp, fsdp (got 'zero3')"),
+     "parallel.strategy: must be one of ddp, fsdp, hsdp (got 'zero3')"),
     ({"train": {"precision": "fp8"}},
      "train.precision: must be one of bf16, fp16, fp32 (got 'fp8')"),
     ({"train": {"global_batch_size": 12}},
@@ -84,15 +84,15 @@ def test_required_keys_are_reported(home, write_config):
 
 
 def test_every_problem_is_reported_at_once(home, write_config):
-    cfg = tiny_config(train={"max_steps": 0, "lr": -1.0, "checkpoint_every": 0},
+    cfg = tiny_config(train={"max_steps": 0, "lr": -1.0, "checkpoint_every": -1},
                       parallel={"strategy": "zero"}, data={"seq_len": 4096})
     proc = llmtrain("check-config", write_config(cfg))
     assert proc.returncode == 2
     assert proc.stderr.splitlines() == [
-        "parallel.strategy: must be one of ddp, fsdp (got 'zero')",
+        "parallel.strategy: must be one of ddp, fsdp, hsdp (got 'zero')",
         "train.max_steps: must be > 0 (got 0)",
-        "train.checkpoint_every: must be > 0 (got 0)",
         "train.lr: must be > 0 (got -1.0)",
+        "train.checkpoint_every: must be >= 0 (got -1)",
         "data.seq_len: must be <= the model's max_position_embeddings (got 4096 > 128)",
     ]
 

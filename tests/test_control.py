@@ -113,6 +113,11 @@ def test_a_rank_that_stops_participating_is_named_within_the_timeout(setup):
     assert line.startswith("error: a collective did not complete within "
                            "parallel.collective_timeout_s=10s: rank 1 on ")
     assert "(last heartbeat " in line and "stopped participating: stuck or dead" in line
+    # The watchdog named it before the timeout: under NCCL, whose own watchdog kills the process
+    # without a Python error, that warning is the line the user gets.
+    warnings = [x for x in proc.stderr.splitlines() if x.startswith("warning: a collective")]
+    assert warnings and warnings[0].removeprefix("warning: ") == line.removeprefix("error: ")
+    assert proc.stderr.index(warnings[0]) < proc.stderr.index(line)
     assert elapsed < 10 + 40  # the timeout, the diagnosis, the shutdown: not the wall time
     # faulthandler's watchdog dumped the stuck rank's stacks into its own log.
     assert "_injected_fault" in (run_dir / "logs" / "rank-1.log").read_text()

@@ -1,15 +1,19 @@
-"""setup.sh and submit.sh as a user runs them, from a path with spaces; ShellCheck on every script."""
+"""setup.sh and submit.sh as a user runs them, from a path with spaces; ShellCheck on every script;
+train.slurm's job step and requeue decision, with stand-ins for srun and scontrol."""
 
 from __future__ import annotations
 
+import json
 import os
 import shlex
 import shutil
 import subprocess
+import sys
 
 import pytest
+import yaml
 
-from conftest import REPO, read_metrics
+from conftest import REPO, read_metrics, tiny_config
 
 SCRIPTS = ["setup.sh", "submit.sh", "download_data_model.sh", "train.slurm", "lib/find-env.sh",
            "cluster/local-cluster.sh", ".ci/run"]
@@ -77,6 +81,29 @@ def test_setup_in_a_path_with_spaces_then_demo_through_submit(tmp_path):
         assert f"--output={run_dir}/%x-%j.out" in cmd
 
 
+def test_local_run_gives_each_process_its_share_of_the_cpus(tmp_path):
+    """torchrun would set OMP_NUM_THREADS=1 for 2 processes; the workers record what they got."""
+    cfg = tiny_config(run={"name": "threads", "dir": str(tmp_path / "runs")},
+                      data={"prepared_dir": str(tmp_path / "prepared")},
+                      train={"max_steps": 2, "warmup_steps": 1, "eval_every": 0})
+    config = tmp_path / "threads.yaml"
+    config.write_text(yaml.safe_dump(cfg))
+    hook = tmp_path / "hook"
+    hook.mkdir()
+    (hook / "sitecustomize.py").write_text(
+        "import os\nif 'RANK' in os.environ:\n"
+        "    with open(os.path.join(os.environ['THREADS_LOG'], 'rank-' + os.environ['RANK']), 'w') as f:\n"
+        "        f.write(os.environ.get('OMP_NUM_THREADS', 'unset'))\n")
+    env = {k: v for k, v in os.environ.items() if k != "OMP_NUM_THREADS"}
+    env.update(PYTHONPATH=os.pathsep.join(filter(None, [str(hook), env.get("PYTHONPATH")])),
+               THREADS_LOG=str(tmp_path))
+    proc = bash(REPO / "submit.sh", "--local", "--config", config, "--nproc", 2, env=env)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    share = str(max(1, len(os.sched_getaffinity(0)) // 2))
+    assert f"torchrun: 2 process(es) x {share} thread(s) (OMP_NUM_THREADS)" in proc.stdout.splitlines()
+    assert [(tmp_path / f"rank-{r}").read_text() for r in (0, 1)] == [share, share]
+
+
 def test_submit_rejects_a_bad_config_before_starting(tmp_path):
     bad = tmp_path / "bad.yaml"
     bad.write_text((REPO / "configs" / "demo.yaml").read_text().replace("max_steps: 300", "max_stepz: 3"))
@@ -97,3 +124,89 @@ def test_submit_without_slurm_points_to_local(tmp_path):
     assert proc.returncode == 1
     assert proc.stderr.strip() == ("submit.sh: no Slurm on this machine (sbatch not found); to run "
                                    "here, use: bash submit.sh --local")
+
+
+# --- train.slurm outside Slurm: srun and scontrol replaced by scripts that record their calls ---
+
+FAKE_SRUN = r"""#!/usr/bin/env bash
+# Records the job step's command line and environment; then plays the step ($FAKE_STEP).
+printf '%s\n' "$@" >"$FAKE_LOG/srun.args"
+echo "${OMP_NUM_THREADS-unset}" >"$FAKE_LOG/srun.omp"
+eval "${FAKE_STEP:-}"
+"""
+FAKE_SCONTROL = r"""#!/usr/bin/env bash
+case "$1 $2" in
+  "show hostnames") echo node1 ;;
+  *) echo "$*" >>"$FAKE_LOG/scontrol.calls" ;;
+esac
+"""
+# The trainer's own record of a stop in this job: Control.exit, the code train.py calls.
+TRAINER_STOPS = ('python -c "import pathlib, sys, types; from llmtrain.control import Control; '
+                 'Control.exit(types.SimpleNamespace(world=types.SimpleNamespace(is_main=True), '
+                 'folder=pathlib.Path(sys.argv[1])), \'preempt\', 7)" "$LLMTRAIN_RUN_DIR/control"')
+
+
+def fake_job(tmp_path, step: str = "", **env):
+    """Run train.slurm as Slurm would start job 4242 on one node; `env` adds SLURM_*/LLMTRAIN_*."""
+    bin_dir, log, home = tmp_path / "bin", tmp_path / "calls", tmp_path / "home"
+    for d in (bin_dir, log, home, tmp_path / "run" / "control"):
+        d.mkdir(parents=True, exist_ok=True)
+    for name, text in (("srun", FAKE_SRUN), ("scontrol", FAKE_SCONTROL)):
+        (bin_dir / name).write_text(text)
+        (bin_dir / name).chmod(0o755)
+    (home / "env.sh").write_text("")  # the venv's python is on PATH already
+    base = {k: v for k, v in os.environ.items() if not k.startswith(("SLURM_", "LLMTRAIN_", "OMP_"))}
+    job_env = {**base, "PATH": f"{bin_dir}:{os.path.dirname(sys.executable)}:{base['PATH']}",
+               "FAKE_LOG": str(log), "FAKE_STEP": step, "SLURM_JOB_ID": "4242",
+               "SLURM_JOB_NODELIST": "node1", "SLURM_JOB_NUM_NODES": "1", "SLURM_TMPDIR": str(tmp_path),
+               "LLMTRAIN_CONFIG": str(tmp_path / "config.yaml"), "LLMTRAIN_HOME": str(home),
+               "LLMTRAIN_REPO": str(REPO), "LLMTRAIN_RUN_DIR": str(tmp_path / "run"), **env}
+    proc = bash(REPO / "train.slurm", env=job_env, timeout=120)
+    srun = (log / "srun.args").read_text().splitlines()
+    return proc, srun[:srun.index("bash")], (log / "srun.omp").read_text().strip()
+
+
+@pytest.mark.parametrize("env,cpus_flag,threads", [
+    ({"SLURM_CPUS_PER_TASK": "8", "LLMTRAIN_PROCS_PER_NODE": "3"}, ["--cpus-per-task=8"], "2"),
+    ({"SLURM_CPUS_PER_TASK": "2", "LLMTRAIN_PROCS_PER_NODE": "4"}, ["--cpus-per-task=2"], "1"),
+    ({"SLURM_CPUS_PER_TASK": "8", "LLMTRAIN_PROCS_PER_NODE": "2", "OMP_NUM_THREADS": "3"},
+     ["--cpus-per-task=8"], "3"),  # the user's choice stands
+    ({"LLMTRAIN_PROCS_PER_NODE": "2"}, [], "1"),  # bare sbatch without --cpus-per-task: 1 CPU a task
+])
+def test_job_step_gets_the_jobs_cpus_and_each_worker_its_share_of_threads(tmp_path, env, cpus_flag,
+                                                                          threads):
+    proc, srun_options, omp = fake_job(tmp_path, **env)
+    assert proc.returncode == 0, proc.stderr
+    assert srun_options == ["--kill-on-bad-exit=1", "--nodes=1", "--ntasks-per-node=1", *cpus_flag]
+    assert omp == threads  # what torchrun passes on to its workers instead of its own 1
+    procs = env["LLMTRAIN_PROCS_PER_NODE"]
+    assert (f"1 node(s) [node1] x {procs} process(es) x {threads} thread(s); rendezvous node1:"
+            in proc.stdout), proc.stdout
+
+
+STALE_EXIT = {"reason": "preempt", "step": 4, "requeue": True}  # what an earlier stop left behind
+
+
+@pytest.mark.parametrize("planted,step,requeued", [
+    (None, TRAINER_STOPS, True),  # the trainer stopped in this job: requeue
+    (STALE_EXIT, "exit 1", False),  # crashed at start-up; the file is an earlier job's
+    ({**STALE_EXIT, "job_id": "4242"}, "exit 1", False),  # this id's run before a requeue
+    (None, "printf '%s\\n' '{\"reason\": \"preempt\", \"step\": 4, \"requeue\": true, \"job_id\": \"4100\"}'"
+           " >\"$LLMTRAIN_RUN_DIR/control/exit.json\"; exit 1", False),  # another job's, written meanwhile
+    (None, "echo '{\"requeue\": tr' >\"$LLMTRAIN_RUN_DIR/control/exit.json\"; exit 1", False),  # torn
+], ids=["this-jobs-stop", "stale", "stale-same-id", "other-job", "unreadable"])
+def test_requeue_only_for_a_stop_the_trainer_recorded_in_this_job(tmp_path, planted, step, requeued):
+    exit_json = tmp_path / "run" / "control" / "exit.json"
+    if planted is not None:
+        exit_json.parent.mkdir(parents=True)
+        exit_json.write_text(json.dumps(planted) + "\n")
+    proc, _, _ = fake_job(tmp_path, step=step, SLURM_CPUS_PER_TASK="2", LLMTRAIN_PROCS_PER_NODE="1")
+    calls = tmp_path / "calls" / "scontrol.calls"
+    if requeued:
+        assert proc.returncode == 0, proc.stderr
+        assert calls.read_text().splitlines() == ["requeue 4242"]
+        assert "requeueing job 4242 (requeue 1 of at most 5)" in proc.stdout
+    else:
+        assert proc.returncode == 1, proc.stderr  # the step's failure is the job's
+        assert not calls.exists(), calls.read_text()
+        assert "requeueing" not in proc.stdout

@@ -119,6 +119,31 @@ def test_a_crashing_rank_fails_the_job_promptly(job_config, tmp_path):
     assert "injected crash on rank 1" in Path(out["log"]).read_text()
 
 
+def test_a_stale_exit_file_does_not_requeue_a_job_that_crashes_at_start(job_config, tmp_path):
+    """An earlier stop left control/exit.json asking for a requeue; this job dies before training."""
+    config = job_config(slurm={"nodes": 1, "procs_per_node": 1, "max_requeues": 1})
+    subprocess.run(["llmtrain", "prepare", "--config", str(config)], check=True, capture_output=True)
+    run_dir = Path(subprocess.run(["llmtrain", "check-config", str(config), "--get", "run_dir"],
+                                  check=True, capture_output=True, text=True).stdout.strip())
+    stale = run_dir / "control" / "exit.json"
+    stale.parent.mkdir(parents=True)
+    stale.write_text('{"reason": "preempt", "step": 40, "requeue": true}\n')
+    crash = tmp_path / "crash"
+    crash.mkdir()
+    (crash / "sitecustomize.py").write_text(
+        "import os, sys\nif 'RANK' in os.environ:\n"
+        "    sys.stderr.write('injected start-up crash\\n'); sys.stderr.flush(); os._exit(3)\n")
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(crash),
+                                                                     os.environ.get("PYTHONPATH")]))}
+    out = submit("--config", config, env=env)
+    assert wait_for(out["job_id"], timeout=120) == "FAILED"
+    job = subprocess.run(["scontrol", "show", "job", out["job_id"]], capture_output=True, text=True).stdout
+    assert "Restarts=0" in job, job
+    log = Path(out["log"]).read_text()
+    assert "injected start-up crash" in log and "requeueing" not in log, log[-2000:]
+    assert not stale.exists()  # train.slurm removed it before the step; the trainer wrote none
+
+
 DRY_RUN_CASES = [
     ([], ["--nodes=1", "--time=01:00:00", "--cpus-per-task=8", "--mem=0"], ["--partition", "--gpus-per-node"]),
     (["--nodes", "2", "--procs-per-node", "1", "--time", "02:30:00"], ["--nodes=2", "--time=02:30:00"], []),
@@ -159,6 +184,32 @@ def test_dry_run_chains_a_prepare_job_when_data_is_not_prepared(job_config):
     prepare, train = [shlex.split(x) for x in proc.stdout.splitlines() if x.startswith("env ")]
     assert "LLMTRAIN_STEP=prepare" in prepare and "--job-name=prepare-slurm" in prepare
     assert "--dependency=afterok:DRY_RUN_JOB_ID" in train
+
+
+def test_prepare_job_asks_for_one_task_on_one_node_and_no_gpus(job_config):
+    """The CPU prepare job keeps where and how long the training job runs, not its GPUs."""
+    config = job_config(train={"global_batch_size": 64},
+                        slurm={"nodes": 2, "gpus_per_node": 8, "procs_per_node": 8, "cpus_per_node": 16,
+                               "extra_args": ["--gres=gpu:8,nvme:1", "--constraint=a100"]})
+    proc = subprocess.run(["bash", str(REPO / "submit.sh"), "--config", str(config), "--dry-run",
+                           "--partition", "gpu", "--account", "acme", "--qos", "high", "--time", "02:00:00",
+                           "--", "--gpus-per-task", "1", "--exclusive", "--cpus-per-gpu=4"],
+                          capture_output=True, text=True)
+    assert proc.returncode == 0, proc.stderr
+    prepare, train = [shlex.split(x) for x in proc.stdout.splitlines() if x.startswith("env ")]
+    script = str(REPO / "train.slurm")
+    run_dir = Path(yaml.safe_load(config.read_text())["run"]["dir"]) / "slurm"
+    assert prepare[prepare.index("sbatch"):prepare.index(script) + 1] == [
+        "sbatch", "--parsable", "--cpus-per-task=16", "--mem=0", "--time=02:00:00", "--requeue",
+        "--open-mode=append", "--partition=gpu", "--account=acme", "--qos=high",
+        "--gres=nvme:1", "--constraint=a100", "--exclusive",  # the user's, less their GPU requests
+        "--job-name=prepare-slurm", "--nodes=1", "--ntasks=1", f"--output={run_dir}/prepare-%j.out",
+        script]
+    assert "LLMTRAIN_STEP=prepare" in prepare
+    options = train[train.index("sbatch"):train.index(script)]
+    for item in ["--nodes=2", "--ntasks-per-node=1", "--gpus-per-node=8", "--gres=gpu:8,nvme:1",
+                 "--gpus-per-task", "--exclusive", "--cpus-per-gpu=4"]:
+        assert item in options, (item, train)
 
 
 def test_submit_refuses_a_model_that_is_not_downloaded(job_config):

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 import re
 
 import pytest
@@ -64,6 +65,15 @@ def test_run_directory_holds_what_a_user_looks_for(setup):
     assert {"loss", "lr", "tokens_per_sec", "elapsed_s", "peak_mem_gib", "tokens"} <= set(train[0])
     assert train[-1]["tokens"] == 8 * 8 * 64 and train[0]["tokens_per_sec"] > 0
     assert [(r["step"], "eval_loss" in r) for r in records if r["kind"] == "eval"] == [(4, True), (8, True)]
+    # The rank that uses the most memory, and how much; each rank's own peak at the end.
+    own = {}
+    for rank in (0, 1):
+        [line] = [x for x in (d / "logs" / f"rank-{rank}.log").read_text().splitlines()
+                  if "peak memory: " in x and f"on rank {rank}" in x]
+        own[rank] = float(re.search(r"peak memory: ([\d.]+) GiB", line).group(1))
+    assert all(r["peak_mem_rank"] in (0, 1) for r in train)
+    last = train[-1]
+    assert 0.1 < last["peak_mem_gib"] <= own[last["peak_mem_rank"]] + 1e-3  # a high-water mark
 
     # Rank 0 prints whole progress lines; no rank's line is ever cut by another's.
     progress = [line for line in proc.stdout.splitlines() if "[rank" in line]
@@ -145,3 +155,34 @@ def test_model_not_on_disk_names_the_download_script(tmp_path, monkeypatch):
         f"error: model.tokenizer: org/not-downloaded is not on disk (looked in "
         f"{tmp_path}/home/models/org/not-downloaded); download it on the login node with: "
         f"bash download_data_model.sh"]
+
+
+def test_fp16_survives_an_overflow_step(setup):
+    """A non-finite fp16 step is skipped and the loss scale lowered; training goes on."""
+    _, config = setup
+    proc = llmtrain("train", "--config", config, "--set", "run.name=fp16", "--set",
+                    "train.precision=fp16", env={**os.environ, "LLMTRAIN_INJECT_NAN_STEPS": "3"})
+    assert proc.returncode == 0, proc.stderr
+    train = [r for r in read_metrics(run_dir(setup, "fp16")) if r["kind"] == "train"]
+    assert [r["step"] for r in train] == list(range(1, 9))
+    assert train[-1]["skipped_steps"] == 1 and train[-1]["loss"] < train[0]["loss"] - 0.5
+    assert "warning: step 3: non-finite loss or gradient norm on some rank; step skipped" in proc.stdout
+
+
+def test_gpus_asked_for_where_cuda_is_unusable_stop_with_one_line(setup):
+    _, config = setup
+    proc = llmtrain("train", "--config", config, "--set", "run.name=nogpu",
+                    "--set", "slurm.gpus_per_node=4")
+    assert proc.returncode == 1
+    [line] = proc.stderr.splitlines()
+    assert line.startswith("error: slurm.gpus_per_node is 4 but CUDA is unusable on ")
+    assert line.endswith("to train on CPUs set slurm.gpus_per_node: 0 and slurm.procs_per_node")
+    assert not (run_dir(setup, "nogpu") / "metrics.jsonl").exists()
+
+
+def test_an_eval_set_smaller_than_the_world_is_refused(setup):
+    _, config = setup
+    check = llmtrain("check-config", config, "--set", "train.eval_samples=1")
+    assert check.returncode == 2
+    assert check.stderr.splitlines() == ["train.eval_samples: must be >= the world size 2, so "
+                                         "every rank evaluates at least one sample (got 1)"]

@@ -84,11 +84,12 @@ class TrainConfig:
     eps: float = 1e-8
     grad_clip: float = 1.0  # max global gradient norm; 0 disables clipping
     precision: Literal["bf16", "fp16", "fp32"] = "bf16"
+    tf32: bool = True  # fp32 matmuls on Ampere+ GPUs use TF32 tensor cores (about 1e-3 relative error)
     seed: int = 1234
     log_every: int = 10  # steps between metrics lines
     eval_every: int = 500  # steps between evaluations; 0 disables evaluation
     eval_samples: int = 256  # validation samples per evaluation, over all ranks
-    checkpoint_every: int = 1000  # steps between checkpoints (and one at the end)
+    checkpoint_every: int = 1000  # steps between checkpoints (and one at the end); 0: only on request
     keep_checkpoints: int = 3  # complete checkpoints kept; at least 2
     async_checkpoint: bool = False  # write checkpoints in the background after staging
     resume: str = "auto"  # auto: newest complete checkpoint of the run; none; or a checkpoint path
@@ -98,11 +99,19 @@ class TrainConfig:
 
 @dataclass(frozen=True)
 class ParallelConfig:
-    strategy: Literal["ddp", "fsdp"] = "ddp"
+    # ddp: a full replica per rank; fsdp: parameters, gradients and optimizer state sharded over
+    # all ranks; hsdp: sharded within groups of shard_size ranks, replicated across groups
+    strategy: Literal["ddp", "fsdp", "hsdp"] = "ddp"
+    shard_size: Optional[int] = None  # hsdp: ranks per shard group; None: the processes of one node
     backend: Literal["auto", "nccl", "gloo"] = "auto"  # auto: nccl on GPUs, gloo on CPUs
     reshard_after_forward: bool = True  # FSDP2: free gathered params after forward (ZeRO-3)
+    # fsdp/hsdp with accumulation: reduce-scatter gradients after every micro-batch, so a rank
+    # only holds its gradient shard. false: once per step, but every rank then keeps all layers'
+    # full fp32 gradients until the last micro-batch (+4 bytes per parameter per GPU: 32 GB at 8B)
+    reduce_every_micro_batch: bool = True
     socket_ifname: Optional[str] = None  # network interface for NCCL/gloo (e.g. ib0)
     collective_timeout_s: int = 600  # a collective stuck this long ends the job, naming the rank
+    startup_timeout_s: int = 1800  # building, loading weights, resuming and the first step
 
 
 @dataclass(frozen=True)
@@ -366,7 +375,7 @@ def validate(cfg: Config, world_size: int | None = None) -> list[str]:
     if "/" in cfg.run.name or cfg.run.name in (".", ".."):
         p.append(f"run.name: must be a plain folder name, no '/' (got {cfg.run.name!r})")
     _positive(p, "train", t, ["max_steps", "global_batch_size", "micro_batch_size", "log_every",
-                              "eval_samples", "checkpoint_every"])
+                              "eval_samples"])
     _positive(p, "data", d, ["seq_len"])
     _positive(p, "slurm", s, ["nodes", "cpus_per_node"])
     for key in ("lr", "eps"):
@@ -375,7 +384,7 @@ def validate(cfg: Config, world_size: int | None = None) -> list[str]:
     for key in ("min_lr", "weight_decay", "grad_clip"):
         if getattr(t, key) < 0:
             p.append(f"train.{key}: must be >= 0 (got {getattr(t, key)})")
-    for key in ("warmup_steps", "eval_every"):
+    for key in ("warmup_steps", "eval_every", "checkpoint_every"):
         if getattr(t, key) < 0:
             p.append(f"train.{key}: must be >= 0 (got {getattr(t, key)})")
     for key in ("beta1", "beta2"):
@@ -385,8 +394,13 @@ def validate(cfg: Config, world_size: int | None = None) -> list[str]:
         p.append(f"train.min_lr: must be <= train.lr (got {t.min_lr} > {t.lr})")
     if t.max_steps > 0 and t.warmup_steps >= t.max_steps:
         p.append(f"train.warmup_steps: must be < train.max_steps (got {t.warmup_steps} >= {t.max_steps})")
-    if cfg.parallel.collective_timeout_s < 10:
-        p.append(f"parallel.collective_timeout_s: must be >= 10 (got {cfg.parallel.collective_timeout_s})")
+    for key in ("collective_timeout_s", "startup_timeout_s"):
+        if getattr(cfg.parallel, key) < 10:
+            p.append(f"parallel.{key}: must be >= 10 (got {getattr(cfg.parallel, key)})")
+    p += _check_parallel(cfg, world)
+    if 0 < t.eval_samples < world and t.eval_every > 0:
+        p.append(f"train.eval_samples: must be >= the world size {world}, so every rank evaluates "
+                 f"at least one sample (got {t.eval_samples})")
     if t.max_bad_steps < 0:
         p.append(f"train.max_bad_steps: must be >= 0 (got {t.max_bad_steps})")
     for key in ("signal_lead_s", "max_requeues", "max_restarts"):
@@ -423,6 +437,18 @@ def validate(cfg: Config, world_size: int | None = None) -> list[str]:
     if not is_hub_id(d.dataset) and not Path(d.dataset).exists():
         p.append(f"data.dataset: no such file or folder (got {d.dataset!r})")
     return p
+
+
+def _check_parallel(cfg: Config, world: int) -> list[str]:
+    par = cfg.parallel
+    if par.shard_size is not None and par.strategy != "hsdp":
+        return [f"parallel.shard_size: only used with parallel.strategy: hsdp (got strategy "
+                f"{par.strategy})"]
+    shard = par.shard_size  # None: the processes of one node, which always divide the world
+    if shard is not None and (shard < 1 or world % shard):
+        return [f"parallel.shard_size: must divide the world size {world} (got {shard}); hsdp "
+                f"shards within groups of shard_size ranks and replicates across them"]
+    return []
 
 
 def _positive(p: list[str], section: str, obj, keys: list[str], text: bool = False) -> None:

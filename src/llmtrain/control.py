@@ -127,12 +127,14 @@ class Control:
         return reason
 
     def exit(self, reason: str, step: int) -> None:
-        """Record why training ended, for train.slurm (rank 0)."""
+        """Record why training ended, for train.slurm (rank 0). The Slurm job id says which job
+        stopped: train.slurm requeues only for a stop of its own job (null outside Slurm)."""
         faulthandler.cancel_dump_traceback_later()
         if self.world.is_main:
             requeue = reason in REQUEUE_REASONS
             write_atomic(self.folder / "exit.json",
-                         json.dumps({"reason": reason, "step": step, "requeue": requeue}) + "\n")
+                         json.dumps({"reason": reason, "step": step, "requeue": requeue,
+                                     "job_id": os.environ.get("SLURM_JOB_ID")}) + "\n")
 
 
 def request(run_dir: Path, what: str, reason: str = "user") -> Path:
@@ -155,30 +157,3 @@ def job_end_time() -> float | None:
         return datetime.strptime(out, "%Y-%m-%dT%H:%M:%S").timestamp()
     except (OSError, ValueError, subprocess.TimeoutExpired):
         return None
-
-
-def diagnose_hang(run_dir: Path, world, timeout_s: int) -> str:
-    """Name the ranks that are stuck: every rank whose collective timed out says so in its
-    heartbeat file; after a grace period, those that never did are the ones not participating."""
-    mine = run_dir / "logs" / f"heartbeat-rank-{world.rank}.json"
-    try:
-        last = json.loads(mine.read_text())
-    except (OSError, ValueError):
-        last = {"step": 0}
-    write_atomic(mine, json.dumps({**last, "timed_out": time.time(), "host": socket.gethostname()}))
-    time.sleep(HEARTBEAT_S + 1)  # the other waiting ranks time out within about the same time
-    stuck = []
-    for rank in range(world.world_size):
-        try:
-            beat = json.loads((run_dir / "logs" / f"heartbeat-rank-{rank}.json").read_text())
-        except (OSError, ValueError):
-            stuck.append(f"rank {rank} (never reported)")
-            continue
-        if "timed_out" not in beat:
-            stuck.append(f"rank {rank} on {beat['host']} (last heartbeat {time.time() - beat['time']:.0f}s "
-                         f"ago, at step {beat['step']})")
-    head = f"a collective did not complete within parallel.collective_timeout_s={timeout_s}s"
-    if stuck:
-        return (f"{head}: {', '.join(stuck)} stopped participating: stuck or dead; its stack "
-                f"dump is in {run_dir}/logs/rank-N.log")
-    return f"{head}; every rank reported the timeout; stack dumps are in {run_dir}/logs/rank-*.log"

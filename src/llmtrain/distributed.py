@@ -9,13 +9,14 @@
 from __future__ import annotations
 
 import os
+import socket
 from dataclasses import dataclass
 from datetime import timedelta
 
 import torch
 import torch.distributed as dist
 
-from .config import Config
+from .config import Config, UserError
 
 
 @dataclass(frozen=True)
@@ -34,23 +35,53 @@ def init(cfg: Config) -> World:
     rank = int(os.environ.get("RANK", 0))
     world_size = int(os.environ.get("WORLD_SIZE", 1))
     local_rank = int(os.environ.get("LOCAL_RANK", 0))
-    if torch.cuda.is_available():
-        device = torch.device("cuda", local_rank)
-        torch.cuda.set_device(device)
-    else:
-        device = torch.device("cpu")
+    device = pick_device(cfg, local_rank)
     backend = cfg.parallel.backend
     if backend == "auto":
         backend = "nccl" if device.type == "cuda" else "gloo"
     if cfg.parallel.socket_ifname:
         os.environ.setdefault("NCCL_SOCKET_IFNAME", cfg.parallel.socket_ifname)
         os.environ.setdefault("GLOO_SOCKET_IFNAME", cfg.parallel.socket_ifname)
+    if backend == "nccl":
+        for key, value in nccl_flight_recorder(cfg.run_dir).items():
+            os.environ.setdefault(key, value)
+    # Start-up (loading a large checkpoint) may take longer than a training collective should:
+    # the group starts with the longer timeout; the watchdog sets the collective timeout after.
+    timeout = timedelta(seconds=max(cfg.parallel.collective_timeout_s, cfg.parallel.startup_timeout_s))
     if "MASTER_ADDR" in os.environ:
-        dist.init_process_group(backend, timeout=timedelta(seconds=cfg.parallel.collective_timeout_s),
+        dist.init_process_group(backend, timeout=timeout,
                                 device_id=device if device.type == "cuda" else None)
     else:  # a plain `llmtrain train`: a group of one, so FSDP2 and collectives still work
         dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1)
     return World(rank, local_rank, world_size, device)
+
+
+def pick_device(cfg: Config, local_rank: int) -> torch.device:
+    """This rank's GPU, or the CPU where the config asks for none. A config that asks for GPUs
+    on a node where CUDA is unusable stops here instead of training on CPU at 1/100 the speed."""
+    if torch.cuda.is_available():
+        if local_rank >= torch.cuda.device_count():
+            raise UserError(f"local rank {local_rank} has no GPU: this node shows "
+                            f"{torch.cuda.device_count()}; set slurm.procs_per_node to at most that")
+        device = torch.device("cuda", local_rank)
+        torch.cuda.set_device(device)
+        return device
+    if cfg.slurm.gpus_per_node > 0:
+        build = torch.version.cuda and f"CUDA {torch.version.cuda} build" or "CPU-only build"
+        raise UserError(f"slurm.gpus_per_node is {cfg.slurm.gpus_per_node} but CUDA is unusable on "
+                        f"{socket.gethostname()} (torch {torch.__version__}, a {build}; check "
+                        f"nvidia-smi and the torch build setup.sh installed); to train on CPUs set "
+                        f"slurm.gpus_per_node: 0 and slurm.procs_per_node")
+    return torch.device("cpu")
+
+
+def nccl_flight_recorder(run_dir) -> dict[str, str]:
+    """NCCL's flight recorder: the last collectives of each rank, dumped on a timeout into the
+    run's logs/ (nccl-trace-rank-N), for `python -m torch.distributed.flight_recorder`."""
+    prefix = f"{run_dir}/logs/nccl-trace-rank-"  # the file is this prefix + the global rank
+    return {"TORCH_FR_BUFFER_SIZE": "2000", "TORCH_NCCL_TRACE_BUFFER_SIZE": "2000",
+            "TORCH_NCCL_DUMP_ON_TIMEOUT": "1", "TORCH_FR_DUMP_TEMP_FILE": prefix,
+            "TORCH_NCCL_DEBUG_INFO_TEMP_FILE": prefix}
 
 
 def teardown() -> None:
@@ -58,8 +89,9 @@ def teardown() -> None:
         dist.destroy_process_group()
 
 
-def all_mean(values: list[float], device: torch.device) -> list[float]:
-    """Average floats over ranks (one collective for all of them)."""
-    t = torch.tensor(values, dtype=torch.float64, device=device)
-    dist.all_reduce(t)
-    return (t / dist.get_world_size()).tolist()
+def gather_floats(values: list[float], device: torch.device) -> list[list[float]]:
+    """Every rank's `values`, indexed by rank (one collective for all of them)."""
+    mine = torch.tensor(values, dtype=torch.float64, device=device)
+    out = torch.empty(dist.get_world_size() * len(values), dtype=torch.float64, device=device)
+    dist.all_gather_into_tensor(out, mine)
+    return out.view(-1, len(values)).tolist()

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import resource
 import sys
 import time
@@ -22,7 +23,8 @@ def peak_flops(device) -> float | None:
 class Throughput:
     """Tokens/s and MFU over the steps since the last reading; ETA from all steps so far.
 
-    `pause()` after work that is not training (evaluation, a checkpoint), so it is not counted.
+    Work that is not training (evaluation, a checkpoint) runs under `with meter.paused():`, so
+    its time counts neither for nor against the steps around it.
     """
 
     def __init__(self, tokens_per_step: int, flops_per_step: float, peak: float | None,
@@ -32,22 +34,29 @@ class Throughput:
         self.first_step, self.total_steps = first_step, total_steps
         self.started = self.window_start = time.perf_counter()
         self.window_steps = 0
+        self.window_paused = 0.0  # seconds of the window spent outside training
 
     def step(self) -> None:
         self.window_steps += 1
 
-    def pause(self) -> None:
-        self.window_start = time.perf_counter()
+    @contextlib.contextmanager
+    def paused(self):
+        t = time.perf_counter()
+        try:
+            yield
+        finally:
+            self.window_paused += time.perf_counter() - t
 
     def read(self, step: int) -> dict:
         now = time.perf_counter()
-        steps_per_sec = self.window_steps / (now - self.window_start)
+        busy = max(now - self.window_start - self.window_paused, 1e-9)
+        steps_per_sec = self.window_steps / busy
         out = {"tokens_per_sec": steps_per_sec * self.tokens_per_step,
                "elapsed_s": now - self.started,
                "eta_s": (now - self.started) / max(1, step - self.first_step) * (self.total_steps - step)}
         if self.peak_total:
             out["mfu"] = steps_per_sec * self.flops_per_step / self.peak_total
-        self.window_start, self.window_steps = now, 0
+        self.window_start, self.window_steps, self.window_paused = now, 0, 0.0
         return out
 
 

@@ -1,9 +1,8 @@
 """Tokenizer and Hugging Face causal LM, from a local folder or an inline architecture.
 
 Nothing here touches the network or torch.distributed. `model_config` describes the model,
-`build_model(..., device="meta")` gives its skeleton with no memory behind it, and
-`source_weights` materialises the real weights on CPU (from_pretrained, or a seeded random
-init); parallel.py decides who calls which.
+`build_model(..., device="meta")` gives its skeleton with no memory behind it; parallel.py
+fills each rank's shards (seeded init or the pretrained folder's safetensors).
 """
 
 from __future__ import annotations
@@ -47,23 +46,26 @@ def model_config(cfg: Config, tokenizer) -> PretrainedConfig:
     return config
 
 
-def build_model(config: PretrainedConfig, cfg: Config, device: str | torch.device):
-    """The model's skeleton on `device` ("meta" allocates nothing), fp32, randomly initialised."""
-    with torch.device(device):
+def build_model(config: PretrainedConfig, cfg: Config, device: str | torch.device,
+                buffers: str | None = None):
+    """The model's skeleton on `device` ("meta" allocates nothing), fp32.
+
+    buffers="cpu" with device="meta": parameters on meta, buffers (rotary inv_freq, ...) real
+    on CPU, computed as the model's __init__ computes them.
+    """
+    if buffers is not None:
+        from accelerate import init_empty_weights
+        context = init_empty_weights(include_buffers=False)
+    else:
+        context = torch.device(device)
+    with context:
         return AutoModelForCausalLM.from_config(
             config, attn_implementation=cfg.model.attn_implementation, dtype=torch.float32
         )
 
 
-def source_weights(config: PretrainedConfig, cfg: Config) -> torch.nn.Module:
-    """The starting weights as a full model on CPU: pretrained, or random with train.seed."""
-    if cfg.model.name_or_path is not None:
-        return AutoModelForCausalLM.from_pretrained(
-            _local_dir(cfg.model.name_or_path, "model.name_or_path"), config=config,
-            attn_implementation=cfg.model.attn_implementation, dtype=torch.float32,
-        )
-    torch.manual_seed(cfg.train.seed)
-    return build_model(config, cfg, "cpu")
+def pretrained_dir(cfg: Config):
+    return _local_dir(cfg.model.name_or_path, "model.name_or_path")
 
 
 def decoder_layers(model: torch.nn.Module) -> list[torch.nn.Module]:

@@ -17,8 +17,18 @@ def build_optimizer(model: torch.nn.Module, t: TrainConfig, device: torch.device
     ]
     # The fused kernel exists for CUDA (and CPU); foreach is the portable fallback.
     fused = device.type in ("cuda", "cpu")
-    return torch.optim.AdamW(groups, lr=lr_at(0, t), betas=(t.beta1, t.beta2), eps=t.eps,
-                             fused=fused)
+    optimizer = torch.optim.AdamW(groups, lr=lr_at(0, t), fused=fused)
+    apply_settings(optimizer, t)
+    return optimizer
+
+
+def apply_settings(optimizer: torch.optim.AdamW, t: TrainConfig) -> None:
+    """The config's weight decay, betas and eps, on a new optimizer and after a resume: loading a
+    checkpoint restores the saved param_groups, and the config must win (the changes are logged)."""
+    matrices, vectors = optimizer.param_groups
+    matrices["weight_decay"], vectors["weight_decay"] = t.weight_decay, 0.0
+    for group in optimizer.param_groups:
+        group["betas"], group["eps"] = (t.beta1, t.beta2), t.eps
 
 
 def lr_at(step: int, t: TrainConfig) -> float:

@@ -1,59 +1,228 @@
-"""Every wrapping of the model happens here: activation checkpointing, FSDP2 or DDP, precision.
+"""Every wrapping of the model happens here: activation checkpointing, FSDP2/HSDP or DDP, precision.
 
-    model = parallelize(cfg, config, world)
+    model = parallelize(cfg, config, world, startup)
 
-No rank ever materialises a second full copy for nothing: all ranks build the model on the
-meta device, FSDP2 shards the skeleton (`fully_shard` per decoder layer, then the root), the
-shards are allocated on the device, and rank 0 alone holds the full starting weights on CPU and
-broadcasts them shard by shard (`set_model_state_dict(..., broadcast_from_rank0=True)`). This is
-what lets a 70B model start on nodes that could not hold it once per GPU. DDP takes the same
-path and then wraps the full module.
+No rank ever holds a full copy of the model it does not need. Every rank builds the skeleton on
+the meta device, FSDP2 shards it (`fully_shard` per decoder layer, then the root; HSDP: on a 2-D
+mesh, sharded within a group of `parallel.shard_size` ranks and replicated across groups), the
+rank's shards are allocated on its device, and then each rank fills in only what it owns:
+
+- from scratch, module by module: one module's full weights are initialised on the device from a
+  seed derived from `train.seed` and the module's name, and the rank keeps its slice. The values
+  depend on neither the world size nor the strategy, so DDP, FSDP, HSDP and a single process
+  start identical, and a run resumed on another world size continues the same model;
+- pretrained: each rank reads only the slices it owns from the model's safetensors files
+  (`model.safetensors` or the shards named by `model.safetensors.index.json`), in the stored
+  dtype, and upcasts them slice by slice.
+
+Peak memory at start-up is the rank's own shards plus one module's full weights. DDP takes the
+same path with the whole model as its "shard", then wraps it.
 """
 
 from __future__ import annotations
 
 import contextlib
+import copy
+import hashlib
+import json
+import os
+from pathlib import Path
 
 import torch
-import torch.distributed as dist
-from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
 from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
 from torch.nn.parallel import DistributedDataParallel as DDP
 
-from .config import Config
+from .config import Config, UserError
 from .distributed import World
-from .model import build_model, decoder_layers, source_weights
+from .model import build_model, decoder_layers, pretrained_dir
 
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
+SHARDED_STRATEGIES = ("fsdp", "hsdp")
 
 
-def parallelize(cfg: Config, config, world: World) -> torch.nn.Module:
-    source = source_weights(config, cfg) if world.is_main else None
-    model = build_model(config, cfg, "meta")
-    tied = _tied(model)  # decided on the skeleton, so every rank agrees
-    if cfg.model.activation_checkpointing:
-        # HF wraps each decoder layer's __call__ in non-reentrant torch.utils.checkpoint,
-        # which keeps the parameter names (and so checkpoints) unchanged.
-        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
-    if cfg.parallel.strategy == "fsdp":
-        apply_fsdp(model, cfg)
-    model.to_empty(device=world.device)
-    if tied and not _tied(model):  # to_empty allocates tied weights twice; FSDP2 keeps the tie
-        model.tie_weights()
-    _load_from_rank0(model, source)
-    del source
+def parallelize(cfg: Config, config, world: World, watch=None) -> torch.nn.Module:
+    """The model, wrapped for cfg.parallel.strategy, with its starting weights on world.device.
+    `watch` (watchdog.Watchdog) times the start-up phases and ends one that hangs."""
+    phase = watch.phase if watch is not None else lambda name: contextlib.nullcontext()
+    with phase("building"):
+        model = build_model(config, cfg, "meta")
+        reference = build_model(config, cfg, "meta", buffers="cpu")  # full shapes, real buffers
+        tied = _tied(model)  # decided on the skeleton, so every rank agrees
+        if cfg.model.activation_checkpointing:
+            # HF wraps each decoder layer's __call__ in non-reentrant torch.utils.checkpoint,
+            # which keeps the parameter names (and so checkpoints) unchanged.
+            model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    with phase("sharding"):
+        if cfg.parallel.strategy in SHARDED_STRATEGIES:
+            apply_fsdp(model, cfg, device_mesh(cfg, world))
+        model.to_empty(device=world.device)
+        if tied and not _tied(model):  # to_empty allocates tied weights twice; FSDP2 keeps the tie
+            model.tie_weights()
+    with phase("loading"):
+        if cfg.model.name_or_path is not None:
+            load_pretrained(model, pretrained_dir(cfg))
+        else:
+            init_from_scratch(model, reference, cfg.train.seed, world.device)
+        copy_buffers(model, reference)
+    del reference
     if cfg.parallel.strategy == "ddp" and world.world_size > 1:
         model = DDP(model, device_ids=[world.local_rank] if world.device.type == "cuda" else None)
     return model
 
 
-def apply_fsdp(model: torch.nn.Module, cfg: Config) -> None:
+# -- sharding ------------------------------------------------------------------------------
+
+
+def shard_size(cfg: Config, world_size: int) -> int:
+    """Ranks per FSDP shard group: the world for fsdp; parallel.shard_size (default: the
+    processes of one node) for hsdp."""
+    if cfg.parallel.strategy != "hsdp":
+        return world_size
+    return cfg.parallel.shard_size or int(os.environ.get("LOCAL_WORLD_SIZE", world_size))
+
+
+def device_mesh(cfg: Config, world: World):
+    """None (FSDP2's default: one group of all ranks) for fsdp; a (replicate, shard) mesh for hsdp."""
+    if cfg.parallel.strategy != "hsdp":
+        return None
+    from torch.distributed.device_mesh import init_device_mesh
+    shard = shard_size(cfg, world.world_size)
+    if shard < 1 or world.world_size % shard:
+        raise UserError(f"parallel.shard_size: must divide the world size {world.world_size} "
+                        f"(got {shard}); set it to the processes per node or a divisor of the world")
+    return init_device_mesh(world.device.type, (world.world_size // shard, shard),
+                            mesh_dim_names=("replicate", "shard"))
+
+
+def apply_fsdp(model: torch.nn.Module, cfg: Config, mesh=None) -> None:
+    """fully_shard each decoder layer, then the root (embeddings, final norm, head).
+
+    The root and the last layer stay gathered after forward: backward needs them at once, so
+    freeing them would only cost another all-gather per micro-batch (torchtitan does the same).
+    """
     dtype = DTYPES[cfg.train.precision]
     mp = MixedPrecisionPolicy(param_dtype=dtype, reduce_dtype=torch.float32)
     reshard = cfg.parallel.reshard_after_forward
-    for layer in decoder_layers(model):
-        fully_shard(layer, mp_policy=mp, reshard_after_forward=reshard)
-    fully_shard(model, mp_policy=mp, reshard_after_forward=reshard)
+    layers = decoder_layers(model)
+    for i, layer in enumerate(layers):
+        fully_shard(layer, mesh=mesh, mp_policy=mp,
+                    reshard_after_forward=reshard and i < len(layers) - 1)
+    fully_shard(model, mesh=mesh, mp_policy=mp, reshard_after_forward=False)
+
+
+def local_slices(shape: torch.Size, tensor) -> tuple[slice, ...]:
+    """The part of a full tensor of `shape` that this rank holds in `tensor` (a DTensor shard, or
+    a plain tensor holding everything). Shard(d) splits like torch.chunk, as FSDP2 does."""
+    index = [slice(0, n) for n in shape]
+    placements = getattr(tensor, "placements", None)
+    if placements is None:
+        return tuple(index)
+    mesh = tensor.device_mesh
+    coordinate = mesh.get_coordinate()
+    for mesh_dim, placement in enumerate(placements):
+        if not placement.is_shard():
+            continue
+        dim, parts = placement.dim, mesh.size(mesh_dim)
+        start, stop = index[dim].start, index[dim].stop
+        chunk = -(-(stop - start) // parts)
+        lo = min(start + coordinate[mesh_dim] * chunk, stop)
+        index[dim] = slice(lo, min(lo + chunk, stop))
+    return tuple(index)
+
+
+def _local(tensor) -> torch.Tensor:
+    return tensor.to_local() if hasattr(tensor, "to_local") else tensor
+
+
+# -- starting weights ----------------------------------------------------------------------
+
+
+@torch.no_grad()
+def init_from_scratch(model: torch.nn.Module, reference: torch.nn.Module, seed: int,
+                      device: torch.device) -> None:
+    """Initialise every parameter with HF's `_init_weights`, one module at a time.
+
+    Each module that owns parameters is copied at full size from the meta `reference`, put on
+    the device, initialised under a seed made of `seed` and its name, and each rank copies its
+    slice. Tied parameters are initialised once, under their first name.
+    """
+    params = dict(model.named_parameters())  # duplicates (ties) removed: first name wins
+    done: set[str] = set()
+    for name in params:
+        module_name, _, _ = name.rpartition(".")
+        if module_name in done:
+            continue
+        done.add(module_name)
+        full = copy.deepcopy(reference.get_submodule(module_name)).to_empty(device=device)
+        with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []):
+            torch.manual_seed(_module_seed(seed, module_name))
+            reference._init_weights(full)
+        for pname, value in full.named_parameters(recurse=False):
+            key = f"{module_name}.{pname}" if module_name else pname
+            if key in params:
+                target = params[key]
+                _local(target).copy_(value[local_slices(value.shape, target)])
+        del full
+
+
+def _module_seed(seed: int, name: str) -> int:
+    """A stable 63-bit seed per module (Python's hash() is salted per process)."""
+    digest = hashlib.sha256(f"{seed}:{name}".encode()).digest()
+    return int.from_bytes(digest[:8], "little") >> 1
+
+
+@torch.no_grad()
+def load_pretrained(model: torch.nn.Module, folder: Path) -> None:
+    """Fill this rank's shards from the safetensors files of a Hugging Face model folder.
+
+    Each tensor is read through safetensors' slicing: only the rows this rank owns leave the
+    disk, in the stored dtype, and are upcast into the rank's fp32 shard.
+    """
+    from safetensors import safe_open
+
+    files = _safetensors_files(folder)
+    params = dict(model.named_parameters())
+    missing = [name for name in params if name not in files]
+    if missing:
+        raise UserError(f"model.name_or_path: {folder} has no tensor named {missing[0]!r} "
+                        f"({len(missing)} missing); its safetensors keys do not match "
+                        f"{type(model).__name__}'s parameter names")
+    by_file: dict[str, list[str]] = {}
+    for name in params:
+        by_file.setdefault(files[name], []).append(name)
+    for file, names in by_file.items():
+        with safe_open(folder / file, framework="pt", device="cpu") as f:
+            for name in names:
+                target, stored = params[name], f.get_slice(name)
+                shape = torch.Size(stored.get_shape())
+                if shape != target.shape:
+                    raise UserError(f"model.name_or_path: {name} in {folder / file} has shape "
+                                    f"{tuple(shape)}, the model expects {tuple(target.shape)}")
+                _local(target).copy_(stored[local_slices(shape, target)])
+
+
+def _safetensors_files(folder: Path) -> dict[str, str]:
+    """{tensor name: file name} from model.safetensors.index.json, or the single file."""
+    index = folder / "model.safetensors.index.json"
+    if index.is_file():
+        return json.loads(index.read_text())["weight_map"]
+    single = folder / "model.safetensors"
+    if not single.is_file():
+        raise UserError(f"model.name_or_path: no model.safetensors or model.safetensors.index.json "
+                        f"in {folder}; convert the weights to safetensors (pytorch_model.bin "
+                        f"cannot be read shard by shard)")
+    from safetensors import safe_open
+    with safe_open(single, framework="pt", device="cpu") as f:
+        return {key: single.name for key in f.keys()}
+
+
+@torch.no_grad()
+def copy_buffers(model: torch.nn.Module, reference: torch.nn.Module) -> None:
+    """Buffers (rotary inv_freq, ...) are computed in __init__ and not all in the state dict;
+    the reference skeleton holds them for real, and FSDP2 leaves them unsharded."""
+    source = dict(reference.named_buffers())
+    for name, buf in model.named_buffers():
+        buf.copy_(source[name])
 
 
 def _tied(model: torch.nn.Module | None) -> bool:
@@ -63,16 +232,7 @@ def _tied(model: torch.nn.Module | None) -> bool:
     return out is not None and out.weight is inp.weight
 
 
-def _load_from_rank0(model: torch.nn.Module, source: torch.nn.Module | None) -> None:
-    full = source.state_dict() if source is not None else {}
-    set_model_state_dict(model, full, options=StateDictOptions(full_state_dict=True,
-                                                               broadcast_from_rank0=True))
-    # Buffers (rotary inv_freq, ...) are not all in the state dict; FSDP2 leaves them unsharded.
-    source_buffers = dict(source.named_buffers()) if source is not None else {}
-    for name, buf in model.named_buffers():
-        if source is not None:
-            buf.copy_(source_buffers[name])
-        dist.broadcast(buf, src=0)
+# -- the training step's helpers ------------------------------------------------------------
 
 
 def unwrap(model: torch.nn.Module) -> torch.nn.Module:
@@ -80,12 +240,18 @@ def unwrap(model: torch.nn.Module) -> torch.nn.Module:
 
 
 @contextlib.contextmanager
-def gradient_sync(model: torch.nn.Module, enabled: bool):
-    """Reduce gradients across ranks only on the last micro-step of an accumulation."""
+def gradient_sync(model: torch.nn.Module, enabled: bool, cfg: Config):
+    """Gradient reduction across ranks during an accumulation.
+
+    DDP reduces on the last micro-step only (no_sync keeps local gradients, no extra memory).
+    FSDP2/HSDP reduce-scatter after every micro-batch by default, so each rank only ever holds
+    its gradient shard; `parallel.reduce_every_micro_batch: false` defers it to the last one at
+    the cost of every layer's full fp32 gradient (+4 bytes per parameter per rank).
+    """
     if isinstance(model, DDP) and not enabled:
         with model.no_sync():
             yield
-    elif isinstance(model, FSDPModule):
+    elif isinstance(model, FSDPModule) and not cfg.parallel.reduce_every_micro_batch:
         model.set_requires_gradient_sync(enabled)
         yield
     else:
@@ -94,11 +260,20 @@ def gradient_sync(model: torch.nn.Module, enabled: bool):
 
 def autocast(cfg: Config, device: torch.device):
     """Autocast for DDP and single-process runs; FSDP2 casts through its MixedPrecisionPolicy."""
-    if cfg.train.precision == "fp32" or cfg.parallel.strategy == "fsdp":
+    if cfg.train.precision == "fp32" or cfg.parallel.strategy in SHARDED_STRATEGIES:
         return contextlib.nullcontext()
     return torch.autocast(device.type, dtype=DTYPES[cfg.train.precision])
 
 
 def grad_scaler(cfg: Config, device: torch.device) -> torch.amp.GradScaler:
-    """fp16 needs loss scaling; for bf16 and fp32 the scaler is disabled and passes through."""
+    """fp16 needs loss scaling; for bf16 and fp32 the scaler is disabled and passes through.
+    With FSDP2's DTensor gradients its overflow check reduces over the shards, so every rank
+    agrees on skipping a step."""
     return torch.amp.GradScaler(device.type, enabled=cfg.train.precision == "fp16")
+
+
+def configure_matmul_precision(cfg: Config, device: torch.device) -> None:
+    """fp32 runs on Ampere+ GPUs use TF32 tensor cores unless `train.tf32: false` (one API
+    family only: mixing torch's legacy and new precision settings raises in 2.9+)."""
+    if device.type == "cuda":
+        torch.set_float32_matmul_precision("high" if cfg.train.tf32 else "highest")

@@ -8,6 +8,7 @@ last one only), clip, step; then log, evaluate and checkpoint when their turn co
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import signal
@@ -21,15 +22,17 @@ import torch.nn.functional as F
 
 from . import distributed
 from .checkpoint import Checkpointer, compat_info
-from .control import Control, diagnose_hang
+from .control import Control
 from .config import Config, ConfigError, UserError, dump_yaml
 from .data import StepSampler, TokenStream, batch_tokens, open_prepared
 from .distributed import World
 from .metrics import Throughput, peak_flops, peak_memory_gib, progress_line
-from .model import flops_per_token, load_tokenizer, model_config, num_params
-from .optim import build_optimizer, lr_at, set_lr
-from .parallel import autocast, grad_scaler, gradient_sync, parallelize
+from .model import flops_per_token, load_tokenizer, model_config, num_params, pretrained_dir
+from .optim import apply_settings, build_optimizer, lr_at, set_lr
+from .parallel import (autocast, configure_matmul_precision, grad_scaler, gradient_sync, parallelize,
+                       shard_size)
 from .rundir import Log, MetricsWriter, SampleLog, hostname, provenance, write_atomic
+from .watchdog import Watchdog
 
 
 @dataclass
@@ -60,14 +63,16 @@ class CollectiveTimeout(UserError):
 
 def train(cfg: Config) -> None:
     world = distributed.init(cfg)
+    watch = Watchdog(cfg.run_dir, world.rank, world.world_size, cfg.parallel.startup_timeout_s,
+                     cfg.parallel.collective_timeout_s)
     try:
-        run(cfg, world)
+        run(cfg, world, watch)
     except RuntimeError as e:  # gloo: "Timed out waiting"; NCCL's watchdog: "...timeout"
         if "timed out" not in str(e).lower() and "timeout" not in str(e).lower():
             raise
-        raise CollectiveTimeout(diagnose_hang(cfg.run_dir, world,
-                                              cfg.parallel.collective_timeout_s)) from None
+        raise CollectiveTimeout(watch.diagnose()) from None
     finally:
+        watch.close()
         # Stop requests mean nothing outside the loop: a SIGTERM from torchrun while this rank
         # is on its way out (another rank failed) must end it now, not 30 s later.
         for sig in (signal.SIGTERM, signal.SIGUSR1):
@@ -75,24 +80,29 @@ def train(cfg: Config) -> None:
         distributed.teardown()
 
 
-def run(cfg: Config, world: World) -> None:
+def run(cfg: Config, world: World, watch: Watchdog) -> None:
     t, seq_len = cfg.train, cfg.data.seq_len
-    folder, manifest = open_prepared(cfg)
-    log = start_run_dir(cfg, world)
-    torch.manual_seed(t.seed + world.rank)
-
-    tokenizer = load_tokenizer(cfg)
-    config = model_config(cfg, tokenizer)
-    check_model_fits(cfg, config, manifest)
-    model = parallelize(cfg, config, world)
+    with watch.phase("reading data and tokenizer"):
+        folder, manifest = open_prepared(cfg)
+        log, hosts = open_run_dir(cfg, world)
+        watch.log = log
+        torch.manual_seed(t.seed + world.rank)
+        tokenizer = load_tokenizer(cfg)
+        config = model_config(cfg, tokenizer)
+        check_model_fits(cfg, config, manifest)
+    configure_matmul_precision(cfg, world.device)
+    model = parallelize(cfg, config, world, watch)
+    if cfg.model.name_or_path is not None:
+        log.info(f"loaded pretrained weights from {pretrained_dir(cfg)}")
     optimizer = build_optimizer(model, t, world.device)
     scaler = grad_scaler(cfg, world.device)
     n_params = num_params(model)
-    log.info(f"model: {n_params:,} parameters, {cfg.parallel.strategy} over {world.world_size} "
-             f"rank(s) on {world.device.type}, {t.precision}")
+    log.info(f"model: {n_params:,} parameters, {describe_parallel(cfg, world)} on "
+             f"{world.device.type}, {t.precision}")
 
     train_data = TokenStream(folder, manifest, "train")
     val_data = TokenStream(folder, manifest, "validation") if "validation" in manifest["splits"] else None
+    check_eval_split(cfg, val_data, world)
     sampler = StepSampler(train_data.num_samples(seq_len), t.global_batch_size, t.seed,
                           world.rank, world.world_size)
     accum = t.global_batch_size // (t.micro_batch_size * world.world_size)
@@ -103,31 +113,76 @@ def run(cfg: Config, world: World) -> None:
     state = RunState()
     checkpointer = Checkpointer(cfg, world, log, compat_info(cfg, config, manifest),
                                 hf_files=(config, tokenizer))
-    resumed = checkpointer.load(model, optimizer)
+    with watch.phase("resuming"):
+        resumed = checkpointer.load(model, optimizer)  # a refused resume raises here
     if resumed:
         state.load_state_dict(resumed["run"])
         sampler.state.load_state_dict(resumed["sampler"])
         scaler.load_state_dict(resumed["scaler"])
+        apply_settings(optimizer, t)  # the config's weight decay, betas and eps win
+    record_start(cfg, world, hosts)  # only a start that goes ahead replaces config/provenance
+    log.info(f"model ready: peak memory {peak_memory_gib(world.device):.2f} GiB on this rank")
+    job = Job(model, optimizer, scaler, checkpointer, sampler, state, train_data, val_data, accum,
+              flops_per_token(config, n_params, seq_len) * t.global_batch_size * seq_len)
+    try:
+        loop(cfg, world, watch, log, job)
+    except BaseException:
+        # An async save in flight uploads on its own group: let it finish (or fail) before the
+        # process group goes, or its collectives are torn down under it.
+        with contextlib.suppress(BaseException):
+            checkpointer.close()
+        raise
+    checkpointer.close()  # the last save completes before the process group goes
+    log.info(f"peak memory: {peak_memory_gib(world.device):.2f} GiB on rank {world.rank}")
+    log.info(f"done: {state.step} steps, {state.tokens:,} tokens; run_dir: {cfg.run_dir}")
+    log.close()
+
+
+@dataclass
+class Job:
+    """Everything the loop works with, built once by run()."""
+
+    model: torch.nn.Module
+    optimizer: torch.optim.Optimizer
+    scaler: torch.amp.GradScaler
+    checkpointer: Checkpointer
+    sampler: StepSampler
+    state: RunState
+    train_data: TokenStream
+    val_data: TokenStream | None
+    accum: int  # micro-batches per rank per step
+    flops_per_step: float
+
+
+def loop(cfg: Config, world: World, watch: Watchdog, log: Log, job: Job) -> None:
+    t, seq_len = cfg.train, cfg.data.seq_len
+    model, optimizer, scaler, checkpointer = job.model, job.optimizer, job.scaler, job.checkpointer
+    sampler, state, val_data = job.sampler, job.state, job.val_data
     metrics = MetricsWriter(cfg.run_dir / "metrics.jsonl" if world.is_main else None, state.step)
     samples = SampleLog(cfg.run_dir / "logs" / f"samples-rank-{world.rank}.jsonl"
                         if t.log_samples else None, state.step)
     tokens_per_step = t.global_batch_size * seq_len
-    meter = Throughput(tokens_per_step, flops_per_token(config, n_params, seq_len) * tokens_per_step,
-                       peak_flops(world.device), world.world_size, state.step, t.max_steps)
-
+    meter = Throughput(tokens_per_step, job.flops_per_step, peak_flops(world.device),
+                       world.world_size, state.step, t.max_steps)
+    faults = Faults.from_env(world)
     control = Control(cfg, world, log)
     reason = "done"
     while state.step < t.max_steps:
         control.beat(state.step)
+        watch.step(state.step + 1)
         lr = lr_at(state.step, t)
         set_lr(optimizer, lr)
         indices = sampler.next_step()
         samples.write(state.step + 1, indices)
-        loss, grad_norm = forward_backward(model, optimizer, scaler, train_data, np.split(indices, accum),
-                                           cfg, world, state.step + 1)
+        loss, grad_norm = forward_backward(model, optimizer, scaler, job.train_data,
+                                           np.split(indices, job.accum), cfg, world,
+                                           faults.loss_factor(state.step + 1))
+        faults.maybe_hang(state.step + 1)
+        watch.at_sync()
         verdict = control.agree(finite(loss, grad_norm, cfg))
+        watch.idle()
         if verdict.nonfinite:
-            skip_step(optimizer, state, indices, t, log)
+            skip_step(optimizer, scaler, state, indices, t, log)
         else:
             optimizer_step(optimizer, scaler)
             state.bad_in_a_row = 0
@@ -135,36 +190,45 @@ def run(cfg: Config, world: World) -> None:
         state.tokens += tokens_per_step
         meter.step()
         checkpointer.poll()
+        if watch.starting:
+            log.info(watch.started())
 
         if due(state.step, t.log_every, t.max_steps):
-            loss, grad_norm = distributed.all_mean([loss.item(), float(grad_norm)], world.device)
-            speed = meter.read(state.step)
-            metrics.write({"kind": "train", "step": state.step, "loss": loss, "lr": lr,
-                           "grad_norm": grad_norm, "tokens": state.tokens, **speed,
-                           "peak_mem_gib": peak_memory_gib(world.device),
-                           "skipped_steps": state.skipped})
-            log.info(progress_line(state.step, t.max_steps, loss, lr, speed["tokens_per_sec"],
-                                   speed["eta_s"]))
+            log_step(metrics, log, meter.read(state.step), state, loss, grad_norm, lr, t, world)
         if val_data is not None and t.eval_every and due(state.step, t.eval_every, t.max_steps):
-            eval_loss = evaluate(model, val_data, cfg, world)
+            with meter.paused():
+                eval_loss = evaluate(model, val_data, cfg, world)
             metrics.write({"kind": "eval", "step": state.step, "eval_loss": eval_loss})
             log.info(f"eval step {state.step}: eval_loss {eval_loss:.4f}")
-            meter.pause()
-        if due(state.step, t.checkpoint_every, t.max_steps) or verdict.save or verdict.stop:
-            checkpointer.save(state.step, model, optimizer, {
-                "run": state.state_dict(), "sampler": sampler.state.state_dict(),
-                "scaler": scaler.state_dict()})
-            meter.pause()
+        periodic = t.checkpoint_every > 0 and due(state.step, t.checkpoint_every, t.max_steps)
+        if periodic or verdict.save or verdict.stop:
+            with meter.paused():
+                checkpointer.save(state.step, model, optimizer, {
+                    "run": state.state_dict(), "sampler": sampler.state.state_dict(),
+                    "scaler": scaler.state_dict()})
         if verdict.stop:
             reason = verdict.reason
             log.info(f"stopping at step {state.step} ({reason}); the checkpoint is saved")
             break
-
-    checkpointer.close()  # the last save completes before the process group goes
     control.exit(reason, state.step)
-    log.info(f"done: {state.step} steps, {state.tokens:,} tokens; run_dir: {cfg.run_dir}")
-    for f in (metrics, samples, log):
+    for f in (metrics, samples):
         f.close()
+
+
+def log_step(metrics: MetricsWriter, log: Log, speed: dict, state: RunState, loss, grad_norm,
+             lr: float, t, world: World) -> None:
+    """One metrics line and one progress line: the loss averaged over ranks, and the peak memory
+    of the rank that uses the most (one collective for all of it)."""
+    per_rank = distributed.gather_floats(
+        [loss.item(), float(grad_norm), peak_memory_gib(world.device)], world.device)
+    peak_rank = max(range(world.world_size), key=lambda r: per_rank[r][2])
+    mean_loss = sum(r[0] for r in per_rank) / world.world_size
+    metrics.write({"kind": "train", "step": state.step, "loss": mean_loss, "lr": lr,
+                   "grad_norm": sum(r[1] for r in per_rank) / world.world_size,
+                   "tokens": state.tokens, **speed, "peak_mem_gib": per_rank[peak_rank][2],
+                   "peak_mem_rank": peak_rank, "skipped_steps": state.skipped})
+    log.info(progress_line(state.step, t.max_steps, mean_loss, lr, speed["tokens_per_sec"],
+                           speed["eta_s"]))
 
 
 def due(step: int, every: int, last: int) -> bool:
@@ -173,14 +237,15 @@ def due(step: int, every: int, last: int) -> bool:
 
 
 def forward_backward(model, optimizer, scaler, data: TokenStream, micro_batches, cfg: Config, world: World,
-                     step: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """This rank's micro-batches, gradients reduced on the last; returns (loss, clipped norm)."""
+                     loss_factor: float = 1.0) -> tuple[torch.Tensor, torch.Tensor]:
+    """This rank's micro-batches and their gradients, reduced across ranks (see gradient_sync);
+    returns (mean loss, global gradient norm before clipping)."""
     total = torch.zeros((), device=world.device)
     for i, indices in enumerate(micro_batches):
         batch = to_device(batch_tokens(data, indices, cfg.data.seq_len), world.device)
-        with gradient_sync(model, enabled=i == len(micro_batches) - 1):
+        with gradient_sync(model, i == len(micro_batches) - 1, cfg):
             with autocast(cfg, world.device):
-                loss = lm_loss(model, batch) * _injected_fault(step, world)
+                loss = lm_loss(model, batch) * loss_factor
             scaler.scale(loss / len(micro_batches)).backward()
         total += loss.detach()
     scaler.unscale_(optimizer)
@@ -204,8 +269,10 @@ def finite(loss: torch.Tensor, grad_norm: torch.Tensor, cfg: Config) -> torch.Te
     return ok if cfg.train.precision == "fp16" else ok & torch.isfinite(grad_norm.to(loss.device))
 
 
-def skip_step(optimizer, state: RunState, indices, t, log: Log) -> None:
+def skip_step(optimizer, scaler, state: RunState, indices, t, log: Log) -> None:
     optimizer.zero_grad(set_to_none=True)
+    if scaler.is_enabled():  # fp16: unscale_ ran; the scaler must end this step too, lower
+        scaler.update(scaler.get_scale() * scaler.get_backoff_factor())
     state.skipped += 1
     state.bad_in_a_row += 1
     step = state.step + 1
@@ -220,15 +287,33 @@ def skip_step(optimizer, state: RunState, indices, t, log: Log) -> None:
             f"checkpoint with train.resume")
 
 
-def _injected_fault(step: int, world: World) -> float:
-    """Testing hooks: LLMTRAIN_INJECT_NAN_STEPS="5,6" makes rank 0's loss NaN at those steps;
-    LLMTRAIN_INJECT_HANG_STEP=5 makes the last rank stop participating at step 5."""
-    if os.environ.get("LLMTRAIN_INJECT_HANG_STEP") == str(step) and world.rank == world.world_size - 1:
-        time.sleep(10**6)
-    steps = os.environ.get("LLMTRAIN_INJECT_NAN_STEPS")
-    if steps and world.rank == 0 and str(step) in steps.split(","):
-        return float("nan")
-    return 1.0
+@dataclass(frozen=True)
+class Faults:
+    """Testing hooks, read once from the environment (doc/operations.md):
+    LLMTRAIN_INJECT_NAN_STEPS="5,6" makes rank 0's loss NaN at those steps;
+    LLMTRAIN_INJECT_HANG_STEP=5 makes the last rank stop at step 5, after its backward, where
+    the other ranks wait for it in the step's agreement (as they do under NCCL)."""
+
+    nan_steps: frozenset = frozenset()
+    hang_step: int | None = None
+
+    @classmethod
+    def from_env(cls, world: World) -> "Faults":
+        nan = os.environ.get("LLMTRAIN_INJECT_NAN_STEPS", "")
+        hang = os.environ.get("LLMTRAIN_INJECT_HANG_STEP")
+        return cls(frozenset(int(s) for s in nan.split(",") if s.strip()) if world.is_main else frozenset(),
+                   int(hang) if hang and world.rank == world.world_size - 1 else None)
+
+    def loss_factor(self, step: int) -> float:
+        return float("nan") if step in self.nan_steps else 1.0
+
+    def maybe_hang(self, step: int) -> None:
+        if step == self.hang_step:
+            _injected_fault()
+
+
+def _injected_fault() -> None:
+    time.sleep(10**6)
 
 
 def lm_loss(model, batch: torch.Tensor) -> torch.Tensor:
@@ -260,6 +345,18 @@ def evaluate(model, data: TokenStream, cfg: Config, world: World) -> float:
     return (sums[0] / sums[1]).item() if sums[1] > 0 else float("nan")
 
 
+def check_eval_split(cfg: Config, data: TokenStream | None, world: World) -> None:
+    """Evaluation needs at least one validation sample per rank; fewer gives no loss at all."""
+    if data is None or not cfg.train.eval_every:
+        return
+    available = data.num_samples(cfg.data.seq_len)
+    if min(available, cfg.train.eval_samples) < world.world_size:
+        raise UserError(f"train.eval_samples: evaluation needs at least one validation sample per "
+                        f"rank ({world.world_size}), and the validation split has {available} of "
+                        f"{cfg.data.seq_len} tokens; raise data.validation_fraction or set "
+                        f"train.eval_every: 0")
+
+
 def to_device(batch: np.ndarray, device: torch.device) -> torch.Tensor:
     tensor = torch.from_numpy(batch)
     if device.type == "cuda":
@@ -282,7 +379,8 @@ def check_model_fits(cfg: Config, config, manifest: dict) -> None:
         raise ConfigError(problems)
 
 
-def start_run_dir(cfg: Config, world: World) -> Log:
+def open_run_dir(cfg: Config, world: World) -> tuple[Log, list[str]]:
+    """The run directory and this rank's log; nothing in it is replaced yet (record_start)."""
     run_dir = cfg.run_dir
     try:
         run_dir.mkdir(parents=True, exist_ok=True)
@@ -291,13 +389,24 @@ def start_run_dir(cfg: Config, world: World) -> Log:
                         f"folder on the shared filesystem") from None
     hosts = [None] * world.world_size
     dist.all_gather_object(hosts, hostname())
-    if world.is_main:
-        write_atomic(run_dir / "config.yaml", dump_yaml(cfg))
-        write_atomic(run_dir / "provenance.json",
-                     json.dumps(provenance(world.world_size, hosts), indent=2) + "\n")
     log = Log(world.rank, run_dir / "logs")
     restarts = os.environ.get("SLURM_RESTART_COUNT")
     log.info(f"run_dir: {run_dir} (hosts: {', '.join(sorted(set(hosts)))})"
              + (f"; SLURM_RESTART_COUNT={restarts}" if restarts else ""))
-    return log
+    return log, hosts
 
+
+def record_start(cfg: Config, world: World, hosts: list[str]) -> None:
+    """The resolved config and provenance of this start, once it is accepted (rank 0)."""
+    if world.is_main:
+        write_atomic(cfg.run_dir / "config.yaml", dump_yaml(cfg))
+        write_atomic(cfg.run_dir / "provenance.json",
+                     json.dumps(provenance(world.world_size, hosts), indent=2) + "\n")
+
+
+def describe_parallel(cfg: Config, world: World) -> str:
+    if cfg.parallel.strategy == "hsdp":
+        shard = shard_size(cfg, world.world_size)
+        return (f"hsdp over {world.world_size} ranks ({world.world_size // shard} replicas x "
+                f"{shard}-way shards)")
+    return f"{cfg.parallel.strategy} over {world.world_size} rank(s)"

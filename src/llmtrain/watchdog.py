@@ -1,0 +1,175 @@
+"""One watchdog thread per rank: start-up phases with their own timeout, and stuck steps named
+before the collective timeout kills the process.
+
+    watch = Watchdog(cfg, world)           # first thing in the trainer
+    with watch.phase("loading"): ...       # building, sharding, loading, resuming, first step
+    watch.started(log)                     # start-up done: its phase times go to the log
+    watch.step(n)                          # each step start ...
+    watch.at_sync()                        # ... and where a rank waits for the others
+
+Start-up (reading a 70B checkpoint from a shared filesystem can take many minutes) runs under
+`parallel.startup_timeout_s`; the process group is created with that timeout and switched to
+`parallel.collective_timeout_s` once the first step is done. A start-up that overruns ends the
+rank with one line naming the phase it was in.
+
+During training, NCCL's own watchdog aborts a process whose collective times out before Python
+sees an error, so the diagnosis cannot wait for an exception: at 3/4 of the collective timeout
+this thread records where its rank is ("compute", or "sync": done with its step and waiting in
+the per-step agreement) in its heartbeat file, reads the other ranks' files, and names the ranks
+that never reached the agreement while others wait there. The line goes to stderr and the log
+at once; the gloo path raises it as the error when the collective times out. NCCL's flight
+recorder is switched on (distributed.py), so its dump lands in logs/ next to the stacks.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import socket
+import sys
+import threading
+import time
+from pathlib import Path
+
+from .control import HEARTBEAT_S
+from .rundir import write_atomic
+
+POLL_S = 0.5
+FIRE_AT = 0.75  # share of the collective timeout after which a step counts as stuck
+
+
+class StartupTimeout(Exception):
+    pass
+
+
+class Watchdog:
+    def __init__(self, run_dir: Path, rank: int, world_size: int, startup_timeout_s: int,
+                 collective_timeout_s: int):
+        self.run_dir, self.rank, self.world_size = run_dir, rank, world_size
+        self.startup_timeout_s, self.collective_timeout_s = startup_timeout_s, collective_timeout_s
+        self.heartbeat = run_dir / "logs" / f"heartbeat-rank-{rank}.json"
+        self.log = None  # a rundir.Log once the run directory exists
+        self.t0 = self.phase_end = time.monotonic()
+        self.current: str | None = "starting"
+        self.times: list[tuple[str, float]] = []
+        self.step_no, self.step_t0, self.stage = 0, None, "compute"
+        self.diagnosis: str | None = None
+        self._lock = threading.Lock()
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="llmtrain-watchdog", daemon=True)
+        self._thread.start()
+
+    # -- start-up ----------------------------------------------------------------------------
+
+    @contextlib.contextmanager
+    def phase(self, name: str):
+        self.current, t = name, time.monotonic()
+        yield
+        self.phase_end = time.monotonic()
+        self.times.append((name, self.phase_end - t))
+        self.current = "starting"
+
+    def step(self, step: int) -> None:
+        if self.current is not None and not any(n == "first step" for n, _ in self.times):
+            self.current = "first step"
+        self.step_no, self.step_t0, self.stage = step, time.monotonic(), "compute"
+
+    @property
+    def starting(self) -> bool:
+        return self.current is not None
+
+    def started(self) -> str:
+        """Start-up is over (after the first step): switch the process group to the collective
+        timeout; return the phase times as one line for the log."""
+        now = time.monotonic()
+        self.times.append(("first step", now - self.phase_end))
+        self.current = None
+        _set_group_timeout(self.collective_timeout_s)
+        total = now - self.t0
+        phases = ", ".join(f"{name} {seconds:.1f}s" for name, seconds in self.times)
+        return f"start-up took {total:.1f}s: {phases}"
+
+    # -- steps -------------------------------------------------------------------------------
+
+    def at_sync(self) -> None:
+        self.stage = "sync"
+
+    def idle(self) -> None:
+        """Between steps (evaluation, checkpoints): not watched."""
+        self.step_t0 = None
+
+    def close(self) -> None:
+        self._stop.set()
+
+    # -- the thread --------------------------------------------------------------------------
+
+    def _run(self) -> None:
+        while not self._stop.wait(POLL_S):
+            now = time.monotonic()
+            if self.current is not None and now - self.t0 > self.startup_timeout_s:
+                self._emit(f"error: start-up did not finish within parallel.startup_timeout_s="
+                           f"{self.startup_timeout_s}s: rank {self.rank} on {socket.gethostname()} "
+                           f"was in phase '{self.current}'; raise parallel.startup_timeout_s if the "
+                           f"filesystem is slow, or see logs/rank-{self.rank}.log")
+                os._exit(1)
+            started = self.step_t0
+            if (started is not None and self.current is None and self.diagnosis is None
+                    and now - started > FIRE_AT * self.collective_timeout_s):
+                self.diagnose()
+                self._emit(f"warning: {self.diagnosis}")
+
+    def diagnose(self) -> str:
+        """Name the ranks that hold up the step (once; later calls return the same line)."""
+        with self._lock:
+            if self.diagnosis is None:
+                self.diagnosis = self._diagnose()
+            return self.diagnosis
+
+    def _diagnose(self) -> str:
+        write_atomic(self.heartbeat, json.dumps({
+            "step": self.step_no, "stage": self.stage, "host": socket.gethostname(),
+            "time": time.time(), "stalled": True}))
+        time.sleep(HEARTBEAT_S + 1)  # the other ranks' watchdogs fire at about the same time
+        beats = {}
+        for rank in range(self.world_size):
+            try:
+                beats[rank] = json.loads((self.run_dir / "logs" / f"heartbeat-rank-{rank}.json").read_text())
+            except (OSError, ValueError):
+                beats[rank] = None
+        waiting = [r for r, b in beats.items() if b and b.get("stage") == "sync"
+                   and b.get("step") == self.step_no]
+        head = (f"a collective did not complete within parallel.collective_timeout_s="
+                f"{self.collective_timeout_s}s")
+        if waiting:
+            stuck = []
+            for rank, beat in beats.items():
+                if rank in waiting:
+                    continue
+                if beat is None:
+                    stuck.append(f"rank {rank} (never reported)")
+                else:
+                    stuck.append(f"rank {rank} on {beat['host']} (last heartbeat "
+                                 f"{time.time() - beat['time']:.0f}s ago, at step {beat['step']})")
+            if stuck:
+                return (f"{head}: {', '.join(stuck)} stopped participating: stuck or dead; its "
+                        f"stack dump is in {self.run_dir}/logs/rank-N.log")
+        return (f"{head}: no rank finished step {self.step_no}, so a collective inside the "
+                f"forward/backward is stuck; stack dumps are in {self.run_dir}/logs/rank-*.log "
+                f"(and NCCL's flight recorder dumps, on GPUs)")
+
+    def _emit(self, line: str) -> None:
+        os.write(sys.stderr.fileno(), (line + "\n").encode())
+        log = self.log
+        if log is not None and log.file is not None:
+            with contextlib.suppress(ValueError):  # closed at the very end
+                log.file.write(f"{time.strftime('%Y-%m-%d %H:%M:%S')} [rank {self.rank}] {line}\n")
+
+
+def _set_group_timeout(seconds: int) -> None:
+    import datetime
+
+    import torch.distributed as dist
+    from torch.distributed import distributed_c10d as c10d
+    if dist.is_initialized() and hasattr(c10d, "_set_pg_timeout"):  # private, present 2.11-2.13
+        c10d._set_pg_timeout(datetime.timedelta(seconds=seconds))

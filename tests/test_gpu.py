@@ -1,0 +1,194 @@
+"""The CUDA paths on one GPU, end to end through the CLI: nccl, bf16/fp16, async saves, MFU, loading.
+
+    bash tests/gpu.sh run          # on a machine with a GPU (see the script for carried wheels)
+    python -m pytest -m gpu -v tests/test_gpu.py
+
+Skipped where torch sees no CUDA device, so CI (CPU only) stays green. The model is wider than
+tiny_config's (256 wide, 4 layers, 128 tokens) so that the GPU kernels (SDPA, fused AdamW,
+autocast matmuls) do real work, and small enough that each test stays under a minute.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import re
+
+import pytest
+import torch
+import yaml
+from transformers import AutoTokenizer, LlamaConfig, LlamaForCausalLM
+
+from conftest import (DEMO, assert_same_curve, env_with, llmtrain, prepared_home, read_metrics,
+                      tiny_config, torchrun)
+from llmtrain.metrics import PEAK_FLOPS
+
+pytestmark = [
+    pytest.mark.gpu,
+    pytest.mark.skipif(not torch.cuda.is_available(),
+                       reason="needs CUDA: torch.cuda.is_available() is false on this machine"),
+]
+
+STEPS = 12
+
+
+def small_config(**sections) -> dict:
+    """tiny_config widened for a GPU: 256 wide, 4 layers, 128-token samples, 16 per step."""
+    wider = {"data": {"seq_len": 128},
+             "train": {"max_steps": STEPS, "global_batch_size": 16, "micro_batch_size": 8,
+                       "eval_every": 6, "checkpoint_every": 6},
+             "slurm": {"gpus_per_node": 1, "procs_per_node": 1}}
+    for name, values in sections.items():
+        wider[name] = {**wider.get(name, {}), **values}
+    cfg = tiny_config(**wider)
+    cfg["model"]["architecture"].update(hidden_size=256, intermediate_size=512, num_hidden_layers=4,
+                                        max_position_embeddings=128)
+    return cfg
+
+
+@pytest.fixture(scope="module")
+def setup(tmp_path_factory):
+    with prepared_home(tmp_path_factory, "gpu", small_config()) as home:
+        yield home
+
+
+def run_dir(setup, name):
+    return setup[0] / "home" / "runs" / name
+
+
+def rank0_log(run_dir) -> str:
+    return (run_dir / "logs" / "rank-0.log").read_text()
+
+
+def assert_trains(run_dir, steps: int = STEPS) -> list[dict]:
+    """Every step logged, finite losses, clearly falling from ~ln(479) = 6.2; the train lines."""
+    train = [r for r in read_metrics(run_dir) if r["kind"] == "train"]
+    assert [r["step"] for r in train] == list(range(1, steps + 1))
+    curve = [r["loss"] for r in train]
+    assert all(math.isfinite(x) for x in curve), curve
+    assert curve[0] > 5.5 and curve[-1] < curve[0] - 1.0, curve
+    return train
+
+
+def test_nccl_world_of_one_trains_on_cuda(setup):
+    _, config = setup
+    torchrun(1, "train", "--config", config, "--set", "run.name=nccl", "--set", "parallel.backend=nccl")
+    d = run_dir(setup, "nccl")
+    train = assert_trains(d)
+    assert all(r["peak_mem_gib"] > 0 for r in train)
+    assert [r["step"] for r in read_metrics(d) if r["kind"] == "eval"] == [6, 12]
+    assert re.search(r"\bon cuda\b", rank0_log(d)), rank0_log(d)
+    assert json.loads((d / "provenance.json").read_text())["world_size"] == 1
+
+
+def test_fsdp_bf16_trains_and_matches_fp32_at_the_start(setup):
+    _, config = setup
+    fsdp = ("--set", "parallel.strategy=fsdp")
+    torchrun(1, "train", "--config", config, *fsdp, "--set", "run.name=fsdp-bf16",
+             "--set", "train.precision=bf16")
+    # Three steps: the losses of steps 1-3 come before the cosine part of the schedule, so they
+    # do not depend on max_steps; at initialisation any weights give ~ln(vocab), so steps 2 and
+    # 3 are what show that bf16 trains the same weights with the same gradients.
+    torchrun(1, "train", "--config", config, *fsdp, "--set", "run.name=fsdp-fp32",
+             "--set", "train.precision=fp32", "--set", "train.tf32=false", "--set", "train.max_steps=3",
+             "--set", "train.eval_every=0")
+    bf16 = [r["loss"] for r in assert_trains(run_dir(setup, "fsdp-bf16"))]
+    fp32 = [r["loss"] for r in read_metrics(run_dir(setup, "fsdp-fp32")) if r["kind"] == "train"]
+    assert len(fp32) == 3 and max(abs(a - b) for a, b in zip(bf16, fp32)) < 2e-2, (bf16[:3], fp32)
+
+
+def test_fp16_survives_an_overflow_with_the_loss_scaler(setup):
+    _, config = setup
+    proc = llmtrain("train", "--config", config, "--set", "run.name=fp16", "--set", "train.precision=fp16",
+                    env=env_with(LLMTRAIN_INJECT_NAN_STEPS="3"))
+    assert proc.returncode == 0, proc.stderr
+    d = run_dir(setup, "fp16")
+    train = [r for r in read_metrics(d) if r["kind"] == "train"]
+    assert [r["step"] for r in train] == list(range(1, STEPS + 1))
+    assert [r["skipped_steps"] for r in train] == [0, 0] + [1] * (STEPS - 2)
+    assert "warning: step 3: non-finite loss or gradient norm" in rank0_log(d)
+    curve = [r["loss"] for r in train if r["step"] != 3]
+    assert all(math.isfinite(x) for x in curve), curve
+    assert curve[-1] < curve[0] - 1.0, curve
+
+
+def test_async_checkpoints_from_pinned_memory_resume_exactly(setup):
+    _, config = setup
+    # A constant learning rate (min_lr = lr, no warmup), so that raising max_steps on resume
+    # changes no step's lr; eager attention, so that backward is deterministic on CUDA.
+    common = ["--set", "parallel.strategy=fsdp", "--set", "train.async_checkpoint=true",
+              "--set", "train.checkpoint_every=3", "--set", "train.eval_every=3",
+              "--set", "train.warmup_steps=0", "--set", "train.min_lr=3e-3",
+              "--set", "model.attn_implementation=eager"]
+    torchrun(1, "train", "--config", config, *common, "--set", "run.name=async-ref")
+    torchrun(1, "train", "--config", config, *common, "--set", "run.name=async", "--set", "train.max_steps=6")
+
+    d = run_dir(setup, "async")
+    ckpts = d / "checkpoints"
+    assert (ckpts / "latest").read_text().strip() == "step-00000006"
+    for name in ("step-00000003", "step-00000006"):
+        assert json.loads((ckpts / name / "meta.json").read_text())["step"] == int(name[len("step-"):])
+    assert not list(ckpts.glob(".tmp-*"))
+
+    torchrun(1, "train", "--config", config, *common, "--set", "run.name=async")
+    assert "resumed from" in rank0_log(d) and "step-00000006 (step 6" in rank0_log(d)
+    assert (ckpts / "latest").read_text().strip() == "step-00000012"
+    assert (ckpts / "step-00000012" / "meta.json").is_file()
+    assert_same_curve(d, run_dir(setup, "async-ref"), tol=1e-6)  # train and eval, steps 1-12
+
+
+def test_mfu_is_in_the_metrics_on_a_known_gpu(setup):
+    _, config = setup
+    name = torch.cuda.get_device_name(0)
+    if not any(k in name for k in PEAK_FLOPS):
+        pytest.skip(f"no peak FLOP/s known for {name!r} in llmtrain.metrics.PEAK_FLOPS")
+    llmtrain("train", "--config", config, "--set", "run.name=mfu", "--set", "train.precision=bf16",
+             "--set", "train.log_every=3", check=True)
+    train = [r for r in read_metrics(run_dir(setup, "mfu")) if r["kind"] == "train"]
+    assert [r["step"] for r in train] == [3, 6, 9, 12]
+    assert all(0 < r["mfu"] < 1 for r in train), [r.get("mfu") for r in train]
+
+
+def sharded_pretrained(folder) -> LlamaForCausalLM:
+    """A seeded Llama saved in bf16 as several safetensors files with an index, and its tokenizer."""
+    torch.manual_seed(0)
+    # initializer_range 0.1, not 0.02: near-zero logits give ~ln(vocab) whatever the weights,
+    # while these give a loss that moves by ~4e-2 with the seed, 40x the test's tolerance.
+    config = LlamaConfig(vocab_size=512, hidden_size=256, intermediate_size=512, num_hidden_layers=4,
+                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=128,
+                         tie_word_embeddings=False, initializer_range=0.1)
+    model = LlamaForCausalLM(config).to(torch.bfloat16)
+    model.save_pretrained(folder, max_shard_size="2MB")  # ~5 MB of bf16: 3 or more files
+    tokenizer = AutoTokenizer.from_pretrained(DEMO / "tokenizer")
+    assert len(tokenizer) <= config.vocab_size
+    tokenizer.save_pretrained(folder)
+    return model
+
+
+def test_sharded_bf16_pretrained_folder_starts_as_on_cpu(tmp_path, monkeypatch):
+    """First-step loss from a multi-file bf16 folder under FSDP2 on the GPU equals a CPU run's."""
+    monkeypatch.setenv("LLMTRAIN_HOME", str(tmp_path / "home"))
+    model_dir = tmp_path / "model"
+    sharded_pretrained(model_dir)
+    shards = sorted(model_dir.glob("model-*-of-*.safetensors"))
+    index = json.loads((model_dir / "model.safetensors.index.json").read_text())
+    assert len(shards) >= 2 and set(index["weight_map"].values()) == {p.name for p in shards}
+
+    # tf32 off: compare fp32 with fp32, not with TF32 matmuls (~1e-3 relative error)
+    train = {"max_steps": 2, "warmup_steps": 0, "eval_every": 0, "precision": "fp32", "tf32": False}
+    cfg = small_config(train=train, parallel={"strategy": "fsdp"},
+                       slurm={"gpus_per_node": 0, "procs_per_node": 1})
+    cfg["model"] = {"name_or_path": str(model_dir)}
+    path = tmp_path / "c.yaml"
+    path.write_text(yaml.safe_dump(cfg))
+    llmtrain("prepare", "--config", path, check=True)
+
+    runs = tmp_path / "home" / "runs"
+    torchrun(1, "train", "--config", path, "--set", "run.name=gpu", "--set", "slurm.gpus_per_node=1")
+    llmtrain("train", "--config", path, "--set", "run.name=cpu", check=True,
+             env=env_with(CUDA_VISIBLE_DEVICES=""))
+    assert re.search(r"\bon cuda\b", rank0_log(runs / "gpu"))
+    assert re.search(r"\bon cpu\b", rank0_log(runs / "cpu"))  # the reference really ran on CPU
+    gpu, cpu = read_metrics(runs / "gpu")[0], read_metrics(runs / "cpu")[0]
+    assert gpu["step"] == cpu["step"] == 1
+    assert abs(gpu["loss"] - cpu["loss"]) < 1e-3, (gpu["loss"], cpu["loss"])
