@@ -4,10 +4,11 @@
 #   bash tests/gpu.sh wheels   # here, where pip reaches PyPI: the wheels that machine lacks -> .whl/
 #   bash tests/gpu.sh run      # there, in the repo root: install .whl/ into /tmp/site, run the tests
 #
-# That machine's Python already has torch, transformers, pytest and the rest (its package list:
-# /work/.library/device/KINDS.md); it lacks `datasets` (llmtrain prepare) with dill and
-# multiprocess, and submitit. fsspec is carried too, at the version datasets was tested with
-# here (datasets caps it). setup.sh cannot run there: no registry.
+# .whl/ is git-ignored (.git/info/exclude), so a call of the device tool names it in `carry`.
+# That machine's Python already has torch, transformers, pytest, pyarrow, xxhash and the rest;
+# it lacks `datasets` (llmtrain prepare) with dill and multiprocess, and submitit. fsspec is
+# carried too, at the version datasets was tested with here (datasets caps it). setup.sh cannot
+# run there: no registry.
 set -euo pipefail
 
 REPO="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"

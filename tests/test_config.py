@@ -59,6 +59,13 @@ BROKEN = [
      "slurm.procs_per_node: set it on CPU-only nodes (slurm.gpus_per_node is 0)"),
     ({"train": {"micro_batch_size": 0}},
      "train.micro_batch_size: must be > 0 (got 0)"),
+    ({"parallel": {"strategy": "hsdp", "shard_size": 3}},
+     "parallel.shard_size: must divide the world size 2 (got 3); hsdp shards within groups of "
+     "shard_size ranks and replicates across them"),
+    ({"parallel": {"shard_size": 2}},
+     "parallel.shard_size: only used with parallel.strategy: hsdp (got strategy ddp)"),
+    ({"parallel": {"startup_timeout_s": 5}},
+     "parallel.startup_timeout_s: must be >= 10 (got 5)"),
     ({"model": {"name_or_path": "/models/llama"}},
      "model.name_or_path: set exactly one of model.name_or_path (pretrained) and "
      "model.architecture (from scratch)"),

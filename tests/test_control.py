@@ -121,3 +121,23 @@ def test_a_rank_that_stops_participating_is_named_within_the_timeout(setup):
     assert elapsed < 10 + 40  # the timeout, the diagnosis, the shutdown: not the wall time
     # faulthandler's watchdog dumped the stuck rank's stacks into its own log.
     assert "_injected_fault" in (run_dir / "logs" / "rank-1.log").read_text()
+
+
+def test_a_start_up_that_overruns_its_timeout_names_the_phase(setup):
+    """Start-up has its own timeout: the last rank stops in the first step (part of start-up),
+    and both ranks end with the phase named, long before the collective timeout (600 s)."""
+    root, config = setup
+    env = {**os.environ, "LLMTRAIN_INJECT_HANG_STEP": "1"}
+    t0 = time.monotonic()
+    proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone",
+                           "--nproc-per-node", "2", "--shutdown-timeout", "5", "-m", "llmtrain",
+                           "train", "--config", str(config), "--set", "run.name=slow-start",
+                           "--set", "parallel.startup_timeout_s=10"],
+                          capture_output=True, text=True, env=env, timeout=120)
+    assert proc.returncode != 0
+    assert time.monotonic() - t0 < 10 + 40
+    lines = {x for x in proc.stderr.splitlines() if x.startswith("error: start-up")}
+    assert any(x.startswith("error: start-up did not finish within parallel.startup_timeout_s=10s: "
+                            "rank 1 on ") and "was in phase 'first step'" in x for x in lines), lines
+    log = (root / "home" / "runs" / "slow-start" / "logs" / "rank-1.log").read_text()
+    assert "was in phase 'first step'" in log

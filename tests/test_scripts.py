@@ -16,7 +16,7 @@ import yaml
 from conftest import REPO, read_metrics, tiny_config
 
 SCRIPTS = ["setup.sh", "submit.sh", "download_data_model.sh", "train.slurm", "lib/find-env.sh",
-           "cluster/local-cluster.sh", ".ci/run"]
+           "cluster/local-cluster.sh", ".ci/run", "tests/gpu.sh"]
 USER_SCRIPTS = ["setup.sh", "submit.sh", "download_data_model.sh"]
 pytestmark = pytest.mark.slow
 

@@ -166,6 +166,8 @@ def test_fp16_survives_an_overflow_step(setup):
     train = [r for r in read_metrics(run_dir(setup, "fp16")) if r["kind"] == "train"]
     assert [r["step"] for r in train] == list(range(1, 9))
     assert train[-1]["skipped_steps"] == 1 and train[-1]["loss"] < train[0]["loss"] - 0.5
+    scales = [r["loss_scale"] for r in train]
+    assert scales[2] <= scales[1] / 2  # the skipped step lowered the scale (65536 at the start)
     assert "warning: step 3: non-finite loss or gradient norm on some rank; step skipped" in proc.stdout
 
 

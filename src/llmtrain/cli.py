@@ -46,7 +46,7 @@ def error_lines(lines: list[str]) -> None:
 
 def parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(prog="llmtrain", description="Train Hugging Face causal LMs "
-                                 "with DDP or FSDP2, on a laptop or a Slurm cluster.")
+                                 "with DDP, FSDP2 or HSDP, on a laptop or a Slurm cluster.")
     sub = ap.add_subparsers(required=True, metavar="COMMAND")
 
     p = sub.add_parser("check-config", help="validate a config without importing torch")

@@ -92,6 +92,6 @@ def teardown() -> None:
 def gather_floats(values: list[float], device: torch.device) -> list[list[float]]:
     """Every rank's `values`, indexed by rank (one collective for all of them)."""
     mine = torch.tensor(values, dtype=torch.float64, device=device)
-    out = torch.empty(dist.get_world_size() * len(values), dtype=torch.float64, device=device)
-    dist.all_gather_into_tensor(out, mine)
-    return out.view(-1, len(values)).tolist()
+    out = [torch.empty_like(mine) for _ in range(dist.get_world_size())]
+    dist.all_gather(out, mine)
+    return torch.stack(out).tolist()

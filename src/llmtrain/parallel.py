@@ -8,9 +8,9 @@ mesh, sharded within a group of `parallel.shard_size` ranks and replicated acros
 rank's shards are allocated on its device, and then each rank fills in only what it owns:
 
 - from scratch, module by module: one module's full weights are initialised on the device from a
-  seed derived from `train.seed` and the module's name, and the rank keeps its slice. The values
-  depend on neither the world size nor the strategy, so DDP, FSDP, HSDP and a single process
-  start identical, and a run resumed on another world size continues the same model;
+  seed derived from `train.seed` and the module's name, and the rank keeps its slice. On one
+  device type (CUDA and CPU generators differ) the values depend on neither the world size nor
+  the strategy, so DDP, FSDP, HSDP and a single process start identical;
 - pretrained: each rank reads only the slices it owns from the model's safetensors files
   (`model.safetensors` or the shards named by `model.safetensors.index.json`), in the stored
   dtype, and upcasts them slice by slice.

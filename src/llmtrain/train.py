@@ -194,7 +194,8 @@ def loop(cfg: Config, world: World, watch: Watchdog, log: Log, job: Job) -> None
             log.info(watch.started())
 
         if due(state.step, t.log_every, t.max_steps):
-            log_step(metrics, log, meter.read(state.step), state, loss, grad_norm, lr, t, world)
+            log_step(metrics, log, meter.read(state.step), state, loss, grad_norm, lr, t, world,
+                     scaler)
         if val_data is not None and t.eval_every and due(state.step, t.eval_every, t.max_steps):
             with meter.paused():
                 eval_loss = evaluate(model, val_data, cfg, world)
@@ -216,9 +217,10 @@ def loop(cfg: Config, world: World, watch: Watchdog, log: Log, job: Job) -> None
 
 
 def log_step(metrics: MetricsWriter, log: Log, speed: dict, state: RunState, loss, grad_norm,
-             lr: float, t, world: World) -> None:
+             lr: float, t, world: World, scaler) -> None:
     """One metrics line and one progress line: the loss averaged over ranks, and the peak memory
-    of the rank that uses the most (one collective for all of it)."""
+    of the rank that uses the most (one collective for all of it). fp16 adds the loss scale: the
+    scaler skips a step with inf/NaN gradients by itself and halves it, which shows there."""
     per_rank = distributed.gather_floats(
         [loss.item(), float(grad_norm), peak_memory_gib(world.device)], world.device)
     peak_rank = max(range(world.world_size), key=lambda r: per_rank[r][2])
@@ -226,7 +228,8 @@ def log_step(metrics: MetricsWriter, log: Log, speed: dict, state: RunState, los
     metrics.write({"kind": "train", "step": state.step, "loss": mean_loss, "lr": lr,
                    "grad_norm": sum(r[1] for r in per_rank) / world.world_size,
                    "tokens": state.tokens, **speed, "peak_mem_gib": per_rank[peak_rank][2],
-                   "peak_mem_rank": peak_rank, "skipped_steps": state.skipped})
+                   "peak_mem_rank": peak_rank, "skipped_steps": state.skipped,
+                   **({"loss_scale": scaler.get_scale()} if scaler.is_enabled() else {})})
     log.info(progress_line(state.step, t.max_steps, mean_loss, lr, speed["tokens_per_sec"],
                            speed["eta_s"]))
 
