@@ -355,7 +355,7 @@ def check_eval_split(cfg: Config, data: TokenStream | None, world: World) -> Non
     available = data.num_samples(cfg.data.seq_len)
     if min(available, cfg.train.eval_samples) < world.world_size:
         raise UserError(f"train.eval_samples: evaluation needs at least one validation sample per "
-                        f"rank ({world.world_size}), and the validation split has {available} of "
+                        f"rank ({world.world_size}), and the validation split has {available} samples of "
                         f"{cfg.data.seq_len} tokens; raise data.validation_fraction or set "
                         f"train.eval_every: 0")
 
