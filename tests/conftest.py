@@ -85,12 +85,19 @@ def llmtrain(*args: str, check: bool = False, timeout: float = 300, env: dict | 
 
 def torchrun(nproc: int, *args: str, timeout: float = 300):
     """`torchrun --standalone --nproc-per-node N -m llmtrain ARGS`, checked."""
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node",
-           str(nproc), "-m", "llmtrain", *map(str, args)]
-    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout)
+    proc = torchrun_unchecked(nproc, *args, timeout=timeout)
     if proc.returncode != 0:
         raise AssertionError(f"torchrun exited {proc.returncode}:\n{proc.stdout}\n{proc.stderr}")
     return proc
+
+
+def torchrun_unchecked(nproc: int, *args: str, env: dict | None = None, timeout: float = 300):
+    """The same for runs meant to fail (extra environment variables in `env`): the
+    CompletedProcess; workers left behind by a failure get 5 s to go."""
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node",
+           str(nproc), "--shutdown-timeout", "5", "-m", "llmtrain", *map(str, args)]
+    return subprocess.run(cmd, capture_output=True, text=True, timeout=timeout,
+                          env={**os.environ, **env} if env else None)
 
 
 def read_metrics(run_dir: Path) -> list[dict]:

@@ -122,12 +122,13 @@ def test_fsdp_accumulation_keeps_only_gradient_shards(setup, monkeypatch):
         return max(r["peak_mem_gib"] for r in read_metrics(run_dir(setup, run)) if r["kind"] == "train")
 
     grads = 29.4e6 * 4 / 2**30  # the model's full fp32 gradients (= its size in fp32)
-    layer = (4 * 512**2 + 3 * 512 * 1408) * 4 / 2**30  # one decoder layer's
     peaks = {run: peak(run) for run in ("acc1", "acc4", "acc4-nosync")}
-    # Measured here: accumulation 4 peaks 14-17% of the model's fp32 size above accumulation 1
-    # (8 and 16 layers; doc/benchmarks.md), deferred reduction 39-50%: the full gradients.
-    assert peaks["acc4"] - peaks["acc1"] < 0.25 * grads, peaks
-    assert peaks["acc4-nosync"] - peaks["acc4"] > grads / 2 - 2 * layer, peaks
+    # Accumulating must hold this rank's gradient shard (grads / world) through the later
+    # micro-batches' forwards, less the activations micro-batches of 1 save: at most 1/world of
+    # the model (1/64 on 64 GPUs), where the full gradients were held before.
+    assert peaks["acc4"] - peaks["acc1"] < grads / 2, peaks
+    # Deferred reduction holds the full gradients: the other rank's half on top of the shard.
+    assert peaks["acc4-nosync"] - peaks["acc4"] > grads / 4, peaks
     assert_same_curve(run_dir(setup, "acc4"), run_dir(setup, "acc4-ddp"), tol=1e-5)
     assert_same_curve(run_dir(setup, "acc4-nosync"), run_dir(setup, "acc4-ddp"), tol=1e-5)
 

@@ -11,11 +11,11 @@ import sys
 import time
 from pathlib import Path
 
-import numpy as np
 import pytest
 import torch
 
-from conftest import DEMO, llmtrain, prepared_home, losses, read_metrics, tiny_config, torchrun
+from conftest import (DEMO, llmtrain, prepared_home, losses, read_metrics, tiny_config, torchrun,
+                      torchrun_unchecked)
 from llmtrain.config import load_config
 from llmtrain.data import StepSampler, TokenStream, open_prepared
 
@@ -161,13 +161,10 @@ def test_an_error_with_an_async_save_in_flight_lets_the_save_complete(setup):
     """The step after an async checkpoint fails: the checkpoint still completes (meta.json,
     `latest`) before the process group goes, and the error is one line."""
     root, config = setup
-    env = {**os.environ, "LLMTRAIN_INJECT_NAN_STEPS": "6"}
-    proc = subprocess.run(
-        [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
-         "-m", "llmtrain", "train", "--config", str(config), "--set", "run.name=async-error",
-         "--set", "parallel.strategy=fsdp", "--set", "train.async_checkpoint=true",
-         "--set", "train.max_bad_steps=0", "--set", "train.eval_every=0"],
-        capture_output=True, text=True, env=env, timeout=240)
+    proc = torchrun_unchecked(2, "train", "--config", config, "--set", "run.name=async-error",
+                              "--set", "parallel.strategy=fsdp", "--set", "train.async_checkpoint=true",
+                              "--set", "train.max_bad_steps=0", "--set", "train.eval_every=0",
+                              env={"LLMTRAIN_INJECT_NAN_STEPS": "6"}, timeout=240)
     assert proc.returncode != 0
     errors = {x for x in proc.stderr.splitlines() if x.startswith("error:")}
     assert errors == {"error: training stopped at step 6: 1 steps in a row had a non-finite loss "

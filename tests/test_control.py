@@ -11,8 +11,9 @@ from pathlib import Path
 
 import pytest
 
-from conftest import llmtrain, prepared_home, losses, read_metrics, tiny_config, torchrun
-from test_checkpoint import kill_when, logged_step
+from conftest import (llmtrain, prepared_home, losses, read_metrics, tiny_config, torchrun,
+                      torchrun_unchecked)
+from test_checkpoint import logged_step
 
 pytestmark = pytest.mark.slow
 
@@ -82,11 +83,9 @@ def test_a_non_finite_step_is_skipped_and_logged(setup):
 
 def test_too_many_non_finite_steps_stop_with_a_diagnostic(setup):
     root, config = setup
-    env = {**os.environ, "LLMTRAIN_INJECT_NAN_STEPS": "4,5,6,7,8"}
-    proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone",
-                           "--nproc-per-node", "2", "-m", "llmtrain", "train", "--config", str(config),
-                           "--set", "run.name=nan-many", "--set", "train.checkpoint_every=2"],
-                          capture_output=True, text=True, env=env)
+    proc = torchrun_unchecked(2, "train", "--config", config, "--set", "run.name=nan-many",
+                              "--set", "train.checkpoint_every=2",
+                              env={"LLMTRAIN_INJECT_NAN_STEPS": "4,5,6,7,8"})
     assert proc.returncode != 0
     errors = {x for x in proc.stderr.splitlines() if x.startswith("error:")}
     assert errors == {"error: training stopped at step 7: 4 steps in a row had a non-finite loss or "
@@ -99,13 +98,10 @@ def test_too_many_non_finite_steps_stop_with_a_diagnostic(setup):
 
 def test_a_rank_that_stops_participating_is_named_within_the_timeout(setup):
     root, config = setup
-    env = {**os.environ, "LLMTRAIN_INJECT_HANG_STEP": "6"}
     t0 = time.monotonic()
-    proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone",
-                           "--nproc-per-node", "2", "--shutdown-timeout", "5", "-m", "llmtrain",
-                           "train", "--config", str(config), "--set", "run.name=hang",
-                           "--set", "parallel.collective_timeout_s=10"],
-                          capture_output=True, text=True, env=env, timeout=120)
+    proc = torchrun_unchecked(2, "train", "--config", config, "--set", "run.name=hang",
+                              "--set", "parallel.collective_timeout_s=10",
+                              env={"LLMTRAIN_INJECT_HANG_STEP": "6"}, timeout=120)
     elapsed = time.monotonic() - t0
     assert proc.returncode != 0
     run_dir = root / "home" / "runs" / "hang"
@@ -127,13 +123,10 @@ def test_a_start_up_that_overruns_its_timeout_names_the_phase(setup):
     """Start-up has its own timeout: the last rank stops in the first step (part of start-up),
     and both ranks end with the phase named, long before the collective timeout (600 s)."""
     root, config = setup
-    env = {**os.environ, "LLMTRAIN_INJECT_HANG_STEP": "1"}
     t0 = time.monotonic()
-    proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone",
-                           "--nproc-per-node", "2", "--shutdown-timeout", "5", "-m", "llmtrain",
-                           "train", "--config", str(config), "--set", "run.name=slow-start",
-                           "--set", "parallel.startup_timeout_s=10"],
-                          capture_output=True, text=True, env=env, timeout=120)
+    proc = torchrun_unchecked(2, "train", "--config", config, "--set", "run.name=slow-start",
+                              "--set", "parallel.startup_timeout_s=10",
+                              env={"LLMTRAIN_INJECT_HANG_STEP": "1"}, timeout=120)
     assert proc.returncode != 0
     assert time.monotonic() - t0 < 10 + 40
     lines = {x for x in proc.stderr.splitlines() if x.startswith("error: start-up")}

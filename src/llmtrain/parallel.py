@@ -139,8 +139,9 @@ def _local(tensor) -> torch.Tensor:
 
 @torch.no_grad()
 def init_from_scratch(model: torch.nn.Module, reference: torch.nn.Module, seed: int,
-                      device: torch.device) -> None:
-    """Initialise every parameter with HF's `_init_weights`, one module at a time.
+                      device: torch.device) -> int:
+    """Initialise every parameter with HF's `_init_weights`, one module at a time; return the
+    most bytes held at full size at once (the largest module).
 
     Each module that owns parameters is copied at full size from the meta `reference`, put on
     the device, initialised under a seed made of `seed` and its name, and each rank copies its
@@ -148,12 +149,14 @@ def init_from_scratch(model: torch.nn.Module, reference: torch.nn.Module, seed: 
     """
     params = dict(model.named_parameters())  # duplicates (ties) removed: first name wins
     done: set[str] = set()
+    largest = 0
     for name in params:
         module_name, _, _ = name.rpartition(".")
         if module_name in done:
             continue
         done.add(module_name)
         full = copy.deepcopy(reference.get_submodule(module_name)).to_empty(device=device)
+        largest = max(largest, sum(p.numel() * p.element_size() for p in full.parameters()))
         with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []):
             torch.manual_seed(_module_seed(seed, module_name))
             reference._init_weights(full)
@@ -163,6 +166,7 @@ def init_from_scratch(model: torch.nn.Module, reference: torch.nn.Module, seed: 
                 target = params[key]
                 _local(target).copy_(value[local_slices(value.shape, target)])
         del full
+    return largest
 
 
 def _module_seed(seed: int, name: str) -> int:
