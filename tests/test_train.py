@@ -104,11 +104,18 @@ def tiny_pretrained(folder, tokenizer_dir=DEMO / "tokenizer"):
     return model
 
 
-@pytest.mark.parametrize("nproc,strategy", [(1, "ddp"), (2, "fsdp")])
-def test_pretrained_weights_are_what_training_starts_from(tmp_path, monkeypatch, nproc, strategy):
-    """The first step's loss equals plain transformers' loss of the saved model on that batch."""
+@pytest.mark.parametrize("nproc,strategy,weights", [(1, "ddp", "safetensors"), (2, "fsdp", "safetensors"),
+                                                    (2, "fsdp", "bin")])
+def test_pretrained_weights_are_what_training_starts_from(tmp_path, monkeypatch, nproc, strategy,
+                                                          weights):
+    """The first step's loss equals plain transformers' loss of the saved model on that batch.
+    "bin": an older folder, pytorch_model.bin only, keys saved without the base model's prefix."""
     monkeypatch.setenv("LLMTRAIN_HOME", str(tmp_path / "home"))
     model = tiny_pretrained(tmp_path / "model")
+    if weights == "bin":
+        (tmp_path / "model" / "model.safetensors").unlink()
+        torch.save({k.removeprefix("model."): v for k, v in model.state_dict().items()
+                    if k != "lm_head.weight"}, tmp_path / "model" / "pytorch_model.bin")
     cfg = tiny_config(train={"max_steps": 2, "warmup_steps": 0, "eval_every": 0},
                       parallel={"strategy": strategy})
     cfg["model"] = {"name_or_path": str(tmp_path / "model")}
@@ -188,3 +195,19 @@ def test_an_eval_set_smaller_than_the_world_is_refused(setup):
     assert check.returncode == 2
     assert check.stderr.splitlines() == ["train.eval_samples: must be >= the world size 2, so "
                                          "every rank evaluates at least one sample (got 1)"]
+
+
+def test_a_model_folder_without_weights_is_one_line(tmp_path, monkeypatch):
+    monkeypatch.setenv("LLMTRAIN_HOME", str(tmp_path / "home"))
+    tiny_pretrained(tmp_path / "model")
+    (tmp_path / "model" / "model.safetensors").unlink()
+    cfg = tiny_config(train={"max_steps": 2, "warmup_steps": 0, "eval_every": 0})
+    cfg["model"] = {"name_or_path": str(tmp_path / "model")}
+    path = tmp_path / "c.yaml"
+    path.write_text(yaml.safe_dump(cfg))
+    llmtrain("prepare", "--config", path, check=True)
+    proc = llmtrain("train", "--config", path)
+    assert proc.returncode == 1
+    assert proc.stderr.splitlines() == [
+        f"error: model.name_or_path: no model.safetensors, pytorch_model.bin or index of either in "
+        f"{tmp_path / 'model'}; download the model's weights (bash download_data_model.sh)"]

@@ -177,47 +177,71 @@ def _module_seed(seed: int, name: str) -> int:
 
 @torch.no_grad()
 def load_pretrained(model: torch.nn.Module, folder: Path) -> None:
-    """Fill this rank's shards from the safetensors files of a Hugging Face model folder.
+    """Fill this rank's shards from the weight files of a Hugging Face model folder.
 
-    Each tensor is read through safetensors' slicing: only the rows this rank owns leave the
-    disk, in the stored dtype, and are upcast into the rank's fp32 shard.
+    safetensors (`model.safetensors`, or the shards named by `model.safetensors.index.json`):
+    each tensor is read through safetensors' slicing, so only the rows this rank owns leave the
+    disk, in the stored dtype, and are upcast into the rank's fp32 shard. Older folders with only
+    `pytorch_model*.bin` are memory-mapped (`torch.load(mmap=True)`): the rank touches only its
+    rows' pages. Keys saved without the base model's prefix (`h.0...` for `transformer.h.0...`)
+    are found too, as from_pretrained finds them.
     """
-    from safetensors import safe_open
-
-    files = _safetensors_files(folder)
+    files = _weight_files(folder)
     params = dict(model.named_parameters())
-    missing = [name for name in params if name not in files]
+    prefix = f"{getattr(model, 'base_model_prefix', '')}."
+    keys = {name: name if name in files else name.removeprefix(prefix) for name in params}
+    missing = [name for name, key in keys.items() if key not in files]
     if missing:
         raise UserError(f"model.name_or_path: {folder} has no tensor named {missing[0]!r} "
-                        f"({len(missing)} missing); its safetensors keys do not match "
+                        f"({len(missing)} missing); its weight files do not match "
                         f"{type(model).__name__}'s parameter names")
     by_file: dict[str, list[str]] = {}
-    for name in params:
-        by_file.setdefault(files[name], []).append(name)
+    for name, key in keys.items():
+        by_file.setdefault(files[key], []).append(name)
     for file, names in by_file.items():
-        with safe_open(folder / file, framework="pt", device="cpu") as f:
+        with _open_weights(folder / file) as read:
             for name in names:
-                target, stored = params[name], f.get_slice(name)
-                shape = torch.Size(stored.get_shape())
+                target = params[name]
+                shape, rows = read(keys[name], lambda shape: local_slices(shape, target))
                 if shape != target.shape:
-                    raise UserError(f"model.name_or_path: {name} in {folder / file} has shape "
-                                    f"{tuple(shape)}, the model expects {tuple(target.shape)}")
-                _local(target).copy_(stored[local_slices(shape, target)])
+                    raise UserError(f"model.name_or_path: {keys[name]} in {folder / file} has "
+                                    f"shape {tuple(shape)}, the model expects {tuple(target.shape)}")
+                _local(target).copy_(rows)
 
 
-def _safetensors_files(folder: Path) -> dict[str, str]:
-    """{tensor name: file name} from model.safetensors.index.json, or the single file."""
-    index = folder / "model.safetensors.index.json"
-    if index.is_file():
-        return json.loads(index.read_text())["weight_map"]
-    single = folder / "model.safetensors"
-    if not single.is_file():
-        raise UserError(f"model.name_or_path: no model.safetensors or model.safetensors.index.json "
-                        f"in {folder}; convert the weights to safetensors (pytorch_model.bin "
-                        f"cannot be read shard by shard)")
-    from safetensors import safe_open
-    with safe_open(single, framework="pt", device="cpu") as f:
-        return {key: single.name for key in f.keys()}
+def _weight_files(folder: Path) -> dict[str, str]:
+    """{tensor name: file name}, from an index or the single file; safetensors first."""
+    for single, index in (("model.safetensors", "model.safetensors.index.json"),
+                          ("pytorch_model.bin", "pytorch_model.bin.index.json")):
+        if (folder / index).is_file():
+            return json.loads((folder / index).read_text())["weight_map"]
+        if (folder / single).is_file():
+            with _open_weights(folder / single) as read:
+                return {key: single for key in read.keys()}
+    raise UserError(f"model.name_or_path: no model.safetensors, pytorch_model.bin or index of "
+                    f"either in {folder}; download the model's weights (bash download_data_model.sh)")
+
+
+@contextlib.contextmanager
+def _open_weights(path: Path):
+    """read(key, slices_for_shape) -> (full shape, the rows sliced), for one weight file."""
+    if path.suffix == ".safetensors":
+        from safetensors import safe_open
+        with safe_open(path, framework="pt", device="cpu") as f:
+            def read(key, slices):
+                stored = f.get_slice(key)
+                shape = torch.Size(stored.get_shape())
+                return shape, stored[slices(shape)]
+            read.keys = f.keys
+            yield read
+        return
+    state = torch.load(path, map_location="cpu", mmap=True, weights_only=True)
+
+    def read(key, slices):
+        tensor = state[key]
+        return tensor.shape, tensor[slices(tensor.shape)]
+    read.keys = state.keys
+    yield read
 
 
 @torch.no_grad()
