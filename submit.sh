@@ -57,7 +57,14 @@ run_local() {
   fi
   echo "torchrun: $nproc process(es) x $OMP_NUM_THREADS thread(s) (OMP_NUM_THREADS)"
   # --standalone: a private rendezvous on a free local port, so two local runs never meet.
-  torchrun --standalone --nproc-per-node "$nproc" -m llmtrain train --config "$config" "$@"
+  rm -f "$run_dir/logs/error.txt"
+  local rc=0
+  torchrun --standalone --nproc-per-node "$nproc" -m llmtrain train --config "$config" "$@" || rc=$?
+  # The trainer's own line last, below torchrun's failure summary.
+  if ((rc)); then
+    [[ -f "$run_dir/logs/error.txt" ]] && cat "$run_dir/logs/error.txt" >&2
+    exit "$rc"
+  fi
   echo "run_dir: $run_dir"
 }
 
@@ -88,10 +95,15 @@ submit_slurm() {
   ((v[12] > 0)) && sbatch+=(--signal="B:USR1@${v[12]}")
   ((gpus > 0)) && sbatch+=(--gpus-per-node="$gpus")
   sbatch+=("${place[@]}" "${extra_cfg[@]}" "${extra[@]}")
+  # What was validated is what runs: the jobs train from a frozen copy of the resolved config
+  # (--set overrides applied), not from the file, which may change while they wait or requeue.
+  local frozen
+  frozen="$run_dir/submitted/$(date +%Y%m%d-%H%M%S)-$$.yaml"
+  ((DRY_RUN)) || llmtrain check-config "$config" "${sets[@]}" --freeze "$frozen" >/dev/null
   # The job's environment: which config, which llmtrain home, how many processes per node.
   local quoted
   printf -v quoted '%q ' "${sbatch[@]:1}"  # for a continuation job, should requeue be refused
-  local env=(env "LLMTRAIN_CONFIG=$config" "LLMTRAIN_HOME=$LLMTRAIN_HOME" "LLMTRAIN_SBATCH_ARGS=$quoted"
+  local env=(env "LLMTRAIN_CONFIG=$frozen" "LLMTRAIN_HOME=$LLMTRAIN_HOME" "LLMTRAIN_SBATCH_ARGS=$quoted"
     "LLMTRAIN_PROCS_PER_NODE=${v[4]:-$gpus}" "LLMTRAIN_RUN_DIR=$run_dir"
     "LLMTRAIN_MAX_REQUEUES=${v[13]}" "LLMTRAIN_MAX_RESTARTS=${v[14]}")
 
@@ -105,15 +117,17 @@ submit_slurm() {
     without_gpus prep "${extra_cfg[@]}" "${extra[@]}"
     prep_id="$(sbatch_or_print "${env[@]}" LLMTRAIN_STEP=prepare "${prep[@]}" \
       --job-name="prepare-$name" --nodes=1 --ntasks=1 --output="$run_dir/prepare-%j.out" \
-      ${dependency:+--dependency="$dependency"} "$REPO/train.slurm" "${sets[@]}")"
+      ${dependency:+--dependency="$dependency"} "$REPO/train.slurm")"
     echo "prepare_job_id: $prep_id (tokenizes the data on one node; training waits for it)"
     dep="afterok:$prep_id"
   fi
   local job_id
-  job_id="$(sbatch_or_print "${env[@]}" "${sbatch[@]}" ${dep:+--dependency="$dep"} \
-    "$REPO/train.slurm" "${sets[@]}")"
+  # --kill-on-invalid-dep: a failed prepare job cancels training instead of leaving it pending.
+  job_id="$(sbatch_or_print "${env[@]}" "${sbatch[@]}" ${dep:+--dependency="$dep" --kill-on-invalid-dep=yes} \
+    "$REPO/train.slurm")"
   echo "job_id: $job_id"
   echo "run_dir: $run_dir"
+  echo "config: $frozen (the jobs train from this copy; to change the run, submit again)"
   echo "log: $run_dir/$name-$job_id.out"
   echo "watch: squeue -j $job_id; tail -f $run_dir/$name-$job_id.out; llmtrain status $job_id"
 }

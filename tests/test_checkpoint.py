@@ -114,11 +114,20 @@ def test_incompatible_resume_names_the_difference(setup):
     name = "compat"
     llmtrain("train", "--config", config, "--set", f"run.name={name}", "--set", "train.max_steps=5",
              check=True)
+    run_dir = root / "home" / "runs" / name
+    # What check-config can know (seq_len, global batch) is refused before any job is queued...
+    check = llmtrain("check-config", config, "--set", f"run.name={name}",
+                     "--set", "train.global_batch_size=16")
+    assert check.returncode == 2 and check.stderr.splitlines() == [
+        f"train.resume: checkpoint {run_dir}/checkpoints/step-00000005 does not match this config: "
+        f"global_batch_size differs (8 -> 16); use a new run.name, or set train.resume: none to "
+        f"start over"]
+    # ... and the rest (the model, the tokenizer, the data) when the trainer starts.
     proc = llmtrain("train", "--config", config, "--set", f"run.name={name}",
-                    "--set", "train.global_batch_size=16")
+                    "--set", "model.architecture.intermediate_size=96")
     assert proc.returncode == 1
     [line] = [x for x in proc.stderr.splitlines() if x.startswith("error:")]
-    assert "does not match this config: global_batch_size differs (8 -> 16)" in line
+    assert "does not match this config: model differs (intermediate_size: 128 -> 96)" in line
     assert "Traceback" not in proc.stderr
 
 
@@ -130,8 +139,8 @@ def test_a_refused_start_leaves_the_run_files_as_they_were(setup):
     before = {name: (run_dir / name).read_bytes() for name in ("config.yaml", "provenance.json",
                                                                "metrics.jsonl")}
     proc = llmtrain("train", "--config", config, "--set", "run.name=refused",
-                    "--set", "data.seq_len=32")
-    assert proc.returncode == 1 and "seq_len differs (64 -> 32)" in proc.stderr
+                    "--set", "model.architecture.intermediate_size=96")
+    assert proc.returncode == 1 and "model differs (intermediate_size: 128 -> 96)" in proc.stderr
     assert {name: (run_dir / name).read_bytes() for name in before} == before
 
 
@@ -167,7 +176,7 @@ def test_an_error_with_an_async_save_in_flight_lets_the_save_complete(setup):
                               env={"LLMTRAIN_INJECT_NAN_STEPS": "6"}, timeout=240)
     assert proc.returncode != 0
     errors = {x for x in proc.stderr.splitlines() if x.startswith("error:")}
-    assert errors == {"error: training stopped at step 6: 1 steps in a row had a non-finite loss "
+    assert errors == {"error: training stopped at step 6: 1 step in a row had a non-finite loss "
                       "or gradient norm (train.max_bad_steps is 0); lower train.lr, check the "
                       "data (logs/rank-*.log name the samples), or resume from an earlier "
                       "checkpoint with train.resume"}

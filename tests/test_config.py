@@ -45,10 +45,44 @@ BROKEN = [
      "train.precision: must be one of bf16, fp16, fp32 (got 'fp8')"),
     ({"train": {"global_batch_size": 12}},
      "train.global_batch_size: must be divisible by micro_batch_size x world size = 4 x 2 = 8 (got 12)"),
+    # a relative path: the line shows it as written and as resolved against the config's folder
     ({"data": {"dataset": "./no/such/corpus.txt"}},
-     "data.dataset: no such file or folder (got '{tmp}/no/such/corpus.txt')"),
+     "data.dataset: no such file or folder (got './no/such/corpus.txt', resolved to "
+     "{tmp}/no/such/corpus.txt)"),
+    ({"model": {"tokenizer": "../no-tokenizer"}},
+     "model.tokenizer: no fast tokenizer (tokenizer.json) in the folder (got '../no-tokenizer', "
+     "resolved to {tmp_parent}/no-tokenizer)"),
+    ({"model": {"name_or_path": "./base", "architecture": None}},
+     "model.name_or_path: no Hugging Face model folder with a config.json (got './base', "
+     "resolved to {tmp}/base)"),
+    ({"train": {"resume": "ckpt/step-00000004"}},
+     "train.resume: must be auto, none, or a checkpoint folder (got 'ckpt/step-00000004', "
+     "resolved to {tmp}/ckpt/step-00000004)"),
     ({"train": {"warmup_steps": 8}},
      "train.warmup_steps: must be < train.max_steps (got 8 >= 8)"),
+    # train.epochs instead of max_steps: exactly one of them
+    ({"train": {"max_steps": None}},
+     "train.max_steps: set exactly one of train.max_steps and train.epochs (got neither)"),
+    ({"train": {"epochs": 2}},
+     "train.max_steps: set exactly one of train.max_steps and train.epochs (got max_steps 8 and epochs 2)"),
+    ({"train": {"max_steps": None, "epochs": 0}},
+     "train.epochs: must be > 0 (got 0)"),
+    # data sources: globs, a validation source of their own, text units, BOS
+    ({"data": {"dataset": "./shards/*.jsonl.gz"}},
+     "data.dataset: no file matches the pattern (got './shards/*.jsonl.gz', resolved to "
+     "{tmp}/shards/*.jsonl.gz)"),
+    ({"data": {"validation": "./val.txt", "validation_fraction": None}},
+     "data.validation: no such file or folder (got './val.txt', resolved to {tmp}/val.txt)"),
+    ({"data": {"validation": "validation", "validation_fraction": None}},
+     "data.validation: a split name, but data.dataset is a file with no splits; give the "
+     "validation file's path instead (got 'validation')"),
+    ({"data": {"validation": str(DEMO / "stories.txt")}},
+     "data.validation_fraction: set only one of data.validation and data.validation_fraction "
+     f"(got '{DEMO / 'stories.txt'}' and 0.02)"),
+    ({"data": {"text_unit": "page"}},
+     "data.text_unit: must be one of line, file (got 'page')"),
+    ({"data": {"add_bos": 1}},
+     "data.add_bos: must be one of auto, true, false (got 1)"),
     ({"train": {"min_lr": 0.1}},
      "train.min_lr: must be <= train.lr (got 0.1 > 0.003)"),
     ({"data": {"seq_len": 4096}},
@@ -77,17 +111,24 @@ def test_broken_config_names_the_key(home, tmp_path, write_config, change, line)
     path = write_config(tiny_config(**change))
     proc = llmtrain("check-config", path)
     assert proc.returncode == 2
-    assert proc.stderr.splitlines() == [line.format(tmp=tmp_path)]
+    assert proc.stderr.splitlines() == [line.format(tmp=tmp_path, tmp_parent=tmp_path.parent)]
     assert "Traceback" not in proc.stderr and proc.stdout == ""
 
 
 def test_required_keys_are_reported(home, write_config):
     cfg = tiny_config()
-    del cfg["run"]["name"], cfg["train"]["max_steps"]
+    del cfg["run"]["name"], cfg["train"]["global_batch_size"]
     proc = llmtrain("check-config", write_config(cfg))
     assert proc.returncode == 2
     assert proc.stderr.splitlines() == ["run.name: required, no default",
-                                        "train.max_steps: required, no default"]
+                                        "train.global_batch_size: required, no default"]
+
+
+def test_epochs_and_data_options_load(home, write_config):
+    cfg = load_config(write_config(tiny_config()), ["train.max_steps=null", "train.epochs=3",
+                                                    "data.add_bos=true", "data.text_unit=file"])
+    assert (cfg.train.max_steps, cfg.train.epochs) == (None, 3)
+    assert (cfg.data.add_bos, cfg.data.text_unit, cfg.data.holdout_fraction) == (True, "file", 0.02)
 
 
 def test_every_problem_is_reported_at_once(home, write_config):
@@ -159,3 +200,21 @@ def test_paths_resolve_against_the_config_folder(home, tmp_path):
     assert cfg.run_dir == home / "runs" / "test"
     hub = load_config(cfg_dir / "c.yaml", ["model.tokenizer=org/some-model"])
     assert hub.model.tokenizer == "org/some-model"  # a hub id, looked up under $LLMTRAIN_HOME
+    # Keys that are never hub ids resolve even without ./ (they used to stay relative to the cwd).
+    local = load_config(cfg_dir / "c.yaml", ["run.dir=runs", "data.prepared_dir=prepared"])
+    assert local.run_dir == cfg_dir / "runs" / "test"
+    assert local.data.prepared_dir == str(cfg_dir / "prepared")
+
+
+def test_check_config_takes_the_config_as_option_or_argument(home, write_config):
+    path = write_config(tiny_config())
+    as_option = llmtrain("check-config", "--config", path)
+    as_argument = llmtrain("check-config", path)
+    assert as_option.returncode == as_argument.returncode == 0, as_option.stderr
+    assert as_option.stdout == as_argument.stdout and "OK" in as_option.stdout
+    both = f"FILE {path} and --config {path}"
+    for args, got in ([], "neither"), ([path, "--config", path], both):
+        proc = llmtrain("check-config", *args)
+        assert proc.returncode == 2 and proc.stdout == ""
+        assert proc.stderr.splitlines() == [f"check-config: give the config once, as --config FILE "
+                                            f"or FILE (got {got})"]

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import signal
 import subprocess
 import sys
 import time
@@ -26,20 +27,34 @@ def setup(tmp_path_factory):
         yield home
 
 
-def start(config: Path, name: str, env=None) -> subprocess.Popen:
+@pytest.fixture(scope="module")
+def reference(setup):
+    """150 uninterrupted steps: the losses every stopped and resumed run must match."""
+    root, config = setup
+    torchrun(2, "train", "--config", config, "--set", "run.name=ref")
+    return root / "home" / "runs" / "ref"
+
+
+def start(config: Path, name: str, *sets: str, env=None) -> subprocess.Popen:
+    """torchrun in its own process group (a terminal's foreground job): os.killpg(pid, SIGINT)
+    is Ctrl-C. Its workers run in sessions of their own, as torchrun starts them."""
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
            "-m", "llmtrain", "train", "--config", str(config), "--set", f"run.name={name}"]
+    for s in sets:
+        cmd += ["--set", s]
     return subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
                             env=env, start_new_session=True)
 
 
-def test_stop_switch_saves_stops_and_resumes_bit_identically(setup):
+def test_stop_switch_saves_stops_and_resumes_bit_identically(setup, reference):
     root, config = setup
-    torchrun(2, "train", "--config", config, "--set", "run.name=ref")
     run_dir = root / "home" / "runs" / "stopped"
     proc = start(config, "stopped")
     while logged_step(run_dir) < 5:
         assert proc.poll() is None, proc.stdout.read()
+    status = llmtrain("status", run_dir, check=True).stdout.splitlines()
+    assert status[1].startswith("state: running at step ") and status[1].endswith(" of 150")
+    assert status[2].startswith("progress: step ") and ", eta " in status[2]
     assert llmtrain("control", run_dir, "stop", check=True).stdout.startswith("stop requested")
     out, _ = proc.communicate(timeout=60)
     assert proc.returncode == 0, out
@@ -48,9 +63,75 @@ def test_stop_switch_saves_stops_and_resumes_bit_identically(setup):
     stopped_at = exit_info["step"]
     assert 5 <= stopped_at < 150 and (run_dir / "checkpoints" / f"step-{stopped_at:08d}").is_dir()
     assert f"stopping at step {stopped_at} (user)" in out
+    status = llmtrain("status", run_dir, check=True).stdout.splitlines()
+    assert status[1] == (f"state: stopped by request at step {stopped_at} of 150; launch the same "
+                         f"config again to continue")
+    assert status[2].startswith("progress: step ") and "eta" not in status[2]  # it is not coming
 
     torchrun(2, "train", "--config", config, "--set", "run.name=stopped")
-    assert losses(run_dir) == losses(root / "home" / "runs" / "ref")
+    assert losses(run_dir) == losses(reference)
+
+
+def test_ctrl_c_saves_at_the_step_it_stopped_and_resumes_bit_identically(setup, reference):
+    """Ctrl-C in a terminal: SIGINT to torchrun's process group; torchrun forwards it to its
+    workers (in sessions of their own) and SIGKILLs them 30 s later. They must save and stop."""
+    root, config = setup
+    run_dir = root / "home" / "runs" / "ctrl-c"
+    proc = start(config, "ctrl-c")
+    while logged_step(run_dir) < 5:
+        assert proc.poll() is None, proc.stdout.read()
+    t0 = time.monotonic()
+    os.killpg(proc.pid, signal.SIGINT)
+    out, _ = proc.communicate(timeout=60)
+    assert time.monotonic() - t0 < 20, out  # saved and gone, not killed after 30 s
+    exit_info = json.loads((run_dir / "control" / "exit.json").read_text())
+    assert exit_info["reason"] == "user" and exit_info["requeue"] is False  # a person: no requeue
+    stopped_at = exit_info["step"]
+    assert (run_dir / "checkpoints" / f"step-{stopped_at:08d}" / "meta.json").is_file()
+    assert (run_dir / "checkpoints" / "latest").read_text().strip() == f"step-{stopped_at:08d}"
+    assert f"stopping at step {stopped_at} (user); the checkpoint is saved" in out
+    # Both workers ended on their own, with exit 0: torchrun had nobody to kill or report.
+    assert "forcefully exiting" not in out and "ChildFailedError" not in out, out
+    assert "KeyboardInterrupt" not in out, out
+
+    torchrun(2, "train", "--config", config, "--set", "run.name=ctrl-c")
+    assert losses(run_dir) == losses(reference)
+
+
+def test_control_on_a_run_that_is_not_running_says_so_and_writes_nothing(setup, reference):
+    for action in ("stop", "save"):
+        proc = llmtrain("control", reference, action)
+        assert proc.returncode == 1 and proc.stdout == ""
+        assert proc.stderr.splitlines() == [f"error: {reference}: not running (finished: 150 of 150 "
+                                            f"steps); nothing to {action}"]
+        assert not (reference / "control" / action).exists()
+
+
+def test_a_stale_switch_never_stops_a_later_launch(setup):
+    """Switches an earlier launch never read (it ended first) are removed when the next one
+    starts, and it trains to the end; one written after the launch started is acted on."""
+    root, config = setup
+    run_dir = root / "home" / "runs" / "stale"
+    switches = run_dir / "control"
+    switches.mkdir(parents=True)
+    for name in ("stop", "save"):
+        (switches / name).write_text("user\n")
+        os.utime(switches / name, (time.time() - 60, time.time() - 60))
+    proc = torchrun(2, "train", "--config", config, "--set", "run.name=stale",
+                    "--set", "train.max_steps=6")
+    assert json.loads((switches / "exit.json").read_text())["reason"] == "done"
+    assert sorted(p.name for p in (run_dir / "checkpoints").glob("step-*")) == ["step-00000006"]
+    assert not (switches / "stop").exists() and not (switches / "save").exists()
+    assert f"removed {switches / 'stop'}: written before this launch started" in proc.stdout
+
+    # A stop written while the next launch starts up (Slurm's warning, a user) is that launch's.
+    proc = start(config, "stale", "train.max_steps=12")
+    time.sleep(0.2)  # torchrun's agent has started; its workers start seconds later
+    (switches / "stop").write_text("preempt\n")
+    out, _ = proc.communicate(timeout=120)
+    assert proc.returncode == 0, out
+    assert json.loads((switches / "exit.json").read_text())["reason"] == "preempt"
+    assert "stopping at step 7 (preempt)" in out
 
 
 def test_save_switch_checkpoints_and_goes_on(setup):

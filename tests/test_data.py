@@ -2,13 +2,16 @@
 
 from __future__ import annotations
 
+import bz2
+import gzip
 import json
 
 import numpy as np
 import pytest
+import yaml
 from transformers import AutoTokenizer
 
-from conftest import DEMO, llmtrain, tiny_config
+from conftest import DEMO, llmtrain, prepared_home, read_metrics, tiny_config
 from llmtrain import prepare as prepare_mod
 from llmtrain.config import load_config
 from llmtrain.data import StepSampler, TokenStream, open_prepared, prepared_path
@@ -62,6 +65,16 @@ def test_prepare_is_idempotent_and_keyed_by_its_inputs(home, tmp_path, write_con
 
     # Another split of the documents, or changed source text, is another prepared dataset.
     assert prepared_path(config_for(write_config, src, validation_fraction=0.2)) != folder
+    # So is every option that changes the tokens: whole files as documents, BOS, a validation file.
+    val = tmp_path / "val.txt"
+    val.write_text("\n".join(DOCS[:10]) + "\n")
+    others = [prepared_path(config_for(write_config, src, **option)) for option in
+              ({"text_unit": "file", "validation_fraction": 0.0}, {"add_bos": False},
+               {"validation": str(val), "validation_fraction": None})]
+    assert len({folder, *others}) == 4
+    val.write_text("\n".join(DOCS[:20]) + "\n")  # and a changed validation file
+    assert prepared_path(config_for(write_config, src, validation=str(val),
+                                    validation_fraction=None)) != others[2]
     src.write_text("\n".join(DOCS[:100]) + "\n")
     assert prepared_path(cfg) != folder
 
@@ -132,6 +145,184 @@ def test_failed_prepare_leaves_nothing(home, tmp_path, write_config, monkeypatch
         prepare(config_for(write_config, src, text_field="body"), log=lambda _: None)
 
 
+# ---------------------------------------------------------------------------------------------
+# Sources as the ecosystem ships them: compressed, in several files, one document per file
+
+
+def _write(path, fmt, docs):
+    """docs in the format named by path's suffixes: .jsonl/.json/.csv/.txt, maybe compressed."""
+    if fmt == "jsonl":
+        text = "".join(json.dumps({"text": d, "id": i}) + "\n" for i, d in enumerate(docs))
+    elif fmt == "json":
+        text = json.dumps([{"text": d} for d in docs])
+    elif fmt == "csv":
+        text = "id,text\n" + "".join(f"{i},{d}\n" for i, d in enumerate(docs))
+    else:
+        text = "\n".join(docs) + "\n"
+    opener = {".gz": gzip.open, ".bz2": bz2.open}.get(path.suffix)
+    if opener:
+        with opener(path, "wt") as f:
+            f.write(text)
+    else:
+        path.write_text(text)
+
+
+@pytest.mark.parametrize("name", ["docs.jsonl.gz", "docs.json.gz", "docs.csv.gz", "docs.txt.gz",
+                                  "docs.jsonl.bz2"])
+def test_prepare_reads_compressed_files(home, tmp_path, write_config, tokenizer, name):
+    _write(tmp_path / name, name.split(".")[1], DOCS)
+    cfg = config_for(write_config, tmp_path / name, validation_fraction=0.0)
+    manifest = json.loads((prepare(cfg, log=lambda _: None) / "manifest.json").read_text())
+    assert manifest["splits"]["train"]["documents"] == len(DOCS)
+    assert manifest["splits"]["train"]["tokens"] == expected_tokens(tokenizer, DOCS)
+
+
+def test_a_glob_reads_every_file_it_matches(home, tmp_path, write_config, tokenizer):
+    (tmp_path / "shards").mkdir()
+    for i in range(3):
+        _write(tmp_path / "shards" / f"part-{i}.jsonl.gz", "jsonl", DOCS[i * 100:(i + 1) * 100])
+    path = write_config(tiny_config(data={"dataset": "./shards/*.jsonl.gz", "validation_fraction": 0.0},
+                                    train={"eval_every": 0}))
+    proc = llmtrain("check-config", path)  # relative to the config file, and validated
+    assert proc.returncode == 0, proc.stderr
+    cfg = load_config(path)
+    assert cfg.data.dataset == f"{tmp_path}/shards/*.jsonl.gz"
+    folder = prepare(cfg, log=lambda _: None)
+    manifest = json.loads((folder / "manifest.json").read_text())
+    assert manifest["splits"]["train"]["documents"] == 300
+    assert manifest["splits"]["train"]["tokens"] == expected_tokens(tokenizer, DOCS)
+    assert folder.name.startswith("shards-")
+    # One more file matching the glob is another prepared dataset.
+    _write(tmp_path / "shards" / "part-3.jsonl.gz", "jsonl", DOCS[:5])
+    assert prepared_path(load_config(path)) != folder
+
+
+def test_a_column_that_is_not_text_is_one_line(home, tmp_path, write_config):
+    src = tmp_path / "chats.jsonl"
+    src.write_text("".join(json.dumps({"text": d, "n": i, "messages": [{"role": "user", "content": d}]})
+                           + "\n" for i, d in enumerate(DOCS)))
+    proc = llmtrain("prepare", "--config", write_config(tiny_config(
+        data={"dataset": str(src), "text_field": "messages"})))
+    assert proc.returncode == 1
+    assert proc.stderr.splitlines()[-1] == (
+        f"error: data.text_field: column 'messages' of {src} holds a list of "
+        f"{{role: string, content: string}}, not text; choose a column of strings "
+        f"(columns: text, n, messages)")
+    assert "Traceback" not in proc.stderr
+    with pytest.raises(PrepareError, match=r"^data\.text_field: column 'n' of .* holds int64, not text"):
+        prepare(config_for(write_config, src, text_field="n"), log=lambda _: None)
+
+
+def test_add_bos_auto_adds_a_distinct_bos_to_every_document(home, tmp_path, write_config, tokenizer):
+    """A Llama-3 style tokenizer: its own bos_token, not its eos_token, and prepare tokenizes
+    without special tokens, so only data.add_bos puts it there."""
+    llama3 = AutoTokenizer.from_pretrained(DEMO / "tokenizer")
+    llama3.add_special_tokens({"bos_token": "<|begin_of_text|>"})
+    llama3.save_pretrained(tmp_path / "llama3-tokenizer")
+    src = tmp_path / "docs.txt"
+    src.write_text("\n".join(DOCS) + "\n")
+
+    def prepared(**data):
+        cfg = load_config(write_config(tiny_config(
+            model={"tokenizer": str(tmp_path / "llama3-tokenizer")},
+            data={"dataset": str(src), "validation_fraction": 0.0, **data}, train={"eval_every": 0})))
+        lines = []
+        folder = prepare(cfg, log=lines.append)
+        manifest = json.loads((folder / "manifest.json").read_text())
+        return TokenStream(folder, manifest, "train"), lines
+
+    stream, lines = prepared()
+    tokens = stream.read(0, stream.num_tokens)
+    bos = llama3.bos_token_id
+    assert tokens[0] == bos and (tokens == bos).sum() == len(DOCS)
+    eos_at = np.flatnonzero(tokens == llama3.eos_token_id)
+    assert np.array_equal(np.flatnonzero(tokens == bos)[1:], eos_at[:-1] + 1)  # right after each EOS
+    assert stream.num_tokens == expected_tokens(tokenizer, DOCS) + len(DOCS)
+    assert ("each document is tokenized as: <|begin_of_text|> text <|endoftext|> "
+            "(data.add_bos: auto)") in lines
+
+    off, lines = prepared(add_bos=False)
+    assert off.num_tokens == expected_tokens(tokenizer, DOCS) and bos not in off.read(0, off.num_tokens)
+    assert "each document is tokenized as: text <|endoftext|> (data.add_bos: false)" in lines
+
+
+def test_demo_tokenizer_gets_no_bos_on_auto(home, tmp_path, write_config, tokenizer):
+    """GPT-2 style: bos_token is eos_token, and the EOS after each document already separates them."""
+    src = tmp_path / "docs.txt"
+    src.write_text("\n".join(DOCS) + "\n")
+    lines = []
+    folder = prepare(config_for(write_config, src, validation_fraction=0.0), log=lines.append)
+    assert json.loads((folder / "manifest.json").read_text())["splits"]["train"]["tokens"] == \
+        expected_tokens(tokenizer, DOCS)
+    assert "each document is tokenized as: text <|endoftext|> (data.add_bos: auto)" in lines
+
+
+# ---------------------------------------------------------------------------------------------
+# Data as researchers hold it: a text that is one document, a validation set of its own
+
+BOOKS = ["ACT I.\nSCENE I. Rome.\n\nFirst Citizen:\nBefore we proceed any further, hear me speak.\n",
+         "ACT II.\nSCENE I. A street.\n\nMENENIUS:\nWhat work's, my countrymen, in hand?\n",
+         "ACT III.\nSCENE I. The Capitol.\n\nCORIOLANUS:\nTullus Aufidius then had made new head?\n"]
+
+
+def test_text_unit_file_makes_each_file_one_document(home, tmp_path, write_config, tokenizer):
+    (tmp_path / "books").mkdir()
+    for i, book in enumerate(BOOKS):
+        (tmp_path / "books" / f"{i}.txt").write_text(book)
+    cfg = config_for(write_config, tmp_path / "books" / "*.txt", text_unit="file",
+                     validation_fraction=0.0)
+    folder = prepare(cfg, log=lambda _: None)
+    manifest = json.loads((folder / "manifest.json").read_text())
+    assert manifest["splits"]["train"]["documents"] == 3
+    assert manifest["splits"]["train"]["tokens"] == expected_tokens(tokenizer, BOOKS)  # newlines kept
+    stream = TokenStream(folder, manifest, "train")
+    text = tokenizer.decode(stream.read(0, stream.num_tokens))
+    assert all(book in text for book in BOOKS)
+
+    # One file, one document: nothing to hold out; the error says what to do instead.
+    with pytest.raises(PrepareError) as e:
+        prepare(config_for(write_config, tmp_path / "books" / "0.txt", text_unit="file"),
+                log=lambda _: None)
+    assert str(e.value) == ("data.validation_fraction: leaves no training documents (1 documents); "
+                            "give the evaluation documents their own file in data.validation, or "
+                            "set validation_fraction: 0")
+
+
+def test_validation_from_its_own_file(home, tmp_path, write_config, tokenizer):
+    train, val = tmp_path / "input.txt", tmp_path / "val.txt"
+    train.write_text(BOOKS[0] + BOOKS[1])
+    val.write_text(BOOKS[2])
+    path = write_config(tiny_config(data={"dataset": "./input.txt", "validation": "./val.txt",
+                                          "validation_fraction": None, "text_unit": "file"}))
+    cfg = load_config(path)
+    assert (cfg.data.validation, cfg.data.holdout_fraction) == (str(val), 0.0)
+    manifest = json.loads((prepare(cfg, log=lambda _: None) / "manifest.json").read_text())
+    splits = manifest["splits"]
+    assert (splits["train"]["documents"], splits["validation"]["documents"]) == (1, 1)
+    assert splits["train"]["tokens"] == expected_tokens(tokenizer, [BOOKS[0] + BOOKS[1]])
+    assert splits["validation"]["tokens"] == expected_tokens(tokenizer, [BOOKS[2]])
+
+
+def test_validation_from_the_datasets_own_split(home, write_config, tokenizer):
+    """What snapshot_download leaves for a dataset with a validation split."""
+    import datasets
+
+    src = home / "datasets" / "org" / "stories"
+    (src / "data").mkdir(parents=True)
+    for split, docs in (("train", DOCS[:250]), ("validation", DOCS[250:])):
+        shard = src / "data" / f"{split}-00000-of-00001.parquet"
+        datasets.Dataset.from_dict({"text": docs}).to_parquet(shard)
+    cfg = config_for(write_config, "org/stories", validation="validation", validation_fraction=None)
+    splits = json.loads((prepare(cfg, log=lambda _: None) / "manifest.json").read_text())["splits"]
+    assert (splits["train"]["documents"], splits["validation"]["documents"]) == (250, 50)
+    assert splits["validation"]["tokens"] == expected_tokens(tokenizer, DOCS[250:])
+
+    with pytest.raises(PrepareError) as e:
+        prepare(config_for(write_config, "org/stories", validation="test", validation_fraction=None),
+                log=lambda _: None)
+    assert str(e.value) == f"data.validation: no split 'test' in {src} (splits: ['train', 'validation'])"
+
+
 def test_training_unprepared_data_says_how_to_prepare(home, write_config):
     path = write_config(tiny_config())
     proc = llmtrain("train", "--config", path)
@@ -178,3 +369,50 @@ def test_sampler_position_restores_exactly():
     for _ in range(10):
         assert np.array_equal(a.next_step(), b.next_step())
     assert not np.array_equal(a.permutation(0), a.permutation(1))  # a new order every epoch
+
+
+# ---------------------------------------------------------------------------------------------
+# train.epochs: the steps derived from the prepared data, the epoch in the progress line
+
+
+@pytest.fixture(scope="module")
+def epochs_run(tmp_path_factory):
+    """One short run of train.epochs: 2 on a small corpus, from scratch (single process)."""
+    root = tmp_path_factory.mktemp("epochs-data")
+    src = root / "docs.txt"
+    src.write_text("\n".join(DOCS[:120]) + "\n")
+    cfg = tiny_config(data={"dataset": str(src), "validation_fraction": 0.0},
+                      train={"max_steps": None, "epochs": 2, "log_every": 1, "eval_every": 0,
+                             "checkpoint_every": 0})
+    with prepared_home(tmp_path_factory, "epochs", cfg) as (home, config):
+        proc = llmtrain("train", "--config", config, check=True)
+        folder, manifest = open_prepared(load_config(config))
+        yield home / "home" / "runs" / "test", proc.stdout, TokenStream(folder, manifest, "train")
+
+
+@pytest.mark.slow
+def test_epochs_set_the_steps_and_the_progress_line_shows_the_epoch(epochs_run):
+    run_dir, stdout, stream = epochs_run
+    samples = stream.num_samples(64)
+    per_epoch = samples // 8
+    assert f"train.epochs: 2 x {per_epoch} steps per epoch ({samples:,} samples // global batch 8) " \
+           f"= {2 * per_epoch} steps" in stdout
+    progress = [line.split("] ", 1)[1] for line in stdout.splitlines() if "] step " in line]
+    assert len(progress) == 2 * per_epoch
+    assert progress[per_epoch - 1].startswith(f"step {per_epoch}/{2 * per_epoch} | loss")
+    assert progress[per_epoch - 1].endswith(" | epoch 1/2")
+    assert progress[per_epoch].endswith(" | epoch 2/2") and progress[-1].endswith(" | epoch 2/2")
+    epochs = [m["epoch"] for m in read_metrics(run_dir) if m["kind"] == "train"]
+    assert (epochs[per_epoch - 1], epochs[-1]) == (1.0, 2.0)
+    assert epochs[0] == round(1 / per_epoch, 4)
+    # The run directory keeps the config as written: epochs, not the steps derived from it.
+    written = yaml.safe_load((run_dir / "config.yaml").read_text())["train"]
+    assert (written["epochs"], written["max_steps"]) == (2, None)
+
+
+@pytest.mark.slow
+def test_the_log_states_the_vocabulary_padding(epochs_run):
+    _, stdout, _ = epochs_run
+    assert ("vocab_size 512: the tokenizer's 479 tokens rounded up to a multiple of 64 for faster "
+            "matmuls (33 rows no token uses); set model.architecture.vocab_size to choose "
+            "another") in stdout

@@ -160,3 +160,21 @@ def test_flags_and_env_override_the_config(env, config, hub):
     assert sorted(p.name for p in got.iterdir() if not p.name.startswith(".")) == sorted(
         n for n in hub.repos[("model", "other/model")].files if n.endswith(".json"))
     assert not (Path(env["LLMTRAIN_HOME"]) / "models" / "org").exists()
+
+
+def test_no_network_is_one_line_and_leaves_no_empty_folder(env, tmp_path):
+    """A hub that cannot be reached (a closed port on 127.0.0.1): one line naming it, exit 1."""
+    import socket
+    with socket.socket() as s:  # a port that was free a moment ago: nothing listens there
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    proc = download({**env, "HF_ENDPOINT": f"http://127.0.0.1:{port}"}, "--model", "org/tiny")
+    assert proc.returncode == 1
+    lines = [x for x in proc.stderr.splitlines() if x.strip()]
+    assert lines == [f"error: model org/tiny: cannot reach the hub at http://127.0.0.1:{port} "
+                     f"(ConnectError); download on a machine with internet (the login node), or "
+                     f"check HF_ENDPOINT and the proxy settings"], proc.stderr
+    home = Path(env["LLMTRAIN_HOME"])
+    assert not (home / "models" / "org").exists()
+    assert not [p for p in home.rglob("*") if p.is_dir() and not any(p.iterdir())
+                and p.name not in ("models", "datasets")]

@@ -166,7 +166,11 @@ def test_dry_run_prints_the_exact_sbatch_command(job_config, flags, present, abs
     assert proc.returncode == 0, proc.stderr
     [command] = [shlex.split(line) for line in proc.stdout.splitlines() if line.startswith("env ")]
     assert command[command.index("sbatch") + 1] == "--parsable"
-    assert f"LLMTRAIN_CONFIG={config}" in command and "--job-name=slurm" in command
+    [frozen] = [c for c in command if c.startswith("LLMTRAIN_CONFIG=")]
+    run_dir = Path(yaml.safe_load(config.read_text())["run"]["dir"]) / "slurm"
+    assert re.fullmatch(re.escape(f"LLMTRAIN_CONFIG={run_dir}/submitted/") + r"\d{8}-\d{6}-\d+\.yaml",
+                        frozen) and "--job-name=slurm" in command
+    assert command[-1] == str(REPO / "train.slurm")  # the overrides are in the frozen config
     options = command[:command.index(str(REPO / "train.slurm"))]
     for item in present:
         assert item in options, (item, command)
@@ -177,6 +181,21 @@ def test_dry_run_prints_the_exact_sbatch_command(job_config, flags, present, abs
     assert not subprocess.run(["squeue", "-h", "-n", "slurm"], capture_output=True, text=True).stdout
 
 
+def test_the_job_trains_the_config_that_was_submitted(job_config):
+    """Submitted (with a --set), edited while the job waits: the job trains what was validated."""
+    config = job_config(train={"max_steps": 8, "eval_every": 0})
+    subprocess.run(["llmtrain", "prepare", "--config", str(config)], check=True, capture_output=True)
+    out = submit("--config", config, "--set", "train.log_every=4", "--", "--hold")
+    frozen = Path(out["config"].split(" (the jobs train")[0])
+    assert frozen.parent == Path(out["run_dir"]) / "submitted" and frozen.is_file()
+    config.write_text(config.read_text().replace("max_steps: 8", "max_steps: 2"))
+    subprocess.run(["scontrol", "release", out["job_id"]], check=True)
+    assert wait_for(out["job_id"]) == "COMPLETED"
+    train = [r["step"] for r in read_metrics(Path(out["run_dir"])) if r["kind"] == "train"]
+    assert train == [4, 8]  # max_steps 8 and log_every 4, as submitted
+    assert f"config: {frozen}" in Path(out["log"]).read_text()
+
+
 def test_dry_run_chains_a_prepare_job_when_data_is_not_prepared(job_config):
     config = job_config()
     proc = subprocess.run(["bash", str(REPO / "submit.sh"), "--config", str(config), "--dry-run"],
@@ -184,6 +203,7 @@ def test_dry_run_chains_a_prepare_job_when_data_is_not_prepared(job_config):
     prepare, train = [shlex.split(x) for x in proc.stdout.splitlines() if x.startswith("env ")]
     assert "LLMTRAIN_STEP=prepare" in prepare and "--job-name=prepare-slurm" in prepare
     assert "--dependency=afterok:DRY_RUN_JOB_ID" in train
+    assert "--kill-on-invalid-dep=yes" in train  # a failed prepare job cancels training
 
 
 def test_prepare_job_asks_for_one_task_on_one_node_and_no_gpus(job_config):

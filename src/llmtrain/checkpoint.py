@@ -65,12 +65,13 @@ def complete_checkpoints(folder: Path) -> list[Path]:
 def resolve(run_dir: Path, step: int | None = None) -> Path:
     """The checkpoint to read for export/generate: step N, or the newest complete one."""
     folder = run_dir / "checkpoints"
-    found = complete_checkpoints(folder)
-    if step is not None:
-        found = [p for p in found if p.name == step_name(step)]
+    every = complete_checkpoints(folder)
+    found = [p for p in every if step is None or p.name == step_name(step)]
     if not found:
         what = f"step {step}" if step is not None else "any complete checkpoint"
-        raise UserError(f"no {what} in {folder}")
+        steps = ", ".join(str(int(p.name.removeprefix("step-"))) for p in reversed(every))
+        raise UserError(f"no {what} in {folder}" + (f"; its complete checkpoints are at steps {steps}"
+                                                     if steps else ""))
     return found[0]
 
 

@@ -1,12 +1,17 @@
 """The `llmtrain` command (also `python -m llmtrain`).
 
-    llmtrain check-config FILE [--set section.key=value ...] [--world-size N] [--get KEY]
+    llmtrain check-config --config FILE [--set section.key=value ...] [--world-size N] [--get KEY]
     llmtrain prepare --config FILE [--set ...]
     llmtrain train --config FILE [--set ...]          # usually under torchrun
-    llmtrain export --run-dir DIR [--step N] --out DIR
+    llmtrain export --run-dir DIR [--step N] --out DIR [--dtype fp32|bf16|fp16]
     llmtrain generate (--model DIR | --run-dir DIR [--step N]) --prompt TEXT
     llmtrain status RUN_DIR|JOB_ID [--follow]
+    llmtrain control RUN_DIR save|stop
     llmtrain download [--config FILE] [--model ID] [--dataset ID] [--force] ...
+    llmtrain --version
+
+A config is always `--config FILE` (check-config also takes it as its one positional argument),
+and `llmtrain COMMAND --help` shows every option with its default.
 
 User errors (a bad config, unprepared data, a missing model) print one line each on stderr
 and exit non-zero; only bugs show a traceback. Torch is imported only by the commands that
@@ -19,7 +24,7 @@ import argparse
 import os
 import sys
 
-from .config import ConfigError, UserError, load_config, local_path, tokenizer_source
+from .config import ConfigError, UserError, dump_yaml, load_config, local_path, on_disk, tokenizer_source
 
 EXIT_CONFIG = 2  # a config problem, as for a usage error
 EXIT_USER = 1  # anything else the user can fix: data, model, paths
@@ -40,101 +45,194 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def error_lines(lines: list[str]) -> None:
-    """All lines in one write: ranks sharing a terminal never interleave half-lines."""
-    os.write(sys.stderr.fileno(), "".join(f"{line}\n" for line in lines).encode())
+    """All lines in one write: ranks sharing a terminal never interleave half-lines.
+
+    Under torchrun the lines also go to torchrun's error file, so its failure summary shows them
+    instead of a traceback, and only rank 0 prints them: every rank fails the same way on a
+    user error, and the user reads the line once (a rank that fails alone is in the summary).
+    """
+    text = "".join(f"{line}\n" for line in lines)
+    error_file = os.environ.get("TORCHELASTIC_ERROR_FILE")
+    if error_file:
+        import json
+        import time
+        message = {"message": text.rstrip(), "extraInfo": {"py_callstack": text.rstrip(),
+                                                          "timestamp": str(int(time.time()))}}
+        try:
+            with open(error_file, "w") as f:
+                json.dump({"message": message}, f)
+        except OSError:
+            pass
+    if os.environ.get("RANK", "0") == "0":
+        os.write(sys.stderr.fileno(), text.encode())
+
+
+class _Help(argparse.ArgumentDefaultsHelpFormatter):
+    """Every option's help ends with its default: argparse's value, unless the help says it in
+    words (a default of None means something, such as "the newest checkpoint")."""
+
+    def _get_help_string(self, action):
+        text = action.help or ""
+        if "default" in text or action.default is None or action.required:
+            return text
+        return super()._get_help_string(action)
+
+
+class _Parser(argparse.ArgumentParser):
+    """The parser of llmtrain and, through add_subparsers, of each command: help with defaults."""
+
+    def __init__(self, *args, **kwargs):
+        kwargs.setdefault("formatter_class", _Help)
+        super().__init__(*args, **kwargs)
+
+
+class _Version(argparse.Action):
+    """--version from the installed package metadata: no torch import, so it answers at once."""
+
+    def __init__(self, option_strings, dest, **kwargs):
+        super().__init__(option_strings, dest, nargs=0, default=argparse.SUPPRESS, **kwargs)
+
+    def __call__(self, parser, namespace, values, option_string=None):
+        from importlib import metadata
+        versions = []
+        for name in ("llmtrain", "torch", "transformers"):
+            try:
+                versions.append(f"{name} {metadata.version(name)}")
+            except metadata.PackageNotFoundError:
+                versions.append(f"{name} (not installed)")
+        print(f"{versions[0]} ({', '.join(versions[1:])}, python {sys.version.split()[0]})")
+        parser.exit()
 
 
 def parser() -> argparse.ArgumentParser:
-    ap = argparse.ArgumentParser(prog="llmtrain", description="Train Hugging Face causal LMs "
-                                 "with DDP, FSDP2 or HSDP, on a laptop or a Slurm cluster.")
+    ap = _Parser(prog="llmtrain", description="Train Hugging Face causal LMs with DDP, FSDP2 or "
+                 "HSDP, on a laptop or a Slurm cluster.")
+    ap.add_argument("--version", action=_Version, help="print the versions of llmtrain, torch, "
+                    "transformers and python, and exit")
     sub = ap.add_subparsers(required=True, metavar="COMMAND")
 
     p = sub.add_parser("check-config", help="validate a config without importing torch")
-    p.add_argument("config")
+    p.add_argument("file", nargs="?", metavar="FILE", help="the config, as --config FILE is")
+    p.add_argument("--config", metavar="FILE", help="the config to check (this or FILE: required)")
     _overrides(p)
     p.add_argument("--world-size", type=int, help="check the batch split for this many "
                    "processes (default: slurm.nodes x slurm.procs_per_node)")
     p.add_argument("--get", metavar="KEY", action="append", help="print a resolved value "
                    "(run_dir, world_size, prepared_dir, prepared, or section.key) instead of a "
-                   "summary; repeatable, one line each")
+                   "summary; repeatable, one line each (default: the summary)")
     p.add_argument("--offline", action="store_true", help="require the model, tokenizer and "
                    "dataset on disk (as a job on an offline compute node will)")
+    p.add_argument("--freeze", metavar="FILE", help="also write the resolved config (overrides "
+                   "applied, paths absolute) to FILE, for a job to train from (default: none)")
     p.set_defaults(func=cmd_check_config)
 
     p = sub.add_parser("prepare", help="tokenize and pack the dataset (idempotent)")
-    p.add_argument("--config", required=True)
+    _config(p)
     _overrides(p)
     p.set_defaults(func=cmd_prepare)
 
     p = sub.add_parser("train", help="train (under torchrun for several processes)")
-    p.add_argument("--config", required=True)
+    _config(p)
     _overrides(p)
     p.set_defaults(func=cmd_train)
 
-    p = sub.add_parser("export", help="write a checkpoint as a Hugging Face model folder")
-    p.add_argument("--run-dir", required=True)
+    p = sub.add_parser("export", help="write a checkpoint as a Hugging Face model folder, for use "
+                       "(KV cache on, generation_config.json, readable by the group)")
+    p.add_argument("--run-dir", required=True, help="the run directory (required)")
     p.add_argument("--step", type=int, help="checkpoint step (default: the newest complete one)")
-    p.add_argument("--out", required=True)
+    p.add_argument("--out", required=True, help="a new or empty folder (required)")
+    p.add_argument("--dtype", choices=["fp32", "bf16", "fp16"], default="fp32",
+                   help="weights as saved; fp32 is the trained weights bit for bit, bf16 half the "
+                   "size and what serving usually loads")
     p.set_defaults(func=cmd_export)
 
     p = sub.add_parser("generate", help="complete a prompt with a trained model")
     src = p.add_mutually_exclusive_group(required=True)
-    src.add_argument("--model", help="a Hugging Face model folder (e.g. from export)")
-    src.add_argument("--run-dir", help="a run directory: its newest checkpoint, or --step")
-    p.add_argument("--step", type=int)
-    p.add_argument("--prompt", required=True)
-    p.add_argument("--max-new-tokens", type=int, default=64)
-    p.add_argument("--temperature", type=float, default=0.8, help="0: greedy")
-    p.add_argument("--seed", type=int, default=0)
+    src.add_argument("--model", help="a Hugging Face model folder, e.g. from export (required: "
+                     "this or --run-dir)")
+    src.add_argument("--run-dir", help="a run directory (required: this or --model)")
+    p.add_argument("--step", type=int, help="with --run-dir: the checkpoint step (default: the "
+                   "newest complete one)")
+    p.add_argument("--prompt", required=True, help="the text to complete (required)")
+    p.add_argument("--max-new-tokens", type=int, help="tokens to generate at most (default: the "
+                   "model's generation_config.json)")
+    p.add_argument("--temperature", type=float, help="sampling temperature; 0: greedy (default: "
+                   "the model's generation_config.json)")
+    p.add_argument("--seed", type=int, default=0, help="random seed of the sampling")
     p.set_defaults(func=cmd_generate)
 
-    p = sub.add_parser("status", help="job state, progress, checkpoints and log of a run")
-    p.add_argument("target", metavar="RUN_DIR|JOB_ID")
+    p = sub.add_parser("status", help="whether a run is running, pending, stopped, finished or "
+                       "failed; its progress, checkpoints and log")
+    p.add_argument("target", metavar="RUN_DIR|JOB_ID", help="a run directory, or a Slurm job id "
+                   "(pending, running, or finished within Slurm's MinJobAge)")
     p.add_argument("--follow", action="store_true", help="refresh until interrupted")
-    p.add_argument("--interval", type=float, default=10.0, help="seconds between refreshes")
+    p.add_argument("--interval", type=float, default=10.0, help="seconds between refreshes "
+                   "(default: 10)")
     p.set_defaults(func=cmd_status)
 
-    p = sub.add_parser("control", help="ask a running job to save now, or to save and stop")
-    p.add_argument("run_dir")
-    p.add_argument("action", choices=["save", "stop"])
+    p = sub.add_parser("control", help="ask a running job to save now, or to save and stop "
+                       "(refused, exit 1, for a run that is not running)")
+    p.add_argument("run_dir", help="the run's directory, <run.dir>/<run.name>")
+    p.add_argument("action", choices=["save", "stop"], help="save: checkpoint now and go on; "
+                   "stop: checkpoint and end (not requeued)")
     p.set_defaults(func=cmd_control)
 
     p = sub.add_parser("download", help="fetch hub models/datasets into $LLMTRAIN_HOME (login node)")
-    p.add_argument("--config", help="download the hub ids this config names")
+    p.add_argument("--config", metavar="FILE", help="download the hub ids this config names "
+                   "(default: none; then --model or --dataset)")
     _overrides(p)
-    p.add_argument("--model", help="model repo id (instead of the config's)")
-    p.add_argument("--dataset", help="dataset repo id (instead of the config's)")
+    p.add_argument("--model", help="model repo id (default: the config's model.name_or_path "
+                   "and model.tokenizer)")
+    p.add_argument("--dataset", help="dataset repo id (default: the config's data.dataset)")
     p.add_argument("--revision", help="model revision: branch, tag or commit (default: main)")
     p.add_argument("--dataset-revision", help="dataset revision (default: main)")
     p.add_argument("--allow-pattern", action="append", dest="allow_patterns", metavar="GLOB",
-                   help="only files matching (repeatable), e.g. '*.safetensors'")
+                   help="only files matching (repeatable), e.g. '*.safetensors' (default: all)")
     p.add_argument("--force", action="store_true", help="download again even if complete")
     p.set_defaults(func=cmd_download)
     return ap
 
 
+def _config(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--config", required=True, metavar="FILE", help="the run's config file; "
+                   "relative paths in it are relative to its folder (required)")
+
+
 def _overrides(p: argparse.ArgumentParser) -> None:
     p.add_argument("--set", dest="overrides", action="append", default=[],
-                   metavar="SECTION.KEY=VALUE", help="override a config value (repeatable)")
+                   metavar="SECTION.KEY=VALUE", help="override a config value (repeatable; "
+                   "default: none)")
 
 
 def cmd_check_config(args) -> int:
+    if (args.file is None) == (args.config is None):
+        got = "neither" if args.file is None else f"FILE {args.file} and --config {args.config}"
+        raise ConfigError([f"check-config: give the config once, as --config FILE or FILE "
+                           f"(got {got})"])
+    args.config = args.config or args.file
     cfg = load_config(args.config, args.overrides, world_size=args.world_size)
     missing = [f"{what}: {source} is not downloaded yet (looked in {local_path(source, kind)}); "
                f"run: bash download_data_model.sh --config {args.config}"
                for source, kind, what in ((cfg.model.name_or_path, "models", "model.name_or_path"),
                                           (tokenizer_source(cfg), "models", "model.tokenizer"),
                                           (cfg.data.dataset, "datasets", "data.dataset"))
-               if source and not local_path(source, kind).exists()]
+               if source and not on_disk(source, kind)]
     if args.offline and missing:
         raise ConfigError(list(dict.fromkeys(missing)))
+    if args.freeze:  # what was validated is what runs: the job reads this file, not the original
+        from pathlib import Path
+
+        from .rundir import write_atomic
+        Path(args.freeze).parent.mkdir(parents=True, exist_ok=True)
+        write_atomic(Path(args.freeze), f"# frozen by submit.sh from {args.config}\n" + dump_yaml(cfg))
     if args.get:
         print("\n".join(str(_get(cfg, key)) for key in args.get))
         return 0
     for line in dict.fromkeys(missing):
         print(f"note: {line}", file=sys.stderr)
     t = cfg.train
-    print(f"{args.config}: OK — run {cfg.run.name!r}, {t.max_steps} steps of "
+    length = f"{t.max_steps} steps" if t.max_steps is not None else f"{t.epochs} epoch{'' if t.epochs == 1 else 's'}"
+    print(f"{args.config}: OK — run {cfg.run.name!r}, {length} of "
           f"{t.global_batch_size} x {cfg.data.seq_len} tokens, {cfg.parallel.strategy}, "
           f"{t.precision}; run_dir: {cfg.run_dir}")
     return 0
@@ -170,14 +268,24 @@ def cmd_train(args) -> int:
     world_size = int(os.environ.get("WORLD_SIZE", 1))
     cfg = load_config(args.config, args.overrides, world_size=world_size)
     from .train import train
-    train(cfg)
+    try:
+        train(cfg)
+    except UserError as e:  # for train.slurm, submit.sh --local and status: the line to show last
+        from .rundir import ERROR_FILE, write_atomic
+        try:
+            (cfg.run_dir / "logs").mkdir(parents=True, exist_ok=True)
+            write_atomic(cfg.run_dir / "logs" / ERROR_FILE, "".join(
+                f"{line}\n" for line in (e.problems if isinstance(e, ConfigError) else [f"error: {e}"])))
+        except OSError:
+            pass
+        raise
     return 0
 
 
 def cmd_export(args) -> int:
     from .export import export
-    out = export(args.run_dir, args.out, args.step)
-    print(f"exported: {out}")
+    out = export(args.run_dir, args.out, args.step, args.dtype)
+    print(f"exported: {out} ({args.dtype} weights)")
     return 0
 
 
@@ -205,18 +313,20 @@ def cmd_download(args) -> int:
 
 
 def cmd_control(args) -> int:
-    from pathlib import Path
-    if not (Path(args.run_dir) / "config.yaml").is_file():
-        raise UserError(f"{args.run_dir}: not a run directory (no config.yaml)")
     from .control import request
-    path = request(args.run_dir, args.action)
+    path = request(args.run_dir, args.action)  # a run that is not running: one line, exit 1
     print(f"{args.action} requested: {path} (acted on within seconds, at a step boundary)")
     return 0
 
 
 def cmd_status(args) -> int:
     from .status import status
-    status(args.target, args.follow, args.interval)
+    try:
+        status(args.target, args.follow, args.interval)
+    except BrokenPipeError:
+        # The reader left (`llmtrain status X | head -1`): what it read was right; no traceback,
+        # and nothing more to flush at exit (the Python docs' recipe, signal.SIGPIPE notes).
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
     return 0
 
 

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import dataclasses
 import difflib
+import glob
 import json
 import os
 import re
@@ -61,20 +62,33 @@ class ModelConfig:
 
 @dataclass(frozen=True)
 class DataConfig:
-    dataset: str  # local file/folder (parquet, jsonl, json, txt, save_to_disk) or downloaded hub id
+    # a local file, folder (save_to_disk, hub snapshot) or glob of files (parquet, jsonl, json,
+    # csv, txt, arrow; jsonl/json/csv/txt also compressed: .gz, .bz2, .xz), or a downloaded hub id
+    dataset: str
     text_field: str = "text"  # column holding the documents
+    text_unit: Literal["line", "file"] = "line"  # .txt sources: a document is a line, or a whole file
     split: str = "train"  # split of the source dataset to read
-    validation_fraction: float = 0.01  # share of documents held out for evaluation
+    validation: Optional[str] = None  # evaluation documents: a split of the dataset, or a file/glob
+    validation_fraction: Optional[float] = None  # share of documents held out; None: 0.01 (0 with validation)
+    add_bos: Literal["auto", True, False] = "auto"  # BOS before each document; auto: if bos != eos
     seq_len: int = 1024  # tokens per training sample
     prepared_dir: str = "${LLMTRAIN_HOME}/prepared"  # root of prepared (tokenized) datasets
     num_proc: Optional[int] = None  # tokenizer processes; None: the CPU count, at most 16
 
+    @property
+    def holdout_fraction(self) -> float:
+        """The share of the dataset's documents held out for evaluation, defaults applied."""
+        if self.validation_fraction is not None:
+            return self.validation_fraction
+        return 0.0 if self.validation else 0.01
+
 
 @dataclass(frozen=True)
 class TrainConfig:
-    max_steps: int  # optimizer steps
     global_batch_size: int  # samples per optimizer step, over all ranks and micro-steps
     micro_batch_size: int  # samples per rank per forward/backward
+    max_steps: Optional[int] = None  # optimizer steps; set this or epochs
+    epochs: Optional[int] = None  # passes over the prepared samples; max_steps derived at start
     lr: float = 3e-4  # peak learning rate
     min_lr: float = 3e-5  # learning rate at the end of the cosine decay
     warmup_steps: int = 0  # linear warmup from 0 to lr
@@ -185,7 +199,13 @@ def load_config(path: str | os.PathLike, overrides: list[str] = (), world_size: 
     cfg = _build(raw, path.resolve().parent, problems)
     if cfg is not None and not any(p.startswith("--set") or ": unknown section" in p for p in problems):
         cfg = dataclasses.replace(cfg, path=str(path.resolve()))
-        problems += validate(cfg, world_size)
+        written = {f"{section}.{key}": raw[section][key] for section, keys in _PATH_KEYS.items()
+                   for key in keys if isinstance(raw.get(section), dict)
+                   and isinstance(raw[section].get(key), str)}
+        # A key with a wrong value is reported once: checks on the default standing in for it
+        # (max_steps: 'ten' leaves max_steps None, "neither max_steps nor epochs") are noise.
+        wrong = {q.split(":")[0] for q in problems}
+        problems += [q for q in validate(cfg, world_size, written) if q.split(":")[0] not in wrong]
     if problems:
         raise ConfigError(problems)
     return cfg
@@ -257,7 +277,7 @@ def _build_section(section: str, cls: type, body: dict, base: Path, problems: li
             continue
         if isinstance(value, str) and name in _PATH_KEYS.get(section, ()) and value not in _NOT_PATHS:
             try:
-                value = _expand(value, base)
+                value = _expand(value, base, hub=where not in _ONLY_PATHS)
             except ValueError as e:
                 problems.append(f"{where}: {e}")
                 ok = False
@@ -272,9 +292,10 @@ def _coerce(value: Any, hint: Any) -> Any:
         if value is None:
             return None
         return _coerce(value, next(a for a in args if a is not type(None)))
-    if origin is Literal:
-        if value not in args:
-            raise ValueError("must be one of " + ", ".join(map(str, args)))
+    if origin is Literal:  # compared with the type too: 1 is not true, and true is not 1
+        if not any(value == a and type(value) is type(a) for a in args):
+            raise ValueError("must be one of " + ", ".join(
+                str(a).lower() if isinstance(a, bool) else str(a) for a in args))
         return value
     if hint is bool:
         if not isinstance(value, bool):
@@ -319,14 +340,17 @@ def _did_you_mean(name: str, choices) -> str:
 _PATH_KEYS = {
     "run": ("dir",),
     "model": ("name_or_path", "tokenizer"),
-    "data": ("dataset", "prepared_dir"),
+    "data": ("dataset", "validation", "prepared_dir"),
     "train": ("resume",),
 }
 _NOT_PATHS = ("auto", "none")
+# Path keys that are never a hub id: `runs` or `ckpt/step-00000100` is a folder next to the config.
+_ONLY_PATHS = ("run.dir", "data.prepared_dir", "train.resume")
 
 
-def _expand(value: str, base: Path) -> str:
-    """Expand ${VAR} and ~, and make a relative path absolute against the config folder."""
+def _expand(value: str, base: Path, hub: bool = True) -> str:
+    """Expand ${VAR} and ~, and make a relative path absolute against the config folder
+    (unless, where `hub`, it reads as a hub id: `org/name` that is not a local path)."""
     missing = [m for m in re.findall(r"\$\{(\w+)\}", value) if m not in os.environ]
     if missing:
         hint = " (source the env.sh that setup.sh wrote)" if HOME_VAR in missing else ""
@@ -335,7 +359,7 @@ def _expand(value: str, base: Path) -> str:
     if os.path.isabs(value):
         return value
     local = base / value
-    if value.startswith(("./", "../")) or local.exists() or not _HUB_ID.match(value):
+    if not hub or value.startswith(("./", "../")) or local.exists() or not _HUB_ID.match(value):
         return str(local.resolve())
     return value  # a hub id
 
@@ -361,12 +385,45 @@ def tokenizer_source(cfg: Config) -> str | None:
     return cfg.model.tokenizer or cfg.model.name_or_path
 
 
+# Data files by format suffix: the datasets library's builder that reads them.
+FILE_BUILDERS = {".txt": "text", ".jsonl": "json", ".json": "json", ".parquet": "parquet",
+                 ".csv": "csv", ".arrow": "arrow"}
+COMPRESSED = (".gz", ".bz2", ".xz")  # the datasets library decompresses these as it reads
+
+
+def is_glob(value: str) -> bool:
+    return any(c in value for c in "*?[")
+
+
+def source_files(value: str) -> list[Path] | None:
+    """The files of a local dataset given as a file or a glob (sorted; `**` recurses); None
+    for a folder or a hub id, which the datasets library lists itself."""
+    if is_glob(value):
+        return sorted(Path(p) for p in glob.glob(value, recursive=True) if os.path.isfile(p))
+    path = Path(value)
+    return [path] if path.is_file() else None
+
+
+def on_disk(value: str, kind: Literal["models", "datasets"]) -> bool:
+    """Whether a model/dataset is on this machine: its path or download folder exists, or
+    its glob matches files."""
+    path = local_path(value, kind)
+    return bool(source_files(str(path))) if is_glob(str(path)) else path.exists()
+
+
+def file_suffix(path: Path) -> str:
+    """The format suffix of a data file, under its compression: docs.jsonl.gz -> .jsonl."""
+    inner = Path(path.stem).suffix if path.suffix in COMPRESSED else ""
+    return inner or path.suffix
+
+
 # ---------------------------------------------------------------------------------------------
 # Cross-field checks
 
 
-def validate(cfg: Config, world_size: int | None = None) -> list[str]:
-    """Problems that span keys or touch the filesystem; [] when the config is usable."""
+def validate(cfg: Config, world_size: int | None = None, written: dict | None = None) -> list[str]:
+    """Problems that span keys or touch the filesystem; [] when the config is usable.
+    written: path keys as the file (or --set) wrote them, for messages that show both forms."""
     p: list[str] = []
     t, d, m, s = cfg.train, cfg.data, cfg.model, cfg.slurm
     world = world_size or cfg.world_size
@@ -374,8 +431,11 @@ def validate(cfg: Config, world_size: int | None = None) -> list[str]:
     _positive(p, "run", cfg.run, ["name"], text=True)
     if "/" in cfg.run.name or cfg.run.name in (".", ".."):
         p.append(f"run.name: must be a plain folder name, no '/' (got {cfg.run.name!r})")
-    _positive(p, "train", t, ["max_steps", "global_batch_size", "micro_batch_size", "log_every",
-                              "eval_samples"])
+    if (t.max_steps is None) == (t.epochs is None):
+        got = "neither" if t.max_steps is None else f"max_steps {t.max_steps} and epochs {t.epochs}"
+        p.append(f"train.max_steps: set exactly one of train.max_steps and train.epochs (got {got})")
+    _positive(p, "train", t, [k for k in ("max_steps", "epochs", "global_batch_size", "micro_batch_size",
+                                          "log_every", "eval_samples") if getattr(t, k) is not None])
     _positive(p, "data", d, ["seq_len"])
     _positive(p, "slurm", s, ["nodes", "cpus_per_node"])
     for key in ("lr", "eps"):
@@ -392,7 +452,7 @@ def validate(cfg: Config, world_size: int | None = None) -> list[str]:
             p.append(f"train.{key}: must be in [0, 1) (got {getattr(t, key)})")
     if t.min_lr > t.lr > 0:
         p.append(f"train.min_lr: must be <= train.lr (got {t.min_lr} > {t.lr})")
-    if t.max_steps > 0 and t.warmup_steps >= t.max_steps:
+    if t.max_steps is not None and t.max_steps > 0 and t.warmup_steps >= t.max_steps:
         p.append(f"train.warmup_steps: must be < train.max_steps (got {t.warmup_steps} >= {t.max_steps})")
     for key in ("collective_timeout_s", "startup_timeout_s"):
         if getattr(cfg.parallel, key) < 10:
@@ -410,11 +470,16 @@ def validate(cfg: Config, world_size: int | None = None) -> list[str]:
         p.append(f"train.keep_checkpoints: must be >= 2, so a damaged newest checkpoint has a "
                  f"fallback (got {t.keep_checkpoints})")
     if t.resume not in _NOT_PATHS and not Path(t.resume).is_dir():
-        p.append(f"train.resume: must be auto, none, or a checkpoint folder (got {t.resume!r})")
-    if not 0 <= d.validation_fraction < 0.5:
+        p.append(f"train.resume: must be auto, none, or a checkpoint folder "
+                 f"({_got('train.resume', t.resume, written)})")
+    if not 0 <= d.holdout_fraction < 0.5:
         p.append(f"data.validation_fraction: must be in [0, 0.5) (got {d.validation_fraction})")
-    if t.eval_every > 0 and d.validation_fraction == 0:
-        p.append("train.eval_every: evaluation needs data.validation_fraction > 0, or set eval_every: 0")
+    if d.validation and d.validation_fraction:
+        p.append(f"data.validation_fraction: set only one of data.validation and "
+                 f"data.validation_fraction (got {d.validation!r} and {d.validation_fraction})")
+    if t.eval_every > 0 and d.holdout_fraction == 0 and not d.validation:
+        p.append("train.eval_every: evaluation needs data.validation or data.validation_fraction > 0, "
+                 "or set eval_every: 0")
     if d.num_proc is not None and d.num_proc < 1:
         p.append(f"data.num_proc: must be >= 1 (got {d.num_proc})")
     if s.gpus_per_node < 0:
@@ -433,10 +498,58 @@ def validate(cfg: Config, world_size: int | None = None) -> list[str]:
             f"= {t.micro_batch_size} x {world} = {micro} (got {t.global_batch_size})"
         )
 
-    p += _check_model(cfg)
-    if not is_hub_id(d.dataset) and not Path(d.dataset).exists():
-        p.append(f"data.dataset: no such file or folder (got {d.dataset!r})")
+    p += _check_model(cfg, written)
+    p += _check_attention(cfg)
+    p += _check_resume(cfg)
+    p += _check_data(d, Path(cfg.path).parent, written)
     return p
+
+
+def _got(key: str, value: str, written: dict | None) -> str:
+    """`got '/abs/x.txt'`, or for a path written otherwise (relative to the config's folder,
+    ~, ${VAR}) both forms: `got './x.txt', resolved to /abs/x.txt`."""
+    raw = (written or {}).get(key)
+    if raw is None or raw == value:
+        return f"got {value!r}"
+    return f"got {raw!r}, resolved to {value}"
+
+
+def _check_data(d: DataConfig, base: Path, written: dict | None = None) -> list[str]:
+    """The dataset and validation sources, as far as their names and files tell."""
+    p, files = [], {}
+    for key in ("dataset", "validation"):
+        value = getattr(d, key)
+        if value is None or (key == "validation" and is_split_name(value)):
+            continue
+        if is_glob(value):
+            files[key] = source_files(value)
+            if not files[key]:
+                p.append(f"data.{key}: no file matches the pattern "
+                         f"({_got(f'data.{key}', value, written)})")
+        elif key == "dataset" and is_hub_id(value):
+            continue  # a hub id: download_data_model.sh fetches it, check-config notes it
+        elif not Path(base, value).exists():  # relative: a missing path read as a hub id
+            p.append(f"data.{key}: no such file or folder "
+                     f"({_got(f'data.{key}', str(Path(base, value)), written)})")
+        else:
+            files[key] = source_files(value)
+        other = [f.name for f in files.get(key) or [] if file_suffix(f) != ".txt"]
+        if d.text_unit != "line" and other:
+            p.append(f"data.text_unit: only for .txt files (got {d.text_unit} for {other[0]})")
+    if d.validation and is_split_name(d.validation):
+        if files.get("dataset"):
+            p.append(f"data.validation: a split name, but data.dataset is a file with no splits; "
+                     f"give the validation file's path instead (got {d.validation!r})")
+        elif d.validation == d.split:
+            p.append(f"data.validation: must differ from data.split, or evaluation reads training "
+                     f"documents (got {d.validation!r})")
+    return p
+
+
+def is_split_name(value: str) -> bool:
+    """data.validation: `validation` names a split; `val.jsonl`, `./val` and globs are paths."""
+    return (not os.path.isabs(value) and not is_glob(value) and "/" not in value
+            and file_suffix(Path(value)) not in (*FILE_BUILDERS, *COMPRESSED))
 
 
 def _check_parallel(cfg: Config, world: int) -> list[str]:
@@ -460,7 +573,33 @@ def _positive(p: list[str], section: str, obj, keys: list[str], text: bool = Fal
             p.append(f"{section}.{key}: must be > 0 (got {value})")
 
 
-def _check_model(cfg: Config) -> list[str]:
+def _check_attention(cfg: Config) -> list[str]:
+    """flash_attention_2 needs the flash-attn package: a job would fail on its first forward."""
+    import importlib.util
+    if cfg.model.attn_implementation == "flash_attention_2" and importlib.util.find_spec("flash_attn") is None:
+        return ["model.attn_implementation: flash_attention_2 needs the flash-attn package, which is "
+                "not installed in this environment; install it (pip install flash-attn) or use sdpa"]
+    return []
+
+
+def _check_resume(cfg: Config) -> list[str]:
+    """The run's newest checkpoint must fit the config, or the job would be refused at start."""
+    if cfg.train.resume != "auto":
+        return []
+    folder = cfg.run_dir / "checkpoints"
+    try:
+        pointer = (folder / "latest").read_text().strip()
+        meta = json.loads((folder / pointer / "meta.json").read_text())
+    except (OSError, ValueError):
+        return []  # no checkpoint yet (or a damaged one: the trainer falls back and says so)
+    saved = meta.get("compat", {})
+    now = {"seq_len": cfg.data.seq_len, "global_batch_size": cfg.train.global_batch_size}
+    return [f"train.resume: checkpoint {folder / pointer} does not match this config: {key} "
+            f"differs ({saved[key]!r} -> {value!r}); use a new run.name, or set train.resume: none "
+            f"to start over" for key, value in now.items() if key in saved and saved[key] != value]
+
+
+def _check_model(cfg: Config, written: dict | None = None) -> list[str]:
     m, p = cfg.model, []
     if (m.name_or_path is None) == (m.architecture is None):
         p.append("model.name_or_path: set exactly one of model.name_or_path (pretrained) "
@@ -477,13 +616,15 @@ def _check_model(cfg: Config) -> list[str]:
         model_cfg = _read_json(local_path(m.name_or_path, "models") / "config.json")
         if model_cfg is None and not is_hub_id(m.name_or_path):
             p.append(f"model.name_or_path: no Hugging Face model folder with a config.json "
-                     f"(got {m.name_or_path!r})")
+                     f"({_got('model.name_or_path', m.name_or_path, written)})")
 
     tok_src = tokenizer_source(cfg)
     tok_file = local_path(tok_src, "models") / "tokenizer.json" if tok_src else None
     tok = _read_json(tok_file) if tok_file else None
     if tok_src and tok is None and not is_hub_id(tok_src):
-        p.append(f"model.tokenizer: no fast tokenizer (tokenizer.json) in {tok_src!r}")
+        key = "model.tokenizer" if m.tokenizer else "model.name_or_path"
+        p.append(f"model.tokenizer: no fast tokenizer (tokenizer.json) in the folder "
+                 f"({_got(key, tok_src, written)})")
 
     if model_cfg:
         max_pos = model_cfg.get("max_position_embeddings")

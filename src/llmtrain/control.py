@@ -6,14 +6,17 @@
 
 Requests come from:
 - signals: SIGUSR1 or SIGTERM to a training process (torchrun forwards SIGTERM; `scancel -s USR1`
-  reaches job steps). The handler only sets a flag.
+  reaches job steps), and SIGINT: Ctrl-C on a local run reaches torchrun, which forwards it to its
+  workers (they run in their own sessions, so only torchrun's copy arrives). The handler only sets
+  a flag; SIGINT's reason is "user" (not requeued), the others' "signal".
 - switch files in `<run_dir>/control/`: `stop` (save and stop) and `save` (save, go on), written by
   `llmtrain control RUN_DIR stop|save` or by train.slurm's trap when Slurm sends the batch shell
   its warning signal (`--signal=B:USR1@lead`). A file's text is the reason ("preempt", "user").
+  A switch older than this launch was meant for an earlier one: rank 0 removes it at start.
 - the job's end time: rank 0 reads it from Slurm once, and asks to stop `slurm.signal_lead_s`
   seconds before it, signal or not.
 
-Rank 0 stats the switch files at most every few seconds; the agreement is a MAX all-reduce of
+Rank 0 stats the switch files at most every second; the agreement is a MAX all-reduce of
 [stop, save, non-finite] so every rank takes the same decision at the same step.
 `<run_dir>/control/exit.json` tells train.slurm why the trainer stopped: "preempt", "deadline"
 and "signal" are requeued; "user" and "done" are not.
@@ -32,12 +35,16 @@ from dataclasses import dataclass
 from datetime import datetime
 from pathlib import Path
 
-from .config import Config
+from .config import Config, UserError
 from .rundir import Log, write_atomic
 
 SWITCH_POLL_S = 1.0
 HEARTBEAT_S = 2.0
 REQUEUE_REASONS = ("preempt", "deadline", "signal")
+SWITCHES = ("stop", "save")
+IMPORTED = time.time()  # launch_start_time()'s fallback
+# Ctrl-C is a person asking to stop (not requeued); the others come from the cluster or torchrun.
+SIGNAL_REASONS = {signal.SIGUSR1: "signal", signal.SIGTERM: "signal", signal.SIGINT: "user"}
 
 
 @dataclass(frozen=True)
@@ -62,11 +69,28 @@ class Control:
         if world.is_main:
             self.folder.mkdir(parents=True, exist_ok=True)
             (self.folder / "exit.json").unlink(missing_ok=True)
+            self._remove_stale_switches()
             if self.end_time:
                 log.info(f"job ends at {datetime.fromtimestamp(self.end_time):%H:%M:%S}: saving and "
                          f"stopping {self.lead_s}s before, for a requeue")
-        for sig in (signal.SIGUSR1, signal.SIGTERM):
+        for sig in SIGNAL_REASONS:
             signal.signal(sig, self._on_signal)
+
+    def _remove_stale_switches(self) -> None:
+        """A switch written before this launch started was meant for an earlier one (which ended
+        before it looked): it must not stop this one. A switch written since (a request, or
+        Slurm's warning, during start-up) is this launch's and is acted on at the first step."""
+        started = launch_start_time()
+        for name in SWITCHES:
+            path = self.folder / name
+            try:
+                stale = path.stat().st_mtime < started
+            except FileNotFoundError:
+                continue
+            if stale:
+                path.unlink(missing_ok=True)
+                self.log.info(f"removed {path}: written before this launch started, for an "
+                              f"earlier one")
 
     def beat(self, step: int) -> None:
         """At each step start: a heartbeat file for the hang diagnosis (every few seconds), and
@@ -74,13 +98,14 @@ class Control:
         now = time.time()
         if now - self.last_beat >= HEARTBEAT_S:
             self.last_beat = now
-            write_atomic(self.heartbeat, json.dumps({"step": step, "time": now,
+            write_atomic(self.heartbeat, json.dumps({"step": step, "time": now, "pid": os.getpid(),
                                                      "host": socket.gethostname()}))
         if self.log.file is not None:
             faulthandler.dump_traceback_later(self.timeout_s, file=self.log.file)
 
     def _on_signal(self, signum, frame) -> None:
-        self.signal_reason = "signal"  # only a flag: the loop acts at the next step boundary
+        # Only a flag: the loop acts at the next step boundary. The first signal's reason stands.
+        self.signal_reason = self.signal_reason or SIGNAL_REASONS.get(signum, "signal")
         # A rank stuck in a collective never reaches that boundary: if it has not stopped within
         # the collective timeout, dump its stacks and exit (torchrun would SIGKILL it 30 s after
         # its SIGTERM anyway, without a word). The save after a stop runs well within this.
@@ -138,12 +163,36 @@ class Control:
 
 
 def request(run_dir: Path, what: str, reason: str = "user") -> Path:
-    """`llmtrain control RUN_DIR stop|save`: ask a running trainer to stop or save."""
-    folder = Path(run_dir) / "control"
+    """`llmtrain control RUN_DIR stop|save`: ask a running trainer to stop or save. A run that is
+    not running is refused (UserError), and nothing is written: a switch must not wait in the
+    run directory for a later launch."""
+    from .status import assess, latest_job
+
+    run_dir = Path(run_dir)
+    if not run_dir.is_dir():
+        raise UserError(f"{run_dir}: no such run directory")
+    verdict = assess(run_dir, latest_job(run_dir))
+    if verdict.state != "running":
+        raise UserError(f"{run_dir}: not running ({verdict.text}); nothing to {what}")
+    folder = run_dir / "control"
     folder.mkdir(parents=True, exist_ok=True)
     path = folder / what
     write_atomic(path, reason + "\n")
     return path
+
+
+def launch_start_time() -> float:
+    """When this launch started (epoch seconds, to within a second, never later): under torchrun
+    its agent's start (workers start only after the rendezvous, and again after a restart), else
+    this process's. From /proc on Linux; elsewhere when this module was imported."""
+    pid = os.getppid() if "TORCHELASTIC_RUN_ID" in os.environ else os.getpid()
+    try:
+        ticks = int(Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[19])
+        boot = next(int(line.split()[1]) for line in Path("/proc/stat").read_text().splitlines()
+                    if line.startswith("btime "))
+        return boot + ticks / os.sysconf("SC_CLK_TCK")
+    except (OSError, ValueError, IndexError, StopIteration):
+        return IMPORTED
 
 
 def job_end_time() -> float | None:

@@ -2,9 +2,9 @@
 
 A prepared dataset is a folder of memory-mapped token shards plus manifest.json, made by
 `llmtrain prepare` (prepare.py). Its folder name carries a fingerprint of everything that
-decides its contents (source files, split, text field, validation share, tokenizer), so the
-trainer finds it without loading the source dataset, and a changed source or tokenizer gets a
-new folder instead of stale tokens.
+decides its contents (source files, split, text field and unit, BOS, validation source or
+share, tokenizer), so the trainer finds it without loading the source dataset, and a changed
+source, option or tokenizer gets a new folder instead of stale tokens.
 
 Sampling: sample i is the window tokens[i*seq_len : (i+1)*seq_len + 1] of the train stream.
 Each epoch draws a seeded permutation of all samples; an optimizer step takes the next
@@ -23,7 +23,8 @@ from pathlib import Path
 
 import numpy as np
 
-from .config import Config, UserError, local_path, tokenizer_source
+from .config import (COMPRESSED, Config, UserError, is_glob, is_split_name, local_path, source_files,
+                     tokenizer_source)
 
 FORMAT_VERSION = 1
 MANIFEST = "manifest.json"
@@ -38,22 +39,38 @@ class DataNotPrepared(UserError):
 
 
 def source_listing(path: Path) -> list[tuple[str, int, int]]:
-    """(relative path, size, mtime) of every file of a dataset source: its cheap fingerprint."""
-    files = [path] if path.is_file() else sorted(p for p in path.rglob("*") if p.is_file())
-    base = path.parent if path.is_file() else path
+    """(relative path, size, mtime) of every file of a dataset source (a file, a glob's matches,
+    or a folder): its cheap fingerprint."""
+    files = source_files(str(path))
+    if files is None:
+        base, files = path, sorted(p for p in path.rglob("*") if p.is_file())
+    else:
+        base = _glob_root(path) if is_glob(str(path)) else path.parent
     return [(str(p.relative_to(base)), p.stat().st_size, p.stat().st_mtime_ns) for p in files
             if ".cache" not in p.relative_to(base).parts]
+
+
+def _glob_root(pattern: Path) -> Path:
+    """The folder above a glob's first wildcard: /data/c4/*/*.json.gz -> /data/c4."""
+    parts = pattern.parts
+    return Path(*parts[:next(i for i, part in enumerate(parts) if is_glob(part))])
 
 
 def fingerprint(cfg: Config) -> str:
     d = cfg.data
     tok_dir = local_path(tokenizer_source(cfg), "models")
+    validation = d.validation
+    if validation is not None and not is_split_name(validation):
+        validation = source_listing(Path(validation))
     recipe = {
         "format": FORMAT_VERSION,
         "source": source_listing(local_path(d.dataset, "datasets")),
         "split": d.split,
         "text_field": d.text_field,
-        "validation_fraction": d.validation_fraction,
+        "text_unit": d.text_unit,
+        "add_bos": d.add_bos,  # auto decides by the tokenizer, whose files are hashed below
+        "validation": validation,
+        "validation_fraction": d.holdout_fraction,
         "tokenizer": _sha256(tok_dir / "tokenizer.json"),
         "tokenizer_config": _sha256(tok_dir / "tokenizer_config.json"),
     }
@@ -61,7 +78,13 @@ def fingerprint(cfg: Config) -> str:
 
 
 def prepared_path(cfg: Config, fp: str | None = None) -> Path:
-    name = re.sub(r"[^\w.-]+", "_", Path(cfg.data.dataset).name.removesuffix(".txt"))
+    source = Path(cfg.data.dataset)
+    if is_glob(cfg.data.dataset):  # /data/shakespeare/*.txt -> shakespeare
+        source = _glob_root(source)
+    name = source.name
+    for suffix in (*COMPRESSED, ".txt"):
+        name = name.removesuffix(suffix)
+    name = re.sub(r"[^\w.-]+", "_", name) or "data"
     return Path(cfg.data.prepared_dir) / f"{name}-{fp or fingerprint(cfg)}"
 
 
@@ -149,6 +172,14 @@ class StepSampler:
         self.rank, self.world_size = rank, world_size
         self.state = SamplerState()
         self._perm_epoch, self._perm = -1, None
+
+    @property
+    def steps_per_epoch(self) -> int:
+        return self.num_samples // self.global_batch  # the remainder is dropped
+
+    def epochs_done(self) -> float:
+        """Epochs done so far, fractional: 1.5 is halfway through the second."""
+        return self.state.epoch + self.state.consumed / (self.steps_per_epoch * self.global_batch)
 
     def permutation(self, epoch: int) -> np.ndarray:
         if epoch != self._perm_epoch:

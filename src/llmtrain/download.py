@@ -70,6 +70,15 @@ def download(repo_type: str, repo_id: str, revision: str | None, allow_patterns:
                             f"HF_TOKEN or run `hf auth login`") from None
         except RepositoryNotFoundError:
             raise UserError(f"{repo_type} {repo_id}: not found on the hub (or private: set HF_TOKEN)") from None
+        except Exception as e:
+            if not _unreachable(e):
+                raise
+            shutil.rmtree(dest.with_name(f".{dest.name}.tmp-{os.getpid()}"), ignore_errors=True)
+            _remove_empty_parents(dest.parent, Path(home))
+            from huggingface_hub import constants
+            raise UserError(f"{repo_type} {repo_id}: cannot reach the hub at {constants.ENDPOINT} "
+                            f"({type(e).__name__}); download on a machine with internet (the "
+                            f"login node), or check HF_ENDPOINT and the proxy settings") from None
         shutil.rmtree(tmp / ".cache", ignore_errors=True)  # the client's resume metadata
         (tmp / MARKER).write_text(json.dumps({**wanted, "commit": info.sha,
                                               "time": time.strftime("%Y-%m-%dT%H:%M:%S%z")}) + "\n")
@@ -80,6 +89,25 @@ def download(repo_type: str, repo_id: str, revision: str | None, allow_patterns:
         shutil.rmtree(old, ignore_errors=True)
         log(f"{repo_type} {repo_id}: done (commit {info.sha})")
         return dest
+
+
+def _unreachable(e: BaseException) -> bool:
+    """A connection that could not be made or timed out, whichever HTTP client raised it."""
+    for err in (e, e.__cause__, e.__context__):
+        if err is not None and (isinstance(err, (ConnectionError, TimeoutError))
+                                or any(w in type(err).__name__ for w in ("Connect", "Timeout"))):
+            return True
+    return False
+
+
+def _remove_empty_parents(folder: Path, stop: Path) -> None:
+    """The org folder a failed download created, if nothing else is in it."""
+    while folder != stop and stop in folder.parents:
+        try:
+            folder.rmdir()
+        except OSError:
+            return
+        folder = folder.parent
 
 
 class _lock:

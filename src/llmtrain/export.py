@@ -1,30 +1,44 @@
 """`llmtrain export` and `llmtrain generate`: a checkpoint as a plain Hugging Face model.
 
-    llmtrain export --run-dir DIR [--step N] --out DIR
+    llmtrain export --run-dir DIR [--step N] --out DIR [--dtype fp32|bf16|fp16]
     llmtrain generate --model DIR | --run-dir DIR [--step N] --prompt TEXT [--max-new-tokens N]
                       [--temperature T] [--seed S]
 
 Export reads the DCP files in one process (`no_dist`): DCP reshards whatever world size wrote
-them into full tensors. The result loads with `AutoModelForCausalLM.from_pretrained` and needs
-no llmtrain.
+them into full tensors. The result is made for use, not for more training: it loads with
+`AutoModelForCausalLM.from_pretrained` without llmtrain, generates with the KV cache on, has a
+generation_config.json that `model.generate(**inputs)` runs with as it is (sampling, the
+tokenizer's special tokens), and every file is readable by the group (a shared filesystem).
+
+dtype: fp32 by default, the trained weights bit for bit (training keeps fp32 master weights;
+bf16/fp16 are compute precisions); bf16 halves the folder and is what serving usually loads.
 """
 
 from __future__ import annotations
 
+import os
 import shutil
+import stat
 import warnings
 from pathlib import Path
 
 import torch
 import torch.distributed.checkpoint as dcp
-from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
+from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, GenerationConfig
 
 from .checkpoint import BUFFERS, resolve
 from .config import UserError
 
+DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+# What `model.generate(**inputs)` on an export does when asked nothing else (and what
+# `llmtrain generate` does without --temperature/--max-new-tokens): temperature sampling over
+# the whole vocabulary (top_k 0: HF's default would be 50).
+SAMPLING = {"do_sample": True, "temperature": 0.8, "top_k": 0, "max_new_tokens": 64}
+
 
 def load_checkpoint_model(run_dir: Path, step: int | None = None):
-    """(model, tokenizer) of a run's checkpoint, full weights on CPU, in eval mode."""
+    """(model, tokenizer) of a run's checkpoint, full fp32 weights on CPU, in eval mode, set up
+    for generation (KV cache on, the export's generation config)."""
     ckpt = resolve(Path(run_dir), step)
     config = AutoConfig.from_pretrained(ckpt)
     with torch.device("meta"):
@@ -40,33 +54,82 @@ def load_checkpoint_model(run_dir: Path, step: int | None = None):
     buffers = torch.load(ckpt / BUFFERS, weights_only=True)
     for name, buf in model.named_buffers():
         buf.copy_(buffers[name])
-    return model.eval(), AutoTokenizer.from_pretrained(ckpt)
+    tokenizer = AutoTokenizer.from_pretrained(ckpt)
+    # Checkpoints carry the training config, where model.py turns the KV cache off; without it
+    # generate recomputes the whole sequence for every token (56x slower for 200 tokens).
+    model.config.use_cache = True
+    model.generation_config = generation_config(tokenizer, model.config)
+    return model.eval(), tokenizer
 
 
-def export(run_dir: Path, out: Path, step: int | None = None) -> Path:
+def generation_config(tokenizer, config) -> GenerationConfig:
+    """SAMPLING with the tokenizer's special tokens (the model config's where it has none). A
+    tokenizer without a pad token pads with eos, as HF generate would after a warning per call."""
+    def token(name: str):
+        tok = getattr(tokenizer, name, None)
+        return tok if tok is not None else getattr(config, name, None)
+    eos = token("eos_token_id")
+    pad = token("pad_token_id")
+    return GenerationConfig(**SAMPLING, use_cache=True, bos_token_id=token("bos_token_id"),
+                            eos_token_id=eos, pad_token_id=pad if pad is not None else eos)
+
+
+def export(run_dir: Path, out: Path, step: int | None = None, dtype: str = "fp32") -> Path:
     out = Path(out)
     if out.exists() and any(out.iterdir()):
         raise UserError(f"--out: {out} exists and is not empty; choose a new folder")
     model, tokenizer = load_checkpoint_model(run_dir, step)
+    model.to(DTYPES[dtype])  # config.json's dtype follows: from_pretrained loads it as saved
+    new_parents = [p for p in out.parents if not p.exists()]
     tmp = out.with_name(f".{out.name}.tmp")
     shutil.rmtree(tmp, ignore_errors=True)
     model.save_pretrained(tmp)
     tokenizer.save_pretrained(tmp)
+    _share_with_group(tmp)
+    for parent in new_parents:
+        _share_with_group(parent, tree=False)
     if out.exists():
         out.rmdir()
     tmp.rename(out)
     return out
 
 
-def generate(model, tokenizer, prompt: str, max_new_tokens: int, temperature: float,
-             seed: int) -> str:
+def _share_with_group(path: Path, tree: bool = True) -> None:
+    """Let the group read what export wrote, whatever the umask: files g+r, folders g+rx; others
+    get what the umask allows (0644/0755 under the usual 022). safetensors writes its file 0600
+    (through a private temporary file) even under umask 022, so one teammate's export was
+    unreadable to the rest of the lab on the shared filesystem."""
+    umask = os.umask(0)
+    os.umask(umask)
+    paths = [path, *Path(path).rglob("*")] if tree else [path]
+    for p in paths:
+        if p.is_symlink():
+            continue
+        folder = p.is_dir()
+        mode = (0o755 if folder else 0o644) & ~umask | (0o750 if folder else 0o640)
+        p.chmod(stat.S_IMODE(p.stat().st_mode) | mode)
+
+
+def generate(model, tokenizer, prompt: str, max_new_tokens: int | None = None,
+             temperature: float | None = None, seed: int = 0) -> str:
+    """Complete `prompt`; what is not given comes from the model's generation config (for a
+    folder without one: SAMPLING)."""
     torch.manual_seed(seed)
     ids = tokenizer(prompt, return_tensors="pt").input_ids
+    gen = model.generation_config
+    kwargs = {}
+    if max_new_tokens is None and gen.max_new_tokens is None and gen.max_length is None:
+        max_new_tokens = SAMPLING["max_new_tokens"]
+    if max_new_tokens is not None:
+        kwargs["max_new_tokens"] = max_new_tokens
+    if temperature is not None:
+        sample = temperature > 0
+        kwargs.update(do_sample=sample, temperature=temperature if sample else None, top_k=None,
+                      top_p=None)
+    if gen.pad_token_id is None:
+        kwargs["pad_token_id"] = tokenizer.eos_token_id
     with torch.no_grad():
-        out = model.generate(ids, attention_mask=torch.ones_like(ids),
-                             max_new_tokens=max_new_tokens, do_sample=temperature > 0,
-                             temperature=temperature if temperature > 0 else None, top_k=None,
-                             top_p=None, pad_token_id=tokenizer.eos_token_id)
+        out = model.generate(ids, attention_mask=torch.ones_like(ids), **kwargs)
     return tokenizer.decode(out[0], skip_special_tokens=True)
 
 

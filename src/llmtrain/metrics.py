@@ -69,9 +69,11 @@ def peak_memory_gib(device) -> float:
 
 
 def progress_line(step: int, total: int, loss: float, lr: float, tokens_per_sec: float,
-                  eta_s: float) -> str:
+                  eta_s: float, epoch: tuple[int, int] | None = None) -> str:
+    """epoch: (the current one, counting from 1; how many the run takes)."""
     return (f"step {step}/{total} | loss {loss:.4f} | lr {lr:.2e} | "
-            f"{tokens_per_sec:,.0f} tok/s | eta {format_duration(eta_s)}")
+            f"{tokens_per_sec:,.0f} tok/s | eta {format_duration(eta_s)}"
+            + (f" | epoch {epoch[0]}/{epoch[1]}" if epoch else ""))
 
 
 def format_duration(seconds: float) -> str:

@@ -13,6 +13,9 @@ from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, Pretra
 from .config import Config, UserError, local_path, tokenizer_source
 
 
+VOCAB_MULTIPLE = 64  # from scratch, the vocabulary is rounded up to this: faster matmuls
+
+
 class ModelNotFound(UserError):
     pass
 
@@ -37,13 +40,23 @@ def model_config(cfg: Config, tokenizer) -> PretrainedConfig:
         config = AutoConfig.from_pretrained(_local_dir(m.name_or_path, "model.name_or_path"))
     else:
         arch = dict(m.architecture)
-        arch.setdefault("vocab_size", -(-len(tokenizer) // 64) * 64)  # round up for fast matmuls
+        arch.setdefault("vocab_size", -(-len(tokenizer) // VOCAB_MULTIPLE) * VOCAB_MULTIPLE)
         arch.setdefault("max_position_embeddings", cfg.data.seq_len)
         for key in ("bos_token_id", "eos_token_id", "pad_token_id"):
             arch.setdefault(key, getattr(tokenizer, key))
         config = AutoConfig.for_model(arch.pop("model_type"), **arch)
     config.use_cache = False  # training: no KV cache
     return config
+
+
+def vocab_padding(cfg: Config, config: PretrainedConfig, tokenizer) -> str | None:
+    """The log line stating the vocabulary rounding, when model_config chose the size."""
+    if cfg.model.architecture is None or "vocab_size" in cfg.model.architecture:
+        return None
+    extra = config.vocab_size - len(tokenizer)
+    return (f"vocab_size {config.vocab_size}: the tokenizer's {len(tokenizer)} tokens rounded up "
+            f"to a multiple of {VOCAB_MULTIPLE} for faster matmuls ({extra} rows no token uses); "
+            f"set model.architecture.vocab_size to choose another")
 
 
 def build_model(config: PretrainedConfig, cfg: Config, device: str | torch.device,

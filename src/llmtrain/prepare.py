@@ -1,9 +1,11 @@
 """`llmtrain prepare --config FILE`: dataset -> tokens -> packed memory-mapped shards.
 
 Loads the source with `datasets` (a hub snapshot folder of parquet/jsonl/txt, a save_to_disk
-folder, or plain files; plain text is one document per line), holds out a share of documents
-for validation, tokenizes with the model's fast tokenizer in parallel, appends EOS after every
-document and packs each split into one contiguous token stream cut into shards. Everything is
+folder, or files: one, or a glob's matches, compressed or not; plain text is one document per
+line, or per file with data.text_unit: file), takes the validation documents from
+data.validation (a split or files) or holds out a share of the documents, tokenizes with the
+model's fast tokenizer in parallel, puts BOS before (data.add_bos) and EOS after every
+document, and packs each split into one contiguous token stream cut into shards. Everything is
 written into `<final>.tmp-<pid>` and renamed at the end, so a crash never leaves a folder
 that looks prepared; a folder whose manifest exists is reused.
 """
@@ -18,12 +20,11 @@ from pathlib import Path
 
 import numpy as np
 
-from .config import Config, UserError, local_path, tokenizer_source
+from .config import (FILE_BUILDERS, Config, UserError, file_suffix, is_glob, is_split_name,
+                     local_path, source_files, tokenizer_source)
 from .data import FORMAT_VERSION, MANIFEST, fingerprint, prepared_path, read_manifest
 
 SHARD_TOKENS = 1 << 28  # 256M tokens: 512 MiB of uint16 per shard file
-BUILDERS = {".txt": "text", ".jsonl": "json", ".json": "json", ".parquet": "parquet",
-            ".csv": "csv", ".arrow": "arrow"}
 
 
 class PrepareError(UserError):
@@ -46,8 +47,11 @@ def prepare(cfg: Config, log=print) -> Path:
     if tokenizer.eos_token_id is None:
         raise PrepareError(f"model.tokenizer: {tok_dir} defines no eos_token")
 
+    bos = bos_to_add(cfg, tokenizer, tok_dir)
     t0 = time.time()
     splits = load_splits(cfg)
+    log(f"each document is tokenized as: {tokenizer.bos_token + ' ' if bos is not None else ''}"
+        f"text {tokenizer.eos_token} (data.add_bos: {str(cfg.data.add_bos).lower()})")
     tmp = final.with_name(f"{final.name}.tmp-{os.getpid()}")
     shutil.rmtree(tmp, ignore_errors=True)
     try:
@@ -60,16 +64,17 @@ def prepare(cfg: Config, log=print) -> Path:
         "format": FORMAT_VERSION,
         "fingerprint": fp,
         "source": {"dataset": cfg.data.dataset, "split": cfg.data.split,
-                   "text_field": cfg.data.text_field,
-                   "validation_fraction": cfg.data.validation_fraction},
+                   "text_field": cfg.data.text_field, "text_unit": cfg.data.text_unit,
+                   "validation": cfg.data.validation,
+                   "validation_fraction": cfg.data.holdout_fraction},
         "tokenizer": {"path": str(tok_dir), "vocab_size": len(tokenizer),
-                      "eos_token_id": tokenizer.eos_token_id},
+                      "eos_token_id": tokenizer.eos_token_id, "added_bos_token_id": bos},
         "dtype": np.dtype(dtype).name,
         "splits": {},
     }
     try:
         for split, ds in splits.items():
-            tokens = tokenize(ds, tokenizer, cfg)
+            tokens = tokenize(ds, tokenizer, cfg, bos)
             manifest["splits"][split] = pack(tokens, tmp, split, dtype)
             manifest["splits"][split]["dataset_fingerprint"] = ds._fingerprint
         manifest["seconds"] = round(time.time() - t0, 1)
@@ -93,65 +98,138 @@ def prepare(cfg: Config, log=print) -> Path:
 
 
 def load_splits(cfg: Config) -> dict:
-    """The source dataset split into train and (if asked for) validation documents."""
+    """Train and (if asked for) validation documents: the validation source's, or a seeded
+    share of the dataset's documents held out."""
     import datasets
 
-    src = local_path(cfg.data.dataset, "datasets")
-    if not src.exists():
-        raise PrepareError(f"data.dataset: {src} does not exist; for a hub dataset run "
-                           f"bash download_data_model.sh first")
-    if src.is_file() and src.stat().st_size == 0:
-        raise PrepareError(f"data.dataset: {src} is empty; point it at a file with documents")
     # We report a load failure ourselves, in one line; the library would log it a second time.
     datasets.logging.set_verbosity(datasets.logging.CRITICAL)
-    try:
-        ds = _load(src, cfg, datasets)
-    except (datasets.exceptions.DatasetGenerationError, ValueError, OSError) as e:
-        cause = e.__cause__ or e
-        raise PrepareError(f"data.dataset: cannot read {src} with the datasets library "
-                           f"({type(cause).__name__}: {str(cause).splitlines()[0][:200]})") from None
-    if len(ds) == 0:
-        raise PrepareError(f"data.dataset: {src} holds no documents (split {cfg.data.split!r})")
-    if cfg.data.text_field not in ds.column_names:
-        raise PrepareError(f"data.text_field: no column {cfg.data.text_field!r} in "
-                           f"{src} (columns: {', '.join(ds.column_names)})")
-    ds = ds.select_columns([cfg.data.text_field])
-    frac = cfg.data.validation_fraction
+    d = cfg.data
+    src = local_path(d.dataset, "datasets")
+    ds = _read(src, d.split, "dataset", cfg, datasets)
+    if d.validation is not None:
+        if is_split_name(d.validation):
+            val = _read(src, d.validation, "validation", cfg, datasets)
+        else:
+            val = _read(Path(d.validation), "train", "validation", cfg, datasets)
+        return {"train": ds, "validation": val}
+    frac = d.holdout_fraction
     if frac == 0:
         return {"train": ds}
     n_val = max(1, round(frac * len(ds)))
     if n_val >= len(ds):
         raise PrepareError(f"data.validation_fraction: leaves no training documents "
-                           f"({len(ds)} documents)")
+                           f"({len(ds)} documents); give the evaluation documents their own "
+                           f"file in data.validation, or set validation_fraction: 0")
     parts = ds.train_test_split(test_size=n_val, shuffle=True, seed=0)
     return {"train": parts["train"], "validation": parts["test"]}
 
 
-def _load(src: Path, cfg: Config, datasets):
+def _read(src: Path, split: str, key: str, cfg: Config, datasets):
+    """One source's documents as a dataset with the single column text_field."""
+    if is_glob(str(src)):
+        if not source_files(str(src)):
+            raise PrepareError(f"data.{key}: no file matches {src}")
+    elif not src.exists():
+        raise PrepareError(f"data.{key}: {src} does not exist; for a hub dataset run "
+                           f"bash download_data_model.sh first")
+    elif src.is_file() and src.stat().st_size == 0:
+        raise PrepareError(f"data.{key}: {src} is empty; point it at a file with documents")
+    try:
+        ds = _load(src, split, key, cfg, datasets)
+    except (datasets.exceptions.DatasetGenerationError, ValueError, OSError) as e:
+        cause = e.__cause__ or e
+        if "sample_by" in str(e):  # the builder of a folder of parquet/json files has no such option
+            raise PrepareError(f"data.text_unit: only for .txt files, and {src} is not text "
+                               f"(got {cfg.data.text_unit})") from None
+        if str(e).startswith("Unknown split"):  # "... Should be one of ['train', 'test']."
+            raise PrepareError(f"{_split_key(key)}: no split {split!r} in {src} (splits: "
+                               f"{str(e).partition('one of ')[2].rstrip('.')})") from None
+        raise PrepareError(f"data.{key}: cannot read {src} with the datasets library "
+                           f"({type(cause).__name__}: {str(cause).splitlines()[0][:200]})") from None
+    if len(ds) == 0:
+        raise PrepareError(f"data.{key}: {src} holds no documents (split {split!r})")
+    field = cfg.data.text_field
+    if field not in ds.column_names:
+        raise PrepareError(f"data.text_field: no column {field!r} in "
+                           f"{src} (columns: {', '.join(ds.column_names)})")
+    feature = ds.features[field]
+    if not (isinstance(feature, datasets.Value) and feature.dtype in ("string", "large_string")):
+        raise PrepareError(f"data.text_field: column {field!r} of {src} holds "
+                           f"{describe(feature, datasets)}, not text; choose a column of strings "
+                           f"(columns: {', '.join(ds.column_names)})")
+    return ds.select_columns([field])
+
+
+def _load(src: Path, split: str, key: str, cfg: Config, datasets):
+    # text_unit: file reads each .txt file whole, newlines kept (the text builder's sample_by)
+    text = {"sample_by": "document"} if cfg.data.text_unit == "file" else {}
     if src.is_dir() and any((src / f).exists() for f in
                             ("state.json", "dataset_info.json", "dataset_dict.json")):
         ds = datasets.load_from_disk(str(src))
         if isinstance(ds, datasets.DatasetDict):
-            if cfg.data.split not in ds:
-                raise PrepareError(f"data.split: {cfg.data.split!r} not in {sorted(ds)}")
-            ds = ds[cfg.data.split]
+            if split not in ds:
+                raise PrepareError(f"{_split_key(key)}: {split!r} not in {sorted(ds)}")
+            ds = ds[split]
+        elif key == "validation" and src == local_path(cfg.data.dataset, "datasets"):
+            raise PrepareError(f"data.validation: {src} is one dataset with no splits (got "
+                               f"{split!r}); give the validation documents' path instead")
         return ds
-    if src.is_file():
-        builder = BUILDERS.get(src.suffix)
-        if builder is None:
-            raise PrepareError(f"data.dataset: unknown file type {src.suffix!r}; "
-                               f"use one of {', '.join(BUILDERS)}")
-        return datasets.load_dataset(builder, data_files=str(src), split="train")
-    return datasets.load_dataset(str(src), split=cfg.data.split)
+    files = source_files(str(src))
+    if files is None:  # a folder (a hub snapshot): the library finds its files and splits
+        return datasets.load_dataset(str(src), split=split, **text)
+    suffixes = sorted({file_suffix(f) for f in files})
+    unknown = [x for x in suffixes if x not in FILE_BUILDERS]
+    if unknown:
+        raise PrepareError(f"data.{key}: unknown file type {unknown[0]!r}; "
+                           f"use one of {', '.join(FILE_BUILDERS)}")
+    builders = {FILE_BUILDERS[x] for x in suffixes}
+    if len(builders) > 1:
+        raise PrepareError(f"data.{key}: {src} matches files of several formats "
+                           f"({', '.join(suffixes)}); use one format per source")
+    builder = builders.pop()
+    return datasets.load_dataset(builder, data_files=[str(f) for f in files], split="train",
+                                 **(text if builder == "text" else {}))
 
 
-def tokenize(ds, tokenizer, cfg: Config):
+def _split_key(key: str) -> str:
+    """The key that named the split: data.split for the dataset, data.validation for its own."""
+    return "data.split" if key == "dataset" else "data.validation"
+
+
+def describe(feature, datasets) -> str:
+    """A column type in words: int64, a list of {role: string, content: string}."""
+    if isinstance(feature, datasets.Value):
+        return feature.dtype
+    if isinstance(feature, (datasets.List, datasets.LargeList, datasets.Sequence)):
+        return f"a list of {describe(feature.feature, datasets)}"
+    if isinstance(feature, dict):
+        return "{" + ", ".join(f"{k}: {describe(v, datasets)}" for k, v in feature.items()) + "}"
+    return type(feature).__name__
+
+
+def bos_to_add(cfg: Config, tokenizer, tok_dir: Path) -> int | None:
+    """The token id that data.add_bos puts before every document, or None. auto: the
+    tokenizer's bos_token, unless it is also its eos_token (GPT-2 style: the EOS after each
+    document already separates them). Documents are tokenized without special tokens, so
+    the tokenizer itself never adds one."""
+    choice, bos = cfg.data.add_bos, tokenizer.bos_token_id
+    if choice is True and bos is None:
+        raise PrepareError(f"data.add_bos: {tok_dir} defines no bos_token (got true); set "
+                           f"add_bos: auto or false")
+    if choice is False or bos is None or (choice == "auto" and bos == tokenizer.eos_token_id):
+        return None
+    return bos
+
+
+def tokenize(ds, tokenizer, cfg: Config, bos: int | None = None):
     field, eos = cfg.data.text_field, tokenizer.eos_token_id
+    head = [] if bos is None else [bos]
 
     def encode(batch):
         texts = [t or "" for t in batch[field]]
         ids = tokenizer(texts, add_special_tokens=False)["input_ids"]
-        return {"ids": [x + [eos] for x in ids]}
+        return {"ids": [head + x + [eos] for x in ids]}
 
     num_proc = cfg.data.num_proc or min(16, os.cpu_count() or 1)
     num_proc = max(1, min(num_proc, len(ds) // 1000 or 1))  # tiny datasets: no worker pool

@@ -5,6 +5,8 @@
         provenance.json    git commit, package versions, hosts, world size, SLURM_* (atomic)
         metrics.jsonl      one JSON object per line: {"kind": "train"|"eval", "step": N, ...}
         logs/rank-N.log    everything rank N logged; rank 0's lines also go to stdout
+        logs/error.txt     the one-line user error the last launch ended with, if it did
+        run.lock           held by the launch that writes the directory (RunLock)
 """
 
 from __future__ import annotations
@@ -18,6 +20,7 @@ import time
 from importlib import metadata
 from pathlib import Path
 
+ERROR_FILE = "error.txt"  # logs/error.txt: the user error a training launch ended with
 SECRET_VARS = ("HF_TOKEN", "HUGGING_FACE_HUB_TOKEN")
 PACKAGES = ("llmtrain", "torch", "transformers", "datasets", "accelerate", "tokenizers",
             "huggingface_hub", "numpy")
@@ -137,3 +140,88 @@ def _version(package: str) -> str | None:
 
 def hostname() -> str:
     return socket.gethostname()
+
+
+# -- one writer per run directory ------------------------------------------------------------
+
+LOCK = "run.lock"
+
+
+class RunLock:
+    """`<run_dir>/run.lock`: the one launch that writes this run directory (rank 0 holds it).
+
+    Taken with O_EXCL, so two launches can never both win; a lock whose owner is gone (its pid
+    dead on this host, its Slurm job no longer running, or on another host with no Slurm job, a
+    heartbeat older than STALE_S) is taken over. A requeued or restarted job has the same job
+    id as the lock's, which is then its own. Released at every exit the process sees.
+    """
+
+    STALE_S = 300
+
+    def __init__(self, run_dir: Path):
+        self.path = run_dir / LOCK
+        self.held = False
+
+    def acquire(self) -> str | None:
+        """Take the lock; return the live owner's description instead if there is one."""
+        me = {"host": hostname(), "pid": os.getpid(), "job_id": os.environ.get("SLURM_JOB_ID"),
+              "time": time.time()}
+        for _ in range(3):
+            try:
+                fd = os.open(self.path, os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o644)
+            except FileExistsError:
+                owner = _read_json(self.path)
+                if owner is not None and _alive(owner, me, self.path.parent):
+                    job = f"job {owner['job_id']}, " if owner.get("job_id") else ""
+                    return f"{job}host {owner.get('host')}, pid {owner.get('pid')}"
+                self.path.unlink(missing_ok=True)  # a dead owner's (or torn) lock
+                continue
+            with os.fdopen(fd, "w") as f:
+                f.write(json.dumps(me) + "\n")
+            self.held = True
+            return None
+        return "another launch that keeps taking it"
+
+    def release(self) -> None:
+        if self.held:
+            self.path.unlink(missing_ok=True)
+            self.held = False
+
+
+def _read_json(path: Path) -> dict | None:
+    try:
+        return json.loads(path.read_text())
+    except (OSError, ValueError):
+        return None
+
+
+def _alive(owner: dict, me: dict, run_dir: Path) -> bool:
+    job = owner.get("job_id")
+    if job and job == me["job_id"]:
+        return False  # this job's own lock: requeued, or its workers restarted
+    if owner.get("host") == me["host"]:
+        return _pid_alive(owner.get("pid"))
+    if job:
+        try:
+            out = subprocess.run(["squeue", "-h", "-j", str(job), "-o", "%T"], capture_output=True,
+                                 text=True, timeout=20)
+        except (OSError, subprocess.TimeoutExpired):
+            return True  # cannot tell: do not take a live run's directory
+        return out.stdout.strip() in ("RUNNING", "CONFIGURING", "COMPLETING", "SUSPENDED")
+    beat = _read_json(run_dir / "logs" / "heartbeat-rank-0.json") or {}
+    return time.time() - float(beat.get("time", owner.get("time", 0))) < RunLock.STALE_S
+
+
+def _pid_alive(pid) -> bool:
+    """A running process (a zombie, killed but not yet reaped, is not)."""
+    try:
+        os.kill(int(pid), 0)
+    except (ProcessLookupError, ValueError, TypeError):
+        return False
+    except PermissionError:
+        return True
+    try:
+        stat = Path(f"/proc/{int(pid)}/stat").read_text()
+        return stat.rsplit(")", 1)[1].split()[0] not in ("Z", "X")
+    except OSError:
+        return True  # no /proc (macOS): signal 0 said it exists

@@ -1,8 +1,17 @@
 """`llmtrain status RUN_DIR|JOB_ID [--follow]`: where a run stands, from its files and Slurm.
 
-Job state from squeue (pending/running), else sacct (when accounting is on), else
-`scontrol show job` (kept MinJobAge seconds); progress from metrics.jsonl; checkpoints from
-the run directory; the last lines of the job's log. Imports no torch.
+    run: demo  (/shared/me/llmtrain/runs/demo)
+    state: stopped by request at step 57 of 300; launch the same config again to continue
+    job: 4242 COMPLETED (scontrol)
+    progress: step 57/300 (19%), loss 2.1234, 20,000 tok/s
+    checkpoints: step-00000057 (latest)
+    log: ... (last 10 lines)
+
+The state line (assess) weighs, in order: the Slurm job (squeue, else sacct, else `scontrol
+show job`, kept MinJobAge seconds); `control/exit.json`, which the trainer writes when it stops
+({"reason": "done"|"user"|"preempt"|"deadline"|"signal", "step", "requeue", "job_id"}); rank 0's
+heartbeat (`logs/heartbeat-rank-0.json`, every 2 s while it trains); metrics.jsonl; and the
+`error:` lines of the job's log or the rank logs. Imports no torch.
 """
 
 from __future__ import annotations
@@ -10,8 +19,10 @@ from __future__ import annotations
 import json
 import re
 import shutil
+import socket
 import subprocess
 import time
+from dataclasses import dataclass
 from pathlib import Path
 
 import yaml
@@ -20,6 +31,24 @@ from .config import UserError
 from .metrics import format_duration
 
 LOG_LINES = 10
+BEAT_FRESH_S = 60  # a heartbeat from another host, outside Slurm, this recent means running
+QUEUED = ("PENDING", "REQUEUED", "REQUEUE_HOLD", "REQUEUE_FED")
+ACTIVE = ("CONFIGURING", "RUNNING", "COMPLETING", "RESIZING", "SUSPENDED", "STOPPED", "SIGNALING",
+          "STAGE_OUT")
+
+
+@dataclass(frozen=True)
+class Verdict:
+    """state: running, pending, stopped by request, finished, failed, out of requeues, stopped,
+    cancelled or not started; text: the sentence for people, starting with the state."""
+
+    state: str
+    text: str
+    hint: str = ""
+
+    @property
+    def line(self) -> str:
+        return f"{self.text}; {self.hint}" if self.hint else self.text
 
 
 def status(target: str, follow: bool = False, interval: float = 10.0) -> None:
@@ -27,7 +56,7 @@ def status(target: str, follow: bool = False, interval: float = 10.0) -> None:
     while True:
         text = render(run_dir, job_id or latest_job(run_dir))
         if not follow:
-            print(text)
+            print(text, flush=True)
             return
         print("\033[2J\033[H" + text, flush=True)  # clear the screen, then redraw
         time.sleep(interval)
@@ -39,48 +68,163 @@ def resolve_target(target: str) -> tuple[Path, str | None]:
         if not fields.get("StdOut"):
             raise UserError(f"job {target}: unknown to Slurm (it forgets finished jobs after "
                             f"MinJobAge); pass the run directory instead")
-        return Path(fields["StdOut"]).parent, target
+        # The log is <run_dir>/<name>-<jobid>.out (submit.sh): a prepare job stands for its run.
+        run_dir = Path(fields["StdOut"]).parent
+        return run_dir, None if fields.get("JobName", "").startswith("prepare-") else target
     run_dir = Path(target)
-    if not (run_dir / "config.yaml").is_file():
-        raise UserError(f"{target}: not a run directory (no config.yaml) and not a job id")
+    if not run_dir.is_dir():
+        raise UserError(f"{target}: no such run directory, and not a job id")
     return run_dir, None
 
 
 def latest_job(run_dir: Path) -> str | None:
-    """The newest training job that logged into the run directory (<name>-<jobid>.out)."""
+    """The newest training job of the run: one that logged into it (<name>-<jobid>.out), or one
+    still queued that will (its log file appears only when it starts)."""
     jobs = [m.group(1) for p in run_dir.glob("*-*.out") if not p.name.startswith("prepare-")
             for m in [re.fullmatch(r".+-(\d+)\.out", p.name)] if m]
+    jobs += _queued_jobs(run_dir)
     return max(jobs, key=int) if jobs else None
 
 
-def job_state(job_id: str) -> tuple[str, str]:
-    """(state, which tool said so)."""
+def _queued_jobs(run_dir: Path) -> list[str]:
+    if not shutil.which("squeue"):
+        return []
+    out = _run(["squeue", "-h", "-n", _run_name(run_dir), "-o", "%i"]) or ""
+    return [job for job in out.split()
+            if Path(_scontrol(job).get("StdOut", "/")).parent.resolve() == run_dir.resolve()]
+
+
+def job_state(job_id: str) -> tuple[str, str, str]:
+    """(state, Slurm's reason, which tool said so)."""
     if shutil.which("squeue"):
-        out = _run(["squeue", "-h", "-j", job_id, "-o", "%T"])
+        out = _run(["squeue", "-h", "-j", job_id, "-o", "%T|%r"])
         if out:
-            return out.splitlines()[0], "squeue"
+            state, _, reason = out.splitlines()[0].partition("|")
+            return state, reason, "squeue"
     if shutil.which("sacct"):
         out = _run(["sacct", "-n", "-X", "-P", "-j", job_id, "-o", "State"])
         if out and "disabled" not in out:
-            return out.splitlines()[0].split()[0], "sacct"
-    state = _scontrol(job_id).get("JobState")
-    return (state, "scontrol") if state else ("UNKNOWN", "no Slurm record")
+            return out.splitlines()[0].split()[0], "", "sacct"
+    fields = _scontrol(job_id)
+    if fields.get("JobState"):
+        return fields["JobState"], fields.get("Reason", ""), "scontrol"
+    return "UNKNOWN", "", "no Slurm record"
+
+
+def assess(run_dir: Path, job_id: str | None, slurm: tuple[str, str, str] | None = None) -> Verdict:
+    """Whether the run is pending, running, stopped by request, finished, failed, ...: Slurm
+    first (while it queues or runs the job), then the trainer's own record of its stop."""
+    state, reason, _ = slurm or (job_state(job_id) if job_id else ("UNKNOWN", "", ""))
+    stop = _read_json(run_dir / "control" / "exit.json")
+    if stop and stop.get("job_id") not in (None, job_id):
+        stop = None  # another job's stop: this one did not get that far
+    run = _Run(run_dir, job_id, _config(run_dir).get("train", {}).get("max_steps"),
+               stop["step"] if stop else _last_step(run_dir))
+    if state in QUEUED:
+        return _pending(run, stop, reason or state)
+    if state in ACTIVE or (state == "UNKNOWN" and not stop and _beating(run_dir)):
+        return _running(run, stop)
+    if stop:
+        return _stopped(run, stop)
+    return _ended(run, state)
+
+
+@dataclass(frozen=True)
+class _Run:
+    dir: Path
+    job_id: str | None
+    total: int | None  # train.max_steps of the latest start (None before any)
+    step: int  # where it stopped, else the last step logged
+
+    @property
+    def job(self) -> str:
+        return f" (job {self.job_id})" if self.job_id else ""
+
+    def at(self, word: str = "at", step: int | None = None) -> str:
+        step = self.step if step is None else step
+        if not step:
+            return "before its first step"
+        return f"{word} step {step} of {self.total}" if self.total else f"{word} step {step}"
+
+
+def _pending(run: _Run, stop: dict | None, reason: str) -> Verdict:
+    if stop and stop.get("requeue"):
+        return Verdict("pending", f"pending{run.job}: requeued after a stop {run.at()} "
+                       f"({stop['reason']}); it resumes from its checkpoint when it starts")
+    if reason == "DependencyNeverSatisfied":
+        return Verdict("pending", f"pending{run.job} forever: a job it waits for failed (the "
+                       f"prepare job? see {run.dir}/prepare-*.out)", f"scancel {run.job_id}")
+    return Verdict("pending", f"pending{run.job} in the Slurm queue (reason: {reason})")
+
+
+def _running(run: _Run, stop: dict | None) -> Verdict:
+    if stop:
+        return Verdict("running", f"running{run.job}: the trainer stopped {run.at()} "
+                       f"({stop['reason']}); the job is ending")
+    beat = _read_json(run.dir / "logs" / "heartbeat-rank-0.json")
+    if not beat or float(beat.get("time", 0)) < _job_start(run.job_id):  # an earlier attempt's
+        return Verdict("running", f"running{run.job}: starting up, no step yet")
+    age = time.time() - float(beat["time"])
+    quiet = (f"; no heartbeat for {age:.0f}s (saving, evaluating or stuck? see {run.dir}/logs/)"
+             if age > BEAT_FRESH_S else "")
+    step = max(run.step, int(beat.get("step", 0)))
+    where = run.at(step=step) if step else "in its first step"
+    return Verdict("running", f"running{run.job} {where}{quiet}")
+
+
+def _stopped(run: _Run, stop: dict) -> Verdict:
+    """The trainer recorded why it stopped (Control.exit)."""
+    again = f"{'submit' if run.job_id else 'launch'} the same config again to continue"
+    if stop["reason"] == "done":
+        return Verdict("finished", f"finished{run.job}: {run.step} of {run.total or run.step} steps")
+    if stop["reason"] == "user":
+        return Verdict("stopped by request", f"stopped by request {run.at()}{run.job}", again)
+    gave_up = _log_search(_job_log(run.dir, run.job_id), r"not requeueing: (.*)")
+    if stop.get("requeue") and gave_up:
+        return Verdict("out of requeues", f"out of requeues{run.job}: stopped {run.at()} "
+                       f"({stop['reason']}) and not requeued: {gave_up}", again)
+    return Verdict("stopped", f"stopped {run.at()} ({stop['reason']}){run.job}", again)
+
+
+def _ended(run: _Run, state: str) -> Verdict:
+    """No record of a stop: the job or the launch ended another way, or never started."""
+    if state == "CANCELLED":  # by scancel, or by Slurm when a job it waited for failed
+        preps = sorted(run.dir.glob("prepare-*.out"), key=lambda p: int(p.stem.split("-")[-1]))
+        failed = not run.step and preps and _log_search(preps[-1], r"^(error: .*)")
+        return Verdict("cancelled", f"cancelled{run.job} {run.at()}"
+                       + (f": its prepare job failed: {failed}" if failed else ""))
+    if state == "COMPLETED" and run.total and run.step == run.total:
+        return Verdict("finished", f"finished{run.job}: {run.step} of {run.total} steps")
+    error = _error_line(run.dir, run.job_id)
+    if state != "UNKNOWN" or error or run.step:
+        said = ", ".join(x for x in (run.job_id and f"job {run.job_id}",
+                                     state not in ("UNKNOWN", "COMPLETED") and f"Slurm: {state}") if x)
+        where = error or (f"no error line found; see {_job_log(run.dir, run.job_id)}" if run.job_id
+                          else f"it ended without recording a stop (an error or a kill: see the "
+                          f"launch's output, or {run.dir}/logs/)")
+        return Verdict("failed", f"failed{f' ({said})' if said else ''} {run.at('after')}: {where}")
+    if (run.dir / "logs" / "rank-0.log").exists():
+        return Verdict("not started", f"not started: no step logged yet (starting up, or it ended "
+                       f"before its first step; see {run.dir}/logs/rank-0.log)")
+    return Verdict("not started", "not started: no job and no step logged yet")
 
 
 def render(run_dir: Path, job_id: str | None) -> str:
-    cfg = yaml.safe_load((run_dir / "config.yaml").read_text())
-    lines = [f"run: {cfg['run']['name']}  ({run_dir})"]
-    if job_id:
-        state, source = job_state(job_id)
-        lines.append(f"job: {job_id} {state} ({source})")
-    lines += _progress(run_dir, cfg["train"]["max_steps"])
+    cfg = _config(run_dir)
+    lines = [f"run: {cfg.get('run', {}).get('name', run_dir.name)}  ({run_dir})"]
+    slurm = job_state(job_id) if job_id else None
+    verdict = assess(run_dir, job_id, slurm)
+    lines.append(f"state: {verdict.line}")
+    if slurm:
+        lines.append(f"job: {job_id} {slurm[0]} ({slurm[2]})")
+    lines += _progress(run_dir, cfg.get("train", {}).get("max_steps"), verdict.state == "running")
     ckpts = sorted(p.name for p in (run_dir / "checkpoints").glob("step-*")
                    if (p / "meta.json").is_file())
     latest = run_dir / "checkpoints" / "latest"
     pointer = latest.read_text().strip() if latest.exists() else None
     lines.append("checkpoints: " + (", ".join(f"{c}{' (latest)' if c == pointer else ''}"
                                               for c in ckpts) or "none yet"))
-    log = run_dir / f"{cfg['run']['name']}-{job_id}.out" if job_id else run_dir / "logs" / "rank-0.log"
+    log = _job_log(run_dir, job_id) or run_dir / "logs" / "rank-0.log"
     if log.exists():
         tail = log.read_text(errors="replace").splitlines()[-LOG_LINES:]
         lines.append(f"log: {log} (last {len(tail)} lines)")
@@ -88,14 +232,9 @@ def render(run_dir: Path, job_id: str | None) -> str:
     return "\n".join(lines)
 
 
-def _progress(run_dir: Path, max_steps: int) -> list[str]:
+def _progress(run_dir: Path, max_steps: int | None, running: bool) -> list[str]:
     train, evals = None, None
-    path = run_dir / "metrics.jsonl"
-    for line in path.read_text().splitlines() if path.exists() else []:
-        try:
-            record = json.loads(line)
-        except ValueError:
-            continue
+    for record in _metrics(run_dir):
         if record.get("kind") == "train":
             train = record
         elif record.get("kind") == "eval":
@@ -103,12 +242,109 @@ def _progress(run_dir: Path, max_steps: int) -> list[str]:
     if train is None:
         return ["progress: no step logged yet"]
     eta = train.get("eta_s")
-    out = [f"progress: step {train['step']}/{max_steps} ({100 * train['step'] / max_steps:.0f}%), "
-           f"loss {train['loss']:.4f}, {train['tokens_per_sec']:,.0f} tok/s"
-           + (f", eta {format_duration(eta)}" if eta is not None else "")]
+    share = f"/{max_steps} ({100 * train['step'] / max_steps:.0f}%)" if max_steps else ""
+    out = [f"progress: step {train['step']}{share}, loss {train['loss']:.4f}, "
+           f"{train['tokens_per_sec']:,.0f} tok/s"
+           + (f", eta {format_duration(eta)}" if running and eta is not None else "")]
     if evals:
         out.append(f"eval: step {evals['step']}, eval_loss {evals['eval_loss']:.4f}")
     return out
+
+
+def _metrics(run_dir: Path) -> list[dict]:
+    path = run_dir / "metrics.jsonl"
+    records = []
+    for line in path.read_text().splitlines() if path.exists() else []:
+        try:
+            records.append(json.loads(line))
+        except ValueError:  # a line cut short by a kill
+            continue
+    return records
+
+
+def _last_step(run_dir: Path) -> int:
+    return max((r.get("step", 0) for r in _metrics(run_dir)), default=0)
+
+
+def _beating(run_dir: Path) -> bool:
+    """Rank 0's heartbeat is live: its process runs (same host), or it beat within BEAT_FRESH_S."""
+    beat = _read_json(run_dir / "logs" / "heartbeat-rank-0.json")
+    if not beat:
+        return False
+    if beat.get("host") == socket.gethostname() and "pid" in beat and Path("/proc/self").exists():
+        try:
+            cmdline = Path(f"/proc/{int(beat['pid'])}/cmdline").read_bytes()
+        except OSError:
+            return False
+        return b"llmtrain" in cmdline  # not a recycled pid
+    return time.time() - float(beat.get("time", 0)) < BEAT_FRESH_S
+
+
+def _job_start(job_id: str | None) -> float:
+    """When the job's latest attempt started (a requeued job starts again), else 0."""
+    start = _scontrol(job_id).get("StartTime", "") if job_id else ""
+    try:
+        return time.mktime(time.strptime(start, "%Y-%m-%dT%H:%M:%S"))
+    except ValueError:
+        return 0.0
+
+
+def _job_log(run_dir: Path, job_id: str | None) -> Path | None:
+    logs = sorted(run_dir.glob(f"*-{job_id}.out")) if job_id else []
+    return logs[0] if logs else None
+
+
+def _last_attempt(log: Path | None) -> list[str]:
+    """The lines of the job's latest attempt (a requeued job appends to the same log)."""
+    if log is None or not log.exists():
+        return []
+    lines = log.read_text(errors="replace").splitlines()
+    starts = [i for i, line in enumerate(lines) if line.startswith("llmtrain job ")]
+    return lines[starts[-1]:] if starts else lines
+
+
+def _log_search(log: Path | None, pattern: str) -> str | None:
+    """The first match's group 1 in the job's latest attempt."""
+    return next((m.group(1) for line in _last_attempt(log) for m in [re.search(pattern, line)] if m),
+                None)
+
+
+def _error_line(run_dir: Path, job_id: str | None) -> str | None:
+    """The trainer's first `error: ...` line: from `logs/error.txt` (cli.cmd_train writes it;
+    submit.sh and train.slurm remove it at each start), else the job's log (stderr goes there),
+    else the rank logs since their last start."""
+    try:
+        found = (run_dir / "logs" / "error.txt").read_text().splitlines()[0] or None
+    except (OSError, IndexError):
+        found = None
+    found = found or _log_search(_job_log(run_dir, job_id), r"^(?:.*\] )?(error: .*)")
+    for log in sorted((run_dir / "logs").glob("rank-*.log")) if not found else []:
+        lines = log.read_text(errors="replace").splitlines()
+        starts = [i for i, line in enumerate(lines) if "] run_dir: " in line]
+        found = next((m.group(1) for line in lines[starts[-1] if starts else 0:]
+                      for m in [re.search(r"\] (error: .*)", line)] if m), None)
+        if found:
+            break
+    return found
+
+
+def _config(run_dir: Path) -> dict:
+    """The resolved config the latest start wrote (none before a first start)."""
+    try:
+        return yaml.safe_load((run_dir / "config.yaml").read_text()) or {}
+    except (OSError, yaml.YAMLError):
+        return {}
+
+
+def _run_name(run_dir: Path) -> str:
+    return _config(run_dir).get("run", {}).get("name") or run_dir.name
+
+
+def _read_json(path: Path) -> dict | None:
+    try:
+        return json.loads(path.read_text())
+    except (OSError, ValueError):
+        return None
 
 
 def _scontrol(job_id: str) -> dict:

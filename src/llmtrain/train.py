@@ -9,6 +9,7 @@ last one only), clip, step; then log, evaluate and checkpoint when their turn co
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import json
 import os
 import signal
@@ -27,11 +28,12 @@ from .config import Config, ConfigError, UserError, dump_yaml
 from .data import StepSampler, TokenStream, batch_tokens, open_prepared
 from .distributed import World
 from .metrics import Throughput, peak_flops, peak_memory_gib, progress_line
-from .model import flops_per_token, load_tokenizer, model_config, num_params, pretrained_dir
+from .model import (flops_per_token, load_tokenizer, model_config, num_params, pretrained_dir,
+                    vocab_padding)
 from .optim import apply_settings, build_optimizer, lr_at, set_lr
 from .parallel import (autocast, configure_matmul_precision, grad_scaler, gradient_sync, parallelize,
                        shard_size)
-from .rundir import Log, MetricsWriter, SampleLog, hostname, provenance, write_atomic
+from .rundir import Log, MetricsWriter, RunLock, SampleLog, hostname, provenance, write_atomic
 from .watchdog import Watchdog
 
 
@@ -65,31 +67,39 @@ def train(cfg: Config) -> None:
     world = distributed.init(cfg)
     watch = Watchdog(cfg.run_dir, world.rank, world.world_size, cfg.parallel.startup_timeout_s,
                      cfg.parallel.collective_timeout_s)
+    run_lock = RunLock(cfg.run_dir)
     try:
-        run(cfg, world, watch)
+        run(cfg, world, watch, run_lock)
     except RuntimeError as e:  # gloo: "Timed out waiting"; NCCL's watchdog: "...timeout"
         if "timed out" not in str(e).lower() and "timeout" not in str(e).lower():
             raise
         raise CollectiveTimeout(watch.diagnose()) from None
     finally:
+        run_lock.release()
         watch.close()
         # Stop requests mean nothing outside the loop: a SIGTERM from torchrun while this rank
         # is on its way out (another rank failed) must end it now, not 30 s later.
         for sig in (signal.SIGTERM, signal.SIGUSR1):
             signal.signal(sig, signal.SIG_DFL)
+        signal.signal(signal.SIGINT, signal.default_int_handler)
         distributed.teardown()
 
 
-def run(cfg: Config, world: World, watch: Watchdog) -> None:
+def run(cfg: Config, world: World, watch: Watchdog, run_lock: RunLock) -> None:
     t, seq_len = cfg.train, cfg.data.seq_len
     with watch.phase("reading data and tokenizer"):
         folder, manifest = open_prepared(cfg)
-        log, hosts = open_run_dir(cfg, world)
+        log, hosts = open_run_dir(cfg, world, run_lock)
         watch.log = log
         torch.manual_seed(t.seed + world.rank)
         tokenizer = load_tokenizer(cfg)
         config = model_config(cfg, tokenizer)
         check_model_fits(cfg, config, manifest)
+    written = cfg  # as the user wrote it: train.epochs, not the max_steps derived from it
+    cfg = steps_from_epochs(cfg, folder, manifest, log)
+    t = cfg.train
+    if padding := vocab_padding(cfg, config, tokenizer):
+        log.info(padding)
     configure_matmul_precision(cfg, world.device)
     model = parallelize(cfg, config, world, watch)
     if cfg.model.name_or_path is not None:
@@ -102,7 +112,7 @@ def run(cfg: Config, world: World, watch: Watchdog) -> None:
 
     train_data = TokenStream(folder, manifest, "train")
     val_data = TokenStream(folder, manifest, "validation") if "validation" in manifest["splits"] else None
-    check_eval_split(cfg, val_data, world)
+    check_eval_split(cfg, val_data, world, log)
     sampler = StepSampler(train_data.num_samples(seq_len), t.global_batch_size, t.seed,
                           world.rank, world.world_size)
     accum = t.global_batch_size // (t.micro_batch_size * world.world_size)
@@ -120,7 +130,7 @@ def run(cfg: Config, world: World, watch: Watchdog) -> None:
         sampler.state.load_state_dict(resumed["sampler"])
         scaler.load_state_dict(resumed["scaler"])
         apply_settings(optimizer, t)  # the config's weight decay, betas and eps win
-    record_start(cfg, world, hosts)  # only a start that goes ahead replaces config/provenance
+    record_start(written, world, hosts)  # only a start that goes ahead replaces config/provenance
     log.info(f"model ready: peak memory {peak_memory_gib(world.device):.2f} GiB on this rank")
     job = Job(model, optimizer, scaler, checkpointer, sampler, state, train_data, val_data, accum,
               flops_per_token(config, n_params, seq_len) * t.global_batch_size * seq_len)
@@ -134,7 +144,8 @@ def run(cfg: Config, world: World, watch: Watchdog) -> None:
         raise
     checkpointer.close()  # the last save completes before the process group goes
     log.info(f"peak memory: {peak_memory_gib(world.device):.2f} GiB on rank {world.rank}")
-    log.info(f"done: {state.step} steps, {state.tokens:,} tokens; run_dir: {cfg.run_dir}")
+    log.info(f"{ending(job.reason, state.step)}: {_count(state.step, 'step')}, {state.tokens:,} "
+             f"tokens; run_dir: {cfg.run_dir}")
     log.close()
 
 
@@ -152,6 +163,7 @@ class Job:
     val_data: TokenStream | None
     accum: int  # micro-batches per rank per step
     flops_per_step: float
+    reason: str = "done"  # why the loop ended (control.py's reasons)
 
 
 def loop(cfg: Config, world: World, watch: Watchdog, log: Log, job: Job) -> None:
@@ -195,7 +207,7 @@ def loop(cfg: Config, world: World, watch: Watchdog, log: Log, job: Job) -> None
 
         if due(state.step, t.log_every, t.max_steps):
             log_step(metrics, log, meter.read(state.step), state, loss, grad_norm, lr, t, world,
-                     scaler)
+                     scaler, sampler)
         if val_data is not None and t.eval_every and due(state.step, t.eval_every, t.max_steps):
             with meter.paused():
                 eval_loss = evaluate(model, val_data, cfg, world)
@@ -212,15 +224,26 @@ def loop(cfg: Config, world: World, watch: Watchdog, log: Log, job: Job) -> None
             log.info(f"stopping at step {state.step} ({reason}); the checkpoint is saved")
             break
     control.exit(reason, state.step)
+    job.reason = reason
     for f in (metrics, samples):
         f.close()
 
 
+def ending(reason: str, step: int) -> str:
+    """The last log line's words: what happened, as the user asked or Slurm did."""
+    if reason == "done":
+        return "done"
+    if reason == "user":
+        return f"stopped by request at step {step}"
+    return f"stopped at step {step} ({reason}); a requeued job resumes here"
+
+
 def log_step(metrics: MetricsWriter, log: Log, speed: dict, state: RunState, loss, grad_norm,
-             lr: float, t, world: World, scaler) -> None:
+             lr: float, t, world: World, scaler, sampler: StepSampler) -> None:
     """One metrics line and one progress line: the loss averaged over ranks, and the peak memory
     of the rank that uses the most (one collective for all of it). fp16 adds the loss scale: the
-    scaler skips a step with inf/NaN gradients by itself and halves it, which shows there."""
+    scaler skips a step with inf/NaN gradients by itself and halves it, which shows there. The
+    epoch: fractional in metrics (1.5: halfway through the second), "epoch 2/3" in the line."""
     per_rank = distributed.gather_floats(
         [loss.item(), float(grad_norm), peak_memory_gib(world.device)], world.device)
     peak_rank = max(range(world.world_size), key=lambda r: per_rank[r][2])
@@ -229,9 +252,11 @@ def log_step(metrics: MetricsWriter, log: Log, speed: dict, state: RunState, los
                    "grad_norm": sum(r[1] for r in per_rank) / world.world_size,
                    "tokens": state.tokens, **speed, "peak_mem_gib": per_rank[peak_rank][2],
                    "peak_mem_rank": peak_rank, "skipped_steps": state.skipped,
+                   "epoch": round(sampler.epochs_done(), 4),
                    **({"loss_scale": scaler.get_scale()} if scaler.is_enabled() else {})})
+    epochs = -(-t.max_steps // sampler.steps_per_epoch)
     log.info(progress_line(state.step, t.max_steps, mean_loss, lr, speed["tokens_per_sec"],
-                           speed["eta_s"]))
+                           speed["eta_s"], epoch=(sampler.state.epoch + 1, epochs)))
 
 
 def due(step: int, every: int, last: int) -> bool:
@@ -284,7 +309,7 @@ def skip_step(optimizer, scaler, state: RunState, indices, t, log: Log) -> None:
              f"{[int(i) for i in indices]}")
     if state.bad_in_a_row > t.max_bad_steps:
         raise TrainingDiverged(
-            f"training stopped at step {step}: {state.bad_in_a_row} steps in a row had a non-finite "
+            f"training stopped at step {step}: {_count(state.bad_in_a_row, 'step')} in a row had a non-finite "
             f"loss or gradient norm (train.max_bad_steps is {t.max_bad_steps}); lower train.lr, "
             f"check the data (logs/rank-*.log name the samples), or resume from an earlier "
             f"checkpoint with train.resume")
@@ -348,16 +373,37 @@ def evaluate(model, data: TokenStream, cfg: Config, world: World) -> float:
     return (sums[0] / sums[1]).item() if sums[1] > 0 else float("nan")
 
 
-def check_eval_split(cfg: Config, data: TokenStream | None, world: World) -> None:
+def check_eval_split(cfg: Config, data: TokenStream | None, world: World, log: Log) -> None:
     """Evaluation needs at least one validation sample per rank; fewer gives no loss at all."""
     if data is None or not cfg.train.eval_every:
         return
     available = data.num_samples(cfg.data.seq_len)
+    if available < cfg.train.eval_samples and world.is_main:
+        log.info(f"warning: train.eval_samples is {cfg.train.eval_samples} but the validation "
+                 f"split has {available} samples of {cfg.data.seq_len} tokens: evaluating on "
+                 f"{available - available % world.world_size}")
     if min(available, cfg.train.eval_samples) < world.world_size:
         raise UserError(f"train.eval_samples: evaluation needs at least one validation sample per "
                         f"rank ({world.world_size}), and the validation split has {available} samples of "
                         f"{cfg.data.seq_len} tokens; raise data.validation_fraction or set "
                         f"train.eval_every: 0")
+
+
+def steps_from_epochs(cfg: Config, folder, manifest: dict, log: Log) -> Config:
+    """train.epochs as train.max_steps: an epoch is the whole global batches its samples fill
+    (the sampler drops the remainder); logged. A config with max_steps is returned as it is."""
+    t = cfg.train
+    if t.epochs is None:
+        return cfg
+    samples = TokenStream(folder, manifest, "train").num_samples(cfg.data.seq_len)
+    per_epoch = StepSampler(samples, t.global_batch_size, t.seed, 0, 1).steps_per_epoch
+    steps = t.epochs * per_epoch
+    log.info(f"train.epochs: {t.epochs} x {per_epoch} steps per epoch ({samples:,} samples // "
+             f"global batch {t.global_batch_size}) = {steps} steps")
+    if t.warmup_steps >= steps:
+        raise ConfigError([f"train.warmup_steps: must be < the {steps} steps of train.epochs "
+                           f"{t.epochs} (got {t.warmup_steps})"])
+    return dataclasses.replace(cfg, train=dataclasses.replace(t, max_steps=steps))
 
 
 def to_device(batch: np.ndarray, device: torch.device) -> torch.Tensor:
@@ -382,14 +428,21 @@ def check_model_fits(cfg: Config, config, manifest: dict) -> None:
         raise ConfigError(problems)
 
 
-def open_run_dir(cfg: Config, world: World) -> tuple[Log, list[str]]:
-    """The run directory and this rank's log; nothing in it is replaced yet (record_start)."""
+def open_run_dir(cfg: Config, world: World, run_lock: RunLock) -> tuple[Log, list[str]]:
+    """The run directory, locked, and this rank's log; nothing in it is replaced yet
+    (record_start)."""
     run_dir = cfg.run_dir
     try:
         run_dir.mkdir(parents=True, exist_ok=True)
     except OSError as e:
         raise UserError(f"run.dir: cannot create {run_dir} ({e.strerror}); choose a writable "
                         f"folder on the shared filesystem") from None
+    # One launch writes a run directory: rank 0 takes its lock and every rank learns the verdict.
+    busy = [run_lock.acquire() if world.is_main else None]
+    dist.broadcast_object_list(busy, src=0)
+    if busy[0] is not None:
+        raise UserError(f"run.name: {run_dir} is in use by a live run ({busy[0]}); wait for it, "
+                        f"stop it with: llmtrain control {run_dir} stop, or choose another run.name")
     hosts = [None] * world.world_size
     dist.all_gather_object(hosts, hostname())
     log = Log(world.rank, run_dir / "logs")
@@ -412,4 +465,8 @@ def describe_parallel(cfg: Config, world: World) -> str:
         shard = shard_size(cfg, world.world_size)
         return (f"hsdp over {world.world_size} ranks ({world.world_size // shard} replicas x "
                 f"{shard}-way shards)")
-    return f"{cfg.parallel.strategy} over {world.world_size} rank(s)"
+    return f"{cfg.parallel.strategy} over {_count(world.world_size, 'rank')}"
+
+
+def _count(n: int, word: str) -> str:
+    return f"{n} {word}{'' if n == 1 else 's'}"
