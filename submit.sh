@@ -57,15 +57,32 @@ run_local() {
   fi
   echo "torchrun: $nproc process(es) x $OMP_NUM_THREADS thread(s) (OMP_NUM_THREADS)"
   # --standalone: a private rendezvous on a free local port, so two local runs never meet.
+  # Ctrl-C saves and stops, as `llmtrain control RUN_DIR stop` does: torchrun runs in the
+  # background, where SIGINT stays ignored (it is told not to take it over: its own handling
+  # ends in a SignalException traceback), and the trap writes the stop switch. Bash runs a trap
+  # only between commands: wait, and wait again after the trap.
   rm -f "$run_dir/logs/error.txt"
-  local rc=0
-  torchrun --standalone --nproc-per-node "$nproc" -m llmtrain train --config "$config" "$@" || rc=$?
+  trap 'ask_to_stop "$run_dir"' INT
+  torchrun --signals-to-handle SIGTERM,SIGHUP,SIGQUIT --standalone --nproc-per-node "$nproc" \
+    -m llmtrain train --config "$config" "$@" &
+  local pid=$! rc=0
+  while true; do
+    wait "$pid" && rc=0 || rc=$?
+    kill -0 "$pid" 2>/dev/null || break
+  done
+  trap - INT
   # The trainer's own line last, below torchrun's failure summary.
   if ((rc)); then
     [[ -f "$run_dir/logs/error.txt" ]] && cat "$run_dir/logs/error.txt" >&2
     exit "$rc"
   fi
   echo "run_dir: $run_dir"
+}
+
+ask_to_stop() {
+  echo "interrupted: asking the trainer to save and stop at the next step" >&2
+  mkdir -p "$1/control"
+  printf 'user\n' >"$1/control/stop"
 }
 
 submit_slurm() {

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import subprocess
 import sys
 
@@ -218,3 +219,17 @@ def test_check_config_takes_the_config_as_option_or_argument(home, write_config)
         assert proc.returncode == 2 and proc.stdout == ""
         assert proc.stderr.splitlines() == [f"check-config: give the config once, as --config FILE "
                                             f"or FILE (got {got})"]
+
+
+@pytest.mark.parametrize("record,line", [
+    ({"txt": "hello"}, "data.text_field: no column 'text' in docs.jsonl.gz (columns: txt)"),
+    ({"text": [{"role": "user", "content": "hi"}]},
+     "data.text_field: column 'text' of docs.jsonl.gz holds list, not text; choose a column of strings"),
+])
+def test_a_wrong_text_column_is_caught_before_the_queue(home, tmp_path, write_config, record, line):
+    """check-config (which submit.sh runs) reads the first record: no prepare job fails later."""
+    import gzip
+    with gzip.open(tmp_path / "docs.jsonl.gz", "wt") as f:
+        f.write(json.dumps(record) + "\n")
+    proc = llmtrain("check-config", write_config(tiny_config(data={"dataset": "docs.jsonl.gz"})))
+    assert proc.returncode == 2 and proc.stderr.splitlines() == [line]

@@ -198,9 +198,12 @@ def test_a_glob_reads_every_file_it_matches(home, tmp_path, write_config, tokeni
 
 
 def test_a_column_that_is_not_text_is_one_line(home, tmp_path, write_config):
-    src = tmp_path / "chats.jsonl"
-    src.write_text("".join(json.dumps({"text": d, "n": i, "messages": [{"role": "user", "content": d}]})
-                           + "\n" for i, d in enumerate(DOCS)))
+    """jsonl/csv: check-config reads the first record (tests/test_config.py); parquet, json and
+    hub folders: prepare names the column and its type."""
+    from datasets import Dataset
+    src = tmp_path / "chats.parquet"
+    Dataset.from_list([{"text": d, "n": i, "messages": [{"role": "user", "content": d}]}
+                       for i, d in enumerate(DOCS)]).to_parquet(str(src))
     proc = llmtrain("prepare", "--config", write_config(tiny_config(
         data={"dataset": str(src), "text_field": "messages"})))
     assert proc.returncode == 1

@@ -229,3 +229,32 @@ def test_requeue_only_for_a_stop_the_trainer_recorded_in_this_job(tmp_path, plan
         assert proc.returncode == 1, proc.stderr  # the step's failure is the job's
         assert not calls.exists(), calls.read_text()
         assert "requeueing" not in proc.stdout
+
+
+def test_ctrl_c_on_a_local_run_saves_stops_and_exits_0(tmp_path):
+    """The terminal's SIGINT goes to the whole foreground process group (bash, torchrun): the
+    run saves at the step it stops at, and submit.sh exits 0 without a traceback."""
+    import json
+    import signal
+    import time
+    cfg = tiny_config(run={"name": "ctrl-c", "dir": str(tmp_path / "runs")},
+                      data={"prepared_dir": str(tmp_path / "prepared")},
+                      train={"max_steps": 400, "eval_every": 0, "checkpoint_every": 1000})
+    config = tmp_path / "c.yaml"
+    config.write_text(yaml.safe_dump(cfg))
+    run_dir = tmp_path / "runs" / "ctrl-c"
+    proc = subprocess.Popen(["bash", str(REPO / "submit.sh"), "--local", "--config", str(config),
+                             "--nproc", "2"], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                            text=True, start_new_session=True)  # its own group, like a terminal's
+    deadline = time.monotonic() + 300
+    while not (run_dir / "metrics.jsonl").exists() or not (run_dir / "metrics.jsonl").read_text().count("\n") >= 3:
+        assert proc.poll() is None and time.monotonic() < deadline, proc.communicate()
+        time.sleep(0.2)
+    os.killpg(proc.pid, signal.SIGINT)
+    out, err = proc.communicate(timeout=120)
+    assert proc.returncode == 0, err[-3000:]
+    stop = json.loads((run_dir / "control" / "exit.json").read_text())
+    assert stop["reason"] == "user" and 3 <= stop["step"] < 400
+    assert (run_dir / "checkpoints" / f"step-{stop['step']:08d}" / "meta.json").is_file()
+    assert "interrupted: asking the trainer to save and stop at the next step" in err
+    assert "Traceback" not in err and f"stopping at step {stop['step']} (user)" in out

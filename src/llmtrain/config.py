@@ -536,6 +536,8 @@ def _check_data(d: DataConfig, base: Path, written: dict | None = None) -> list[
         other = [f.name for f in files.get(key) or [] if file_suffix(f) != ".txt"]
         if d.text_unit != "line" and other:
             p.append(f"data.text_unit: only for .txt files (got {d.text_unit} for {other[0]})")
+        if files.get(key):
+            p += _check_column(files[key][0], d.text_field)
     if d.validation and is_split_name(d.validation):
         if files.get("dataset"):
             p.append(f"data.validation: a split name, but data.dataset is a file with no splits; "
@@ -544,6 +546,37 @@ def _check_data(d: DataConfig, base: Path, written: dict | None = None) -> list[
             p.append(f"data.validation: must differ from data.split, or evaluation reads training "
                      f"documents (got {d.validation!r})")
     return p
+
+
+def _check_column(path: Path, field: str) -> list[str]:
+    """The text column in the first record of a jsonl or csv file (plain or compressed): a
+    wrong data.text_field fails here, before any job is queued, not in the prepare job."""
+    import bz2
+    import csv
+    import gzip
+    import lzma
+    opener = {".gz": gzip.open, ".bz2": bz2.open, ".xz": lzma.open}.get(path.suffix, open)
+    kind = file_suffix(path)
+    if kind not in (".jsonl", ".csv"):
+        return []  # txt has no columns; json, parquet and folders are checked by prepare
+    try:
+        with opener(path, "rt", encoding="utf-8", newline="") as f:
+            if kind == ".csv":
+                columns = next(csv.reader(f), [])
+                first = None
+            else:
+                line = next((x for x in f if x.strip()), "")
+                first = json.loads(line) if line else None
+                columns = list(first) if isinstance(first, dict) else []
+    except (OSError, ValueError, EOFError, UnicodeDecodeError, lzma.LZMAError) as e:
+        return [f"data.dataset: cannot read {path} as {kind[1:]} ({type(e).__name__})"]
+    if columns and field not in columns:
+        return [f"data.text_field: no column {field!r} in {path.name} (columns: "
+                f"{', '.join(map(str, columns[:10]))})"]
+    if isinstance(first, dict) and field in first and not isinstance(first[field], str):
+        return [f"data.text_field: column {field!r} of {path.name} holds "
+                f"{type(first[field]).__name__}, not text; choose a column of strings"]
+    return []
 
 
 def is_split_name(value: str) -> bool:
