@@ -122,7 +122,13 @@ def test_incompatible_resume_names_the_difference(setup):
         f"train.resume: checkpoint {run_dir}/checkpoints/step-00000005 does not match this config: "
         f"global_batch_size differs (8 -> 16); use a new run.name, or set train.resume: none to "
         f"start over"]
-    # ... and the rest (the model, the tokenizer, the data) when the trainer starts.
+    data = llmtrain("check-config", config, "--set", f"run.name={name}",
+                    "--set", "data.validation_fraction=0.05")
+    assert data.returncode == 2 and data.stderr.splitlines() == [
+        f"train.resume: checkpoint {run_dir}/checkpoints/step-00000005 was trained on other data "
+        f"(the dataset's files, the tokenizer or the data options changed); use a new run.name, "
+        f"or set train.resume: none to start over"]
+    # ... and the rest (the model's architecture) when the trainer starts.
     proc = llmtrain("train", "--config", config, "--set", f"run.name={name}",
                     "--set", "model.architecture.intermediate_size=96")
     assert proc.returncode == 1

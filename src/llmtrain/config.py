@@ -627,9 +627,16 @@ def _check_resume(cfg: Config) -> list[str]:
         return []  # no checkpoint yet (or a damaged one: the trainer falls back and says so)
     saved = meta.get("compat", {})
     now = {"seq_len": cfg.data.seq_len, "global_batch_size": cfg.train.global_batch_size}
-    return [f"train.resume: checkpoint {folder / pointer} does not match this config: {key} "
-            f"differs ({saved[key]!r} -> {value!r}); use a new run.name, or set train.resume: none "
-            f"to start over" for key, value in now.items() if key in saved and saved[key] != value]
+    fix = "use a new run.name, or set train.resume: none to start over"
+    p = [f"train.resume: checkpoint {folder / pointer} does not match this config: {key} differs "
+         f"({saved[key]!r} -> {value!r}); {fix}" for key, value in now.items()
+         if key in saved and saved[key] != value]
+    if "data_fingerprint" in saved and on_disk(cfg.data.dataset, "datasets"):
+        from .data import fingerprint  # numpy, no torch
+        if fingerprint(cfg) != saved["data_fingerprint"]:
+            p.append(f"train.resume: checkpoint {folder / pointer} was trained on other data (the "
+                     f"dataset's files, the tokenizer or the data options changed); {fix}")
+    return p
 
 
 def _check_model(cfg: Config, written: dict | None = None) -> list[str]:
