@@ -86,12 +86,12 @@ ROWS = [
     ("empty-dataset", lambda r, g, t: ["prepare", "--config", dataset_cfg(t, "empty.txt", "")], 1,
      r"error: data\.dataset: .*/empty\.txt is empty; point it at a file with documents"),
     ("no-text-column", lambda r, g, t: ["prepare", "--config", dataset_cfg(
-        t, "docs.jsonl", "\n".join(json.dumps({"body": f"story {i}"}) for i in range(200)))], 1,
-     r"error: data\.text_field: no column 'text' in .*/docs\.jsonl \(columns: body\)"),
+        t, "docs.jsonl", "\n".join(json.dumps({"body": f"story {i}"}) for i in range(200)))], 2,
+     r"data\.text_field: no column 'text' in .*/docs\.jsonl \(columns: body\)"),  # before any job
     ("unknown-format", lambda r, g, t: ["prepare", "--config", dataset_cfg(t, "docs.xyz", "a b c\n")], 1,
      r"error: data\.dataset: unknown file type '\.xyz'; use one of \.txt, \.jsonl, \.json, \.parquet, \.csv, \.arrow"),
-    ("unreadable-jsonl", lambda r, g, t: ["prepare", "--config", dataset_cfg(t, "broken.jsonl", "{not json\n")], 1,
-     r"error: data\.dataset: cannot read .*/broken\.jsonl with the datasets library \(.+\)"),
+    ("unreadable-jsonl", lambda r, g, t: ["prepare", "--config", dataset_cfg(t, "broken.jsonl", "{not json\n")], 2,
+     r"data\.dataset: cannot read .*/broken\.jsonl as jsonl \(JSONDecodeError\)"),
     ("unwritable-prepared-dir", lambda r, g, t: ["prepare", "--config", cfg_with(
         t, data={"prepared_dir": "/proc/llmtrain-prepared"})], 1,
      r"error: data\.prepared_dir: cannot create /proc/llmtrain-prepared \(.+\); choose a writable folder"),

@@ -222,9 +222,9 @@ def test_check_config_takes_the_config_as_option_or_argument(home, write_config)
 
 
 @pytest.mark.parametrize("record,line", [
-    ({"txt": "hello"}, "data.text_field: no column 'text' in docs.jsonl.gz (columns: txt)"),
+    ({"txt": "hello"}, "data.text_field: no column 'text' in {path} (columns: txt)"),
     ({"text": [{"role": "user", "content": "hi"}]},
-     "data.text_field: column 'text' of docs.jsonl.gz holds list, not text; choose a column of strings"),
+     "data.text_field: column 'text' of {path} holds list, not text; choose a column of strings"),
 ])
 def test_a_wrong_text_column_is_caught_before_the_queue(home, tmp_path, write_config, record, line):
     """check-config (which submit.sh runs) reads the first record: no prepare job fails later."""
@@ -232,4 +232,5 @@ def test_a_wrong_text_column_is_caught_before_the_queue(home, tmp_path, write_co
     with gzip.open(tmp_path / "docs.jsonl.gz", "wt") as f:
         f.write(json.dumps(record) + "\n")
     proc = llmtrain("check-config", write_config(tiny_config(data={"dataset": "docs.jsonl.gz"})))
-    assert proc.returncode == 2 and proc.stderr.splitlines() == [line]
+    assert proc.returncode == 2
+    assert proc.stderr.splitlines() == [line.format(path=tmp_path / "docs.jsonl.gz")]

@@ -571,10 +571,10 @@ def _check_column(path: Path, field: str) -> list[str]:
     except (OSError, ValueError, EOFError, UnicodeDecodeError, lzma.LZMAError) as e:
         return [f"data.dataset: cannot read {path} as {kind[1:]} ({type(e).__name__})"]
     if columns and field not in columns:
-        return [f"data.text_field: no column {field!r} in {path.name} (columns: "
+        return [f"data.text_field: no column {field!r} in {path} (columns: "
                 f"{', '.join(map(str, columns[:10]))})"]
     if isinstance(first, dict) and field in first and not isinstance(first[field], str):
-        return [f"data.text_field: column {field!r} of {path.name} holds "
+        return [f"data.text_field: column {field!r} of {path} holds "
                 f"{type(first[field]).__name__}, not text; choose a column of strings"]
     return []
 
