@@ -653,14 +653,14 @@ def _check_model(cfg: Config, written: dict | None = None) -> list[str]:
             p.append("model.tokenizer: required when training from model.architecture")
         model_cfg = m.architecture
     else:
-        model_cfg = _read_json(local_path(m.name_or_path, "models") / "config.json")
+        model_cfg = read_json(local_path(m.name_or_path, "models") / "config.json")
         if model_cfg is None and not is_hub_id(m.name_or_path):
             p.append(f"model.name_or_path: no Hugging Face model folder with a config.json "
                      f"({_got('model.name_or_path', m.name_or_path, written)})")
 
     tok_src = tokenizer_source(cfg)
     tok_file = local_path(tok_src, "models") / "tokenizer.json" if tok_src else None
-    tok = _read_json(tok_file) if tok_file else None
+    tok = read_json(tok_file) if tok_file else None
     if tok_src and tok is None and not is_hub_id(tok_src):
         key = "model.tokenizer" if m.tokenizer else "model.name_or_path"
         p.append(f"model.tokenizer: no fast tokenizer (tokenizer.json) in the folder "
@@ -678,7 +678,8 @@ def _check_model(cfg: Config, written: dict | None = None) -> list[str]:
     return p
 
 
-def _read_json(path: Path) -> dict | None:
+def read_json(path: Path) -> dict | None:
+    """A JSON file's object, or None if it is missing or unreadable."""
     try:
         return json.loads(path.read_text())
     except (OSError, ValueError):

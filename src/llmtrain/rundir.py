@@ -20,6 +20,8 @@ import time
 from importlib import metadata
 from pathlib import Path
 
+from .config import read_json
+
 ERROR_FILE = "error.txt"  # logs/error.txt: the user error a training launch ended with
 SECRET_VARS = ("HF_TOKEN", "HUGGING_FACE_HUB_TOKEN")
 PACKAGES = ("llmtrain", "torch", "transformers", "datasets", "accelerate", "tokenizers",
@@ -170,7 +172,7 @@ class RunLock:
             try:
                 fd = os.open(self.path, os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o644)
             except FileExistsError:
-                owner = _read_json(self.path)
+                owner = read_json(self.path)
                 if owner is not None and _alive(owner, me, self.path.parent):
                     job = f"job {owner['job_id']}, " if owner.get("job_id") else ""
                     return f"{job}host {owner.get('host')}, pid {owner.get('pid')}"
@@ -188,19 +190,12 @@ class RunLock:
             self.held = False
 
 
-def _read_json(path: Path) -> dict | None:
-    try:
-        return json.loads(path.read_text())
-    except (OSError, ValueError):
-        return None
-
-
 def _alive(owner: dict, me: dict, run_dir: Path) -> bool:
     job = owner.get("job_id")
     if job and job == me["job_id"]:
         return False  # this job's own lock: requeued, or its workers restarted
     if owner.get("host") == me["host"]:
-        return _pid_alive(owner.get("pid"))
+        return pid_alive(owner.get("pid"))
     if job:
         try:
             out = subprocess.run(["squeue", "-h", "-j", str(job), "-o", "%T"], capture_output=True,
@@ -208,12 +203,13 @@ def _alive(owner: dict, me: dict, run_dir: Path) -> bool:
         except (OSError, subprocess.TimeoutExpired):
             return True  # cannot tell: do not take a live run's directory
         return out.stdout.strip() in ("RUNNING", "CONFIGURING", "COMPLETING", "SUSPENDED")
-    beat = _read_json(run_dir / "logs" / "heartbeat-rank-0.json") or {}
+    beat = read_json(run_dir / "logs" / "heartbeat-rank-0.json") or {}
     return time.time() - float(beat.get("time", owner.get("time", 0))) < RunLock.STALE_S
 
 
-def _pid_alive(pid) -> bool:
-    """A running process (a zombie, killed but not yet reaped, is not)."""
+def pid_alive(pid) -> bool:
+    """An llmtrain process with this pid runs on this host: not a zombie (killed, not yet
+    reaped), not a recycled pid of another program."""
     try:
         os.kill(int(pid), 0)
     except (ProcessLookupError, ValueError, TypeError):
@@ -222,6 +218,7 @@ def _pid_alive(pid) -> bool:
         return True
     try:
         stat = Path(f"/proc/{int(pid)}/stat").read_text()
-        return stat.rsplit(")", 1)[1].split()[0] not in ("Z", "X")
+        cmdline = Path(f"/proc/{int(pid)}/cmdline").read_bytes()
     except OSError:
         return True  # no /proc (macOS): signal 0 said it exists
+    return stat.rsplit(")", 1)[1].split()[0] not in ("Z", "X") and b"llmtrain" in cmdline

@@ -27,8 +27,9 @@ from pathlib import Path
 
 import yaml
 
-from .config import UserError
+from .config import UserError, read_json
 from .metrics import format_duration
+from .rundir import pid_alive
 
 LOG_LINES = 10
 BEAT_FRESH_S = 60  # a heartbeat from another host, outside Slurm, this recent means running
@@ -115,7 +116,7 @@ def assess(run_dir: Path, job_id: str | None, slurm: tuple[str, str, str] | None
     """Whether the run is pending, running, stopped by request, finished, failed, ...: Slurm
     first (while it queues or runs the job), then the trainer's own record of its stop."""
     state, reason, _ = slurm or (job_state(job_id) if job_id else ("UNKNOWN", "", ""))
-    stop = _read_json(run_dir / "control" / "exit.json")
+    stop = read_json(run_dir / "control" / "exit.json")
     if stop and stop.get("job_id") not in (None, job_id):
         stop = None  # another job's stop: this one did not get that far
     run = _Run(run_dir, job_id, _config(run_dir).get("train", {}).get("max_steps"),
@@ -161,7 +162,7 @@ def _running(run: _Run, stop: dict | None) -> Verdict:
     if stop:
         return Verdict("running", f"running{run.job}: the trainer stopped {run.at()} "
                        f"({stop['reason']}); the job is ending")
-    beat = _read_json(run.dir / "logs" / "heartbeat-rank-0.json")
+    beat = read_json(run.dir / "logs" / "heartbeat-rank-0.json")
     if not beat or float(beat.get("time", 0)) < _job_start(run.job_id):  # an earlier attempt's
         return Verdict("running", f"running{run.job}: starting up, no step yet")
     age = time.time() - float(beat["time"])
@@ -268,15 +269,11 @@ def _last_step(run_dir: Path) -> int:
 
 def _beating(run_dir: Path) -> bool:
     """Rank 0's heartbeat is live: its process runs (same host), or it beat within BEAT_FRESH_S."""
-    beat = _read_json(run_dir / "logs" / "heartbeat-rank-0.json")
+    beat = read_json(run_dir / "logs" / "heartbeat-rank-0.json")
     if not beat:
         return False
-    if beat.get("host") == socket.gethostname() and "pid" in beat and Path("/proc/self").exists():
-        try:
-            cmdline = Path(f"/proc/{int(beat['pid'])}/cmdline").read_bytes()
-        except OSError:
-            return False
-        return b"llmtrain" in cmdline  # not a recycled pid
+    if beat.get("host") == socket.gethostname() and "pid" in beat:
+        return pid_alive(beat["pid"])
     return time.time() - float(beat.get("time", 0)) < BEAT_FRESH_S
 
 
@@ -338,13 +335,6 @@ def _config(run_dir: Path) -> dict:
 
 def _run_name(run_dir: Path) -> str:
     return _config(run_dir).get("run", {}).get("name") or run_dir.name
-
-
-def _read_json(path: Path) -> dict | None:
-    try:
-        return json.loads(path.read_text())
-    except (OSError, ValueError):
-        return None
 
 
 def _scontrol(job_id: str) -> dict:
