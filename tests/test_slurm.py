@@ -336,16 +336,30 @@ def worker_pid(job_id: str, rank: int) -> int | None:
     return None
 
 
-def test_a_killed_worker_is_restarted_and_resumes_bit_identically(uninterrupted):
+# Imported by every Python process of the job (PYTHONPATH): once the marker exists, a new rank-0
+# worker starts late, so the restarted rank 1 is first to the store. With torchrun's shared store
+# it then read the previous attempt's rank-0 address and failed every restart.
+SLOW_RANK0 = """
+import os, time
+if os.environ.get("RANK") == "0" and os.path.exists(os.environ["LLMTRAIN_TEST_SLOW_RANK0"]):
+    time.sleep(4)
+"""
+
+
+def test_a_killed_worker_is_restarted_and_resumes_bit_identically(uninterrupted, tmp_path):
     """slurm.max_restarts: torchrun restarts the workers, which resume from the newest checkpoint."""
     config, ref_dir = uninterrupted
+    (tmp_path / "sitecustomize.py").write_text(SLOW_RANK0)
+    marker = tmp_path / "slow-rank0"
+    env = {**os.environ, "PYTHONPATH": str(tmp_path), "LLMTRAIN_TEST_SLOW_RANK0": str(marker)}
     job = submit("--config", config, "--nodes", 2, "--procs-per-node", 1, "--set", "run.name=restarted",
-                 "--set", "slurm.max_restarts=3", "--set", "train.checkpoint_every=10")
+                 "--set", "slurm.max_restarts=3", "--set", "train.checkpoint_every=10", env=env)
     run_dir = Path(job["run_dir"])
     deadline = time.monotonic() + 120
     while logged(run_dir) < 25 or worker_pid(job["job_id"], 1) is None:
         assert time.monotonic() < deadline, "the job never reached step 25"
         time.sleep(0.1)
+    marker.touch()
     os.kill(worker_pid(job["job_id"], 1), 9)
     assert wait_for(job["job_id"], timeout=300) == "COMPLETED"
     log = Path(job["log"]).read_text()
