@@ -81,6 +81,8 @@ def test_two_node_job_completes_with_everything_in_the_run_dir(job_config, procs
     assert out["log"] == f"{run_dir}/slurm-{out['job_id']}.out"
     log = Path(out["log"]).read_text()
     assert "done: 8 steps" in log and "(hosts: node1, node2)" in log
+    # A run that went well ends quietly: no C++ store dump, no warning or traceback from torch.
+    assert not re.search(r"TCPStore|recvValue|Traceback|^\[?[WE]\d{4} ", log, re.MULTILINE), log
     prov = json.loads((run_dir / "provenance.json").read_text())
     assert prov["world_size"] == 2 * procs and sorted(set(prov["hostnames"])) == ["node1", "node2"]
     assert prov["slurm"]["SLURM_JOB_ID"] == out["job_id"] and prov["slurm"]["SLURM_NNODES"] == "2"

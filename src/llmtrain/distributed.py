@@ -2,7 +2,7 @@
 
     world = init(cfg)       # reads RANK / WORLD_SIZE / LOCAL_RANK; nccl on GPUs, gloo on CPUs
     ...
-    teardown()              # always, in a finally: a process that exits with the group alive
+    teardown(world, ok)     # always, in a finally: a process that exits with the group alive
                             # can abort with "terminate called without an active exception"
 """
 
@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import os
 import socket
+import time
 from dataclasses import dataclass
 from datetime import timedelta
 
@@ -25,6 +26,7 @@ class World:
     local_rank: int
     world_size: int
     device: torch.device
+    store: dist.Store | None = None  # the group's store; rank 0 hosts it under train.slurm
 
     @property
     def is_main(self) -> bool:
@@ -49,11 +51,17 @@ def init(cfg: Config) -> World:
     # the group starts with the longer timeout; the watchdog sets the collective timeout after.
     timeout = timedelta(seconds=max(cfg.parallel.collective_timeout_s, cfg.parallel.startup_timeout_s))
     if "MASTER_ADDR" in os.environ:
-        dist.init_process_group(backend, timeout=timeout,
+        # Our own handle on the store, as env:// would make it: rank 0 hosts it unless torchrun
+        # shares its agent's; teardown keeps it up until every rank has closed its group.
+        hosts = rank == 0 and os.environ.get("TORCHELASTIC_USE_AGENT_STORE") != "True"
+        store = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), world_size,
+                              is_master=hosts, timeout=timeout)
+        dist.init_process_group(backend, store=store, rank=rank, world_size=world_size, timeout=timeout,
                                 device_id=device if device.type == "cuda" else None)
     else:  # a plain `llmtrain train`: a group of one, so FSDP2 and collectives still work
-        dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1)
-    return World(rank, local_rank, world_size, device)
+        store = dist.HashStore()
+        dist.init_process_group(backend, store=store, rank=0, world_size=1)
+    return World(rank, local_rank, world_size, device, store)
 
 
 def pick_device(cfg: Config, local_rank: int) -> torch.device:
@@ -84,9 +92,24 @@ def nccl_flight_recorder(run_dir) -> dict[str, str]:
             "TORCH_NCCL_DEBUG_INFO_TEMP_FILE": prefix}
 
 
-def teardown() -> None:
-    if dist.is_initialized():
-        dist.destroy_process_group()
+def teardown(world: World | None, finished: bool) -> None:
+    """Close the group. After a finished run rank 0 leaves last: it hosts the store, and a rank
+    whose group still polls a store that is gone (NCCL's heartbeat monitor does) prints a C++
+    "recvValue failed" dump at the end of a run that went well."""
+    if not dist.is_initialized():
+        return
+    dist.destroy_process_group()
+    if not finished or world is None or world.world_size == 1 or world.store is None:
+        return
+    world.store.add(CLOSED_KEY, 1)
+    deadline = time.monotonic() + 60
+    while world.rank == 0 and world.store.add(CLOSED_KEY, 0) < world.world_size:
+        if time.monotonic() > deadline:
+            break  # a rank that never closes is not worth holding the job for
+        time.sleep(0.05)
+
+
+CLOSED_KEY = "llmtrain/closed"
 
 
 def gather_floats(values: list[float], device: torch.device) -> list[list[float]]:

@@ -68,8 +68,10 @@ def train(cfg: Config) -> None:
     watch = Watchdog(cfg.run_dir, world.rank, world.world_size, cfg.parallel.startup_timeout_s,
                      cfg.parallel.collective_timeout_s)
     run_lock = RunLock(cfg.run_dir)
+    finished = False
     try:
         run(cfg, world, watch, run_lock)
+        finished = True
     except RuntimeError as e:  # gloo: "Timed out waiting"; NCCL's watchdog: "...timeout"
         if "timed out" not in str(e).lower() and "timeout" not in str(e).lower():
             raise
@@ -82,7 +84,7 @@ def train(cfg: Config) -> None:
         for sig in (signal.SIGTERM, signal.SIGUSR1):
             signal.signal(sig, signal.SIG_DFL)
         signal.signal(signal.SIGINT, signal.default_int_handler)
-        distributed.teardown()
+        distributed.teardown(world, finished)
 
 
 def run(cfg: Config, world: World, watch: Watchdog, run_lock: RunLock) -> None:
