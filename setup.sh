@@ -11,7 +11,8 @@ readonly REPO
 
 usage() {
   cat >&2 <<EOF
-Usage: bash setup.sh [--shared-dir DIR] [--project-name NAME] [--torch-spec SPEC] [--python PY]
+Usage: bash setup.sh [--shared-dir DIR] [--project-name NAME] [--torch-spec SPEC]
+                     [--torch-index-url URL] [--python PY]
 
 Creates, under DIR/NAME (the "llmtrain home"):
   venv/      Python environment with llmtrain, torch, transformers, datasets, ...

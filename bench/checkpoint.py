@@ -25,14 +25,14 @@ import torch
 import torch.distributed as dist
 import yaml
 
-from llmtrain import distributed
-from llmtrain.checkpoint import Checkpointer
 from llmtrain.config import load_config
-from llmtrain.model import load_tokenizer, model_config
-from llmtrain.optim import build_optimizer
-from llmtrain.parallel import grad_scaler, parallelize
+from llmtrain.model.build import load_tokenizer, model_config
+from llmtrain.model.parallel import grad_scaler, parallelize
 from llmtrain.rundir import Log
-from llmtrain.train import lm_loss
+from llmtrain.training import distributed
+from llmtrain.training.checkpoint import Checkpointer
+from llmtrain.training.loop import lm_loss
+from llmtrain.training.optim import build_optimizer
 
 REPO = Path(__file__).resolve().parents[1]
 

@@ -5,7 +5,8 @@
 #
 #   bash cluster/local-cluster.sh install     # Debian packages (slurmctld slurmd slurm-client munge)
 #   bash cluster/local-cluster.sh start       # prints the SLURM_CONF to export
-#   bash cluster/local-cluster.sh stop        # cancels its jobs, stops its daemons by pid
+#   bash cluster/local-cluster.sh stop        # cancels its jobs, stops its daemons by pid, and
+#                                             # removes the /etc/hosts lines start added
 set -euo pipefail
 
 STATE="${LLMTRAIN_CLUSTER_DIR:-/tmp/llmtrain-cluster}"
@@ -69,8 +70,11 @@ EOF
   done
   echo "PartitionName=debug Nodes=$(IFS=,; echo "${NODES[*]}") Default=YES MaxTime=INFINITE State=UP" >>"$CONF.tmp"
   mv -f "$CONF.tmp" "$CONF"
+  # The node names resolve to their addresses; stop removes exactly the lines added here.
+  mkdir -p "$STATE/run"
   for i in "${!NODES[@]}"; do
-    grep -q "^${ADDRS[i]} ${NODES[i]}\$" /etc/hosts || echo "${ADDRS[i]} ${NODES[i]}" >>/etc/hosts
+    grep -qx "${ADDRS[i]} ${NODES[i]}" /etc/hosts && continue
+    echo "${ADDRS[i]} ${NODES[i]}" | tee -a /etc/hosts >>"$STATE/run/hosts-added"
   done
 }
 
@@ -124,6 +128,12 @@ stop() {
     kill "$(<"$pidfile")" 2>/dev/null || true
     rm -f "$pidfile"
   done
+  if [[ -f "$STATE/run/hosts-added" ]]; then
+    local kept
+    kept="$(grep -vxF -f "$STATE/run/hosts-added" /etc/hosts || true)"
+    printf '%s\n' "$kept" >/etc/hosts  # rewritten in place: /etc/hosts may be a mount point
+    rm -f "$STATE/run/hosts-added"
+  fi
   echo "cluster stopped"
 }
 

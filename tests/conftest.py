@@ -1,12 +1,15 @@
-"""Fixtures: tiny configs, corpora and models in tmp_path; real subprocesses for the CLI."""
+"""Fixtures: tiny configs, corpora and models in tmp_path; real subprocesses for the CLI where a
+process matters (torchrun, signals, memory), the CLI in this process where none does."""
 
 from __future__ import annotations
 
 import contextlib
+import io
 import json
 import os
 import subprocess
 import sys
+import tempfile
 from pathlib import Path
 
 import pytest
@@ -14,6 +17,25 @@ import yaml
 
 REPO = Path(__file__).resolve().parents[1]
 DEMO = REPO / "configs" / "demo"
+CLUSTER = REPO / "cluster" / "local-cluster.sh"
+
+
+@pytest.fixture(scope="session")
+def cluster():
+    """The project's test cluster (cluster/local-cluster.sh), started once for every module that
+    uses it (test_slurm, test_status) unless one runs already; stopped only if we started it."""
+    state = Path(os.environ.get("LLMTRAIN_CLUSTER_DIR", "/tmp/llmtrain-cluster"))
+    pidfile = state / "run" / "slurmctld.pid"
+    running = pidfile.exists() and subprocess.run(["kill", "-0", pidfile.read_text().strip()],
+                                                  capture_output=True).returncode == 0
+    if not running:
+        subprocess.run(["bash", str(CLUSTER), "start"], check=True, capture_output=True, text=True)
+    mp = pytest.MonkeyPatch()
+    mp.setenv("SLURM_CONF", str(state / "etc" / "slurm.conf"))
+    yield
+    mp.undo()
+    if not running:
+        subprocess.run(["bash", str(CLUSTER), "stop"], check=True, capture_output=True)
 
 
 @pytest.fixture
@@ -58,7 +80,7 @@ def prepared_home(tmp_path_factory, name: str, cfg: dict):
     config = root / "config.yaml"
     config.write_text(yaml.safe_dump(cfg))
     try:
-        llmtrain("prepare", "--config", config, check=True)
+        cli("prepare", "--config", config, check=True)
         yield root, config
     finally:
         mp.undo()
@@ -79,6 +101,50 @@ def llmtrain(*args: str, check: bool = False, timeout: float = 300, env: dict | 
                           text=True, timeout=timeout, env=env)
     if check and proc.returncode != 0:
         raise AssertionError(f"llmtrain {' '.join(map(str, args))} exited {proc.returncode}:\n"
+                             f"{proc.stdout}\n{proc.stderr}")
+    return proc
+
+
+def cli(*args: str, check: bool = False, env: dict | None = None) -> subprocess.CompletedProcess:
+    """`llmtrain ARGS` run in this process: what a user sees (exit code, stdout, stderr at the
+    file-descriptor level) without a new interpreter importing torch. `env` adds variables for
+    the call. For commands whose process matters (torchrun, signals, peak memory) use llmtrain()."""
+    from llmtrain.cli import main
+    argv = [str(a) for a in args]
+    with tempfile.TemporaryFile() as out, tempfile.TemporaryFile() as err, \
+            pytest.MonkeyPatch.context() as mp:
+        for key, value in (env or {}).items():
+            mp.setenv(key, value)
+        sys.stdout.flush()
+        sys.stderr.flush()
+        saved = {fd: os.dup(fd) for fd in (1, 2)}
+        streams, environ = (sys.stdout, sys.stderr), os.environ
+        os.dup2(out.fileno(), 1)
+        os.dup2(err.fileno(), 2)
+        sys.stdout, sys.stderr = (io.TextIOWrapper(io.FileIO(fd, "w", closefd=False),
+                                                   line_buffering=True) for fd in (1, 2))
+        try:
+            try:
+                code = main(argv)
+            except SystemExit as e:  # argparse's usage errors, --version
+                code = e.code if isinstance(e.code, int) else (0 if e.code is None else 1)
+        finally:
+            for stream in (sys.stdout, sys.stderr):
+                stream.flush()
+            sys.stdout, sys.stderr = streams
+            if os.environ is not environ:  # datasets' map(num_proc > 1) swaps in a copy of it
+                current, os.environ = dict(os.environ), environ
+                environ.clear()
+                environ.update(current)
+            for fd, copy in saved.items():
+                os.dup2(copy, fd)
+                os.close(copy)
+        out.seek(0)
+        err.seek(0)
+        proc = subprocess.CompletedProcess(["llmtrain", *argv], code, out.read().decode(),
+                                           err.read().decode())
+    if check and proc.returncode != 0:
+        raise AssertionError(f"llmtrain {' '.join(argv)} exited {proc.returncode}:\n"
                              f"{proc.stdout}\n{proc.stderr}")
     return proc
 

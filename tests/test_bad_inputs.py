@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from conftest import llmtrain, prepared_home, read_metrics, tiny_config
+from conftest import cli, llmtrain, losses, prepared_home, read_metrics, tiny_config
 
 pytestmark = pytest.mark.slow
 
@@ -21,13 +21,14 @@ def world(tmp_path_factory):
     """A home with the tiny config's data prepared and one finished 4-step run to resume."""
     cfg = tiny_config(train={"max_steps": 4, "warmup_steps": 1, "checkpoint_every": 2})
     with prepared_home(tmp_path_factory, "bad", cfg) as (root, config):
-        llmtrain("train", "--config", config, "--set", "run.name=done", check=True)
+        cli("train", "--config", config, "--set", "run.name=done", check=True)
         yield root, config
 
 
 # (id, command builder, exit code, the exact stderr line: a regex, fully matched)
 # The builder gets (root, good config, tmp_path) and returns the llmtrain arguments.
 def cfg_with(tmp_path, **sections) -> Path:
+    tmp_path.mkdir(exist_ok=True)
     path = tmp_path / "bad.yaml"
     path.write_text(yaml.safe_dump(tiny_config(**sections)))
     return path
@@ -37,6 +38,14 @@ def text_cfg(tmp_path, text: str) -> Path:
     path = tmp_path / "bad.yaml"
     path.write_text(text)
     return path
+
+
+def nonempty_dir(tmp_path) -> Path:
+    """A folder of the user's that already holds a file: export must not write into it."""
+    taken = tmp_path / "taken"
+    taken.mkdir()
+    (taken / "notes.txt").write_text("mine\n")
+    return taken
 
 
 def dataset_cfg(tmp_path, name: str, content: str, **data) -> Path:
@@ -110,7 +119,7 @@ ROWS = [
      r"train\.resume: checkpoint .*/step-00000004 does not match this config: seq_len differs "
      r"\(64 -> 32\); use a new run\.name, or set train\.resume: none to start over"),
     ("export-over-files", lambda r, g, t: ["export", "--run-dir", r / "home" / "runs" / "done",
-                                           "--out", Path(__file__).parent], 1,
+                                           "--out", nonempty_dir(t)], 1,
      r"error: --out: .* exists and is not empty; choose a new folder"),
     ("export-no-checkpoint", lambda r, g, t: ["export", "--run-dir", t, "--out", t / "o", "--step", "7"], 1,
      r"error: no step 7 in .*/checkpoints"),
@@ -120,15 +129,22 @@ ROWS = [
      r"error: .*/nope: no such run directory, and not a job id"),
     ("control-not-running", lambda r, g, t: ["control", t, "stop"], 1,
      r"error: .*: not running \(not started: no job and no step logged yet\); nothing to stop"),
+    ("download-nothing", lambda r, g, t: ["download", "--config", g], 1,  # local paths only
+     r"error: nothing to download: the config names no hub ids \(only local paths\); or pass "
+     r"--model / --dataset"),
 ]
 
 
 @pytest.mark.parametrize("build,code,line", [r[1:] for r in ROWS], ids=[r[0] for r in ROWS])
 def test_bad_input_is_one_line_and_harmless(world, tmp_path, build, code, line):
+    """Each command in this process (cli): the exit code, the lines on the terminal and the
+    files are the user's; a new interpreter per row would only add its torch import."""
     root, good = world
     runs = root / "home" / "runs"
     before = {p: p.stat().st_mtime_ns for p in runs.rglob("*") if p.is_file()}
-    proc = llmtrain(*build(root, good, tmp_path))
+    args = build(root, good, tmp_path)
+    mine = {p: p.is_file() and p.stat().st_mtime_ns for p in tmp_path.rglob("*")}
+    proc = cli(*args)
     assert proc.returncode == code, proc.stderr
     progress = re.compile(r".*(examples/s|it/s|ba/s)\]\s*$|\s*$")  # tqdm bars: progress, not errors
     errors = [x for x in proc.stderr.splitlines() if not progress.fullmatch(x)]
@@ -139,12 +155,35 @@ def test_bad_input_is_one_line_and_harmless(world, tmp_path, build, code, line):
     changed = {p for p in after if before.get(p) != after[p] and "logs" not in p.parts}
     assert not changed, changed
     assert not list((root / "home").rglob("*.tmp-*"))
-    # The finished run still resumes (it is complete: nothing to do, exit 0).
-    assert (runs / "done" / "checkpoints" / "step-00000004" / "meta.json").is_file()
+    # The user's own files (configs, datasets, a folder export refused) as they were, none added.
+    assert {p: p.is_file() and p.stat().st_mtime_ns for p in tmp_path.rglob("*")} == mine
 
 
-def test_rows_cover_at_least_25_mistakes():
-    assert len(ROWS) >= 25
+def test_the_finished_run_still_resumes_after_every_mistake(world):
+    """After the rows above (run in file order) the run they were aimed at resumes: the
+    trainer loads its step-4 checkpoint, has nothing left to train, and its curve is unchanged."""
+    root, good = world
+    run_dir = root / "home" / "runs" / "done"
+    curve = losses(run_dir)
+    proc = cli("train", "--config", good, "--set", "run.name=done")
+    assert proc.returncode == 0, proc.stderr
+    assert f"resumed from {run_dir}/checkpoints/step-00000004 (step 4, saved by 1 ranks" in proc.stdout
+    assert "done: 4 steps" in proc.stdout
+    assert losses(run_dir) == curve and [s for k, s, _ in curve if k == "train"] == [1, 2, 3, 4]
+
+
+def test_every_command_in_the_help_has_a_row(tmp_path):
+    """The commands `llmtrain --help` shows a user each have a mistake above (sbatch-command and
+    requeue-decision are submit.sh's and train.slurm's: tests/test_sbatch.py, test_scripts.py)."""
+    helped = cli("--help", check=True).stdout
+    listed = set(re.findall(r"^ {4}([a-z][a-z-]+)(?: |$)", helped, re.MULTILINE))
+    assert {"check-config", "train", "sbatch-command", "requeue-decision"} <= listed, helped
+    good = cfg_with(tmp_path / "good")  # what the builders read; their files go to row folders
+    covered = set()
+    for i, (_, build, _, _) in enumerate(ROWS):
+        (tmp_path / f"row{i}").mkdir()
+        covered.add(str(build(tmp_path, good, tmp_path / f"row{i}")[0]))
+    assert covered == listed - {"sbatch-command", "requeue-decision"}
 
 
 def test_disk_full_during_a_save_keeps_the_previous_checkpoint(world, tmp_path):
@@ -155,6 +194,7 @@ def test_disk_full_during_a_save_keeps_the_previous_checkpoint(world, tmp_path):
     if subprocess.run(["mount", "-t", "tmpfs", "-o", "size=3m", "tmpfs", str(mount)]).returncode:
         pytest.fail("cannot mount a tmpfs (this test needs root)")
     try:
+        # Separate processes: none of this one's files stays open on the mount (umount below).
         proc = llmtrain("train", "--config", good, "--set", f"run.dir={mount}", "--set", "run.name=full",
                         "--set", "train.max_steps=6", "--set", "train.eval_every=0")
         assert proc.returncode == 1

@@ -14,10 +14,9 @@ from pathlib import Path
 import pytest
 import torch
 
-from conftest import (DEMO, llmtrain, prepared_home, losses, read_metrics, tiny_config, torchrun,
-                      torchrun_unchecked)
+from conftest import DEMO, cli, prepared_home, losses, read_metrics, tiny_config, torchrun, torchrun_unchecked
 from llmtrain.config import load_config
-from llmtrain.data import StepSampler, TokenStream, open_prepared
+from llmtrain.data.loader import StepSampler, TokenStream, open_prepared
 
 pytestmark = pytest.mark.slow
 
@@ -41,9 +40,19 @@ def launch(nproc: int, config: Path, *sets: str) -> subprocess.Popen:
                             start_new_session=True)  # its own process group, killed as one
 
 
-def kill_when(proc: subprocess.Popen, ready, timeout: float = 240) -> None:
-    """SIGKILL the whole launcher group as soon as `ready()` holds."""
+def kill_when(proc: subprocess.Popen, ready, timeout: float = 240, per_line: bool = False) -> None:
+    """SIGKILL the whole launcher group as soon as `ready()` holds. per_line: test it after each
+    line the run prints (a step's progress line), blocking on its output instead of polling;
+    otherwise poll every 20 ms (for a moment inside a save, which prints nothing)."""
     deadline = time.monotonic() + timeout
+    if per_line:
+        seen = []
+        for line in proc.stdout:
+            seen.append(line)
+            if ready():
+                break
+        else:
+            raise AssertionError("run ended before the kill:\n" + "".join(seen))
     while not ready():
         if proc.poll() is not None:
             raise AssertionError(f"run ended before the kill:\n{proc.stdout.read()}")
@@ -75,7 +84,8 @@ def test_killed_and_restarted_run_is_bit_identical(setup, strategy, async_save):
     sets = (f"run.name={name}", f"parallel.strategy={strategy}",
             f"train.async_checkpoint={str(async_save).lower()}")
     latest = run_dir / "checkpoints" / "latest"
-    kill_when(launch(2, config, *sets), lambda: latest.exists() and logged_step(run_dir) >= 7)
+    kill_when(launch(2, config, *sets), lambda: latest.exists() and logged_step(run_dir) >= 7,
+              per_line=True)
     assert logged_step(run_dir) < 16
     torchrun(2, "train", "--config", config, *(x for s in sets for x in ("--set", s)))
 
@@ -90,8 +100,11 @@ def test_resume_on_another_world_size_skips_and_repeats_nothing(setup, first, se
     name = f"reshard-{first}-{second}"
     common = ["--set", f"run.name={name}", "--set", "parallel.strategy=fsdp",
               "--set", "train.log_samples=true"]
-    torchrun(first, "train", "--config", config, *common, "--set", "train.max_steps=5")
-    torchrun(second, "train", "--config", config, *common)  # max_steps 16: continues from 5
+    for nproc, sets in ((first, ["--set", "train.max_steps=5"]), (second, [])):  # then 16, from 5
+        if nproc == 1:  # a world of one: the plain command, in this process
+            cli("train", "--config", config, *common, *sets, check=True)
+        else:
+            torchrun(nproc, "train", "--config", config, *common, *sets)
 
     run_dir = root / "home" / "runs" / name
     assert [r["step"] for r in read_metrics(run_dir) if r["kind"] == "train"] == list(range(1, 17))
@@ -112,39 +125,49 @@ def test_resume_on_another_world_size_skips_and_repeats_nothing(setup, first, se
 def test_incompatible_resume_names_the_difference(setup):
     root, config = setup
     name = "compat"
-    llmtrain("train", "--config", config, "--set", f"run.name={name}", "--set", "train.max_steps=5",
+    cli("train", "--config", config, "--set", f"run.name={name}", "--set", "train.max_steps=5",
              check=True)
     run_dir = root / "home" / "runs" / name
     # What check-config can know (seq_len, global batch) is refused before any job is queued...
-    check = llmtrain("check-config", config, "--set", f"run.name={name}",
+    check = cli("check-config", config, "--set", f"run.name={name}",
                      "--set", "train.global_batch_size=16")
     assert check.returncode == 2 and check.stderr.splitlines() == [
         f"train.resume: checkpoint {run_dir}/checkpoints/step-00000005 does not match this config: "
         f"global_batch_size differs (8 -> 16); use a new run.name, or set train.resume: none to "
         f"start over"]
-    data = llmtrain("check-config", config, "--set", f"run.name={name}",
+    data = cli("check-config", config, "--set", f"run.name={name}",
                     "--set", "data.validation_fraction=0.05")
     assert data.returncode == 2 and data.stderr.splitlines() == [
         f"train.resume: checkpoint {run_dir}/checkpoints/step-00000005 was trained on other data "
         f"(the dataset's files, the tokenizer or the data options changed); use a new run.name, "
         f"or set train.resume: none to start over"]
     # ... and the rest (the model's architecture) when the trainer starts.
-    proc = llmtrain("train", "--config", config, "--set", f"run.name={name}",
+    proc = cli("train", "--config", config, "--set", f"run.name={name}",
                     "--set", "model.architecture.intermediate_size=96")
     assert proc.returncode == 1
     [line] = [x for x in proc.stderr.splitlines() if x.startswith("error:")]
     assert "does not match this config: model differs (intermediate_size: 128 -> 96)" in line
     assert "Traceback" not in proc.stderr
+    # A checkpoint a newer llmtrain wrote (meta.json's format) is refused, not misread.
+    meta_path = run_dir / "checkpoints" / "step-00000005" / "meta.json"
+    meta = json.loads(meta_path.read_text())
+    assert meta["format"] == 1
+    meta_path.write_text(json.dumps({**meta, "format": 2}))
+    proc = cli("train", "--config", config, "--set", f"run.name={name}")
+    assert proc.returncode == 1 and "Traceback" not in proc.stderr
+    assert [x for x in proc.stderr.splitlines() if x.startswith("error:")] == [
+        f"error: checkpoint {run_dir}/checkpoints/step-00000005 has format 2, newer than this "
+        f"llmtrain reads (1); update llmtrain (git pull, then bash setup.sh)"]
 
 
 def test_a_refused_start_leaves_the_run_files_as_they_were(setup):
     root, config = setup
     run_dir = root / "home" / "runs" / "refused"
-    llmtrain("train", "--config", config, "--set", "run.name=refused", "--set", "train.max_steps=5",
+    cli("train", "--config", config, "--set", "run.name=refused", "--set", "train.max_steps=5",
              check=True)
     before = {name: (run_dir / name).read_bytes() for name in ("config.yaml", "provenance.json",
                                                                "metrics.jsonl")}
-    proc = llmtrain("train", "--config", config, "--set", "run.name=refused",
+    proc = cli("train", "--config", config, "--set", "run.name=refused",
                     "--set", "model.architecture.intermediate_size=96")
     assert proc.returncode == 1 and "model differs (intermediate_size: 128 -> 96)" in proc.stderr
     assert {name: (run_dir / name).read_bytes() for name in before} == before
@@ -155,14 +178,14 @@ def test_a_resume_takes_the_configs_optimizer_settings(setup):
     root, config = setup
     first = ["--set", "train.max_steps=8", "--set", "train.checkpoint_every=4"]
     for name in ("wd-same", "wd-changed"):
-        llmtrain("train", "--config", config, "--set", f"run.name={name}", *first,
+        cli("train", "--config", config, "--set", f"run.name={name}", *first,
                  "--set", "train.eval_every=0", check=True)
         ckpts = root / "home" / "runs" / name / "checkpoints"
         shutil.rmtree(ckpts / "step-00000008")
         (ckpts / "latest").write_text("step-00000004\n")
-    llmtrain("train", "--config", config, "--set", "run.name=wd-same", *first,
+    cli("train", "--config", config, "--set", "run.name=wd-same", *first,
              "--set", "train.eval_every=0", check=True)
-    proc = llmtrain("train", "--config", config, "--set", "run.name=wd-changed", *first,
+    proc = cli("train", "--config", config, "--set", "run.name=wd-changed", *first,
                     "--set", "train.eval_every=0", "--set", "train.weight_decay=20.0",
                     "--set", "train.beta2=0.5", check=True)
     assert "changed since the checkpoint: train.weight_decay 0.1 -> 20.0" in proc.stdout
@@ -202,10 +225,11 @@ def test_kill_during_save_never_leaves_a_bad_latest(setup):
     sets = (f"run.name={name}", "train.checkpoint_every=1", "train.max_steps=40", "train.eval_every=0")
     for delay in (0.0, 0.02, 0.06):
         proc = launch(2, config, *sets)
-        kill_when(proc, lambda: any(ckpts.glob(".tmp-step-*")) and (time.sleep(delay) or True))
-        # Whatever the instant, `latest` names a complete checkpoint (or does not exist yet).
-        if (ckpts / "latest").exists():
-            assert (ckpts / (ckpts / "latest").read_text().strip() / "meta.json").is_file()
+        # Killed while a save is under way, after at least one completed (so `latest` exists).
+        kill_when(proc, lambda: (ckpts / "latest").exists() and any(ckpts.glob(".tmp-step-*"))
+                  and (time.sleep(delay) or True))
+        # Whatever the instant, `latest` names a complete checkpoint.
+        assert (ckpts / (ckpts / "latest").read_text().strip() / "meta.json").is_file()
     torchrun(2, "train", "--config", config, *(x for s in sets for x in ("--set", s)))
     steps = [r["step"] for r in read_metrics(run_dir) if r["kind"] == "train"]
     assert steps == list(range(1, 41))
@@ -216,11 +240,11 @@ def test_damaged_newest_checkpoint_falls_back_to_the_previous(setup):
     name = "damaged"
     run_dir = root / "home" / "runs" / name
     common = ["--set", f"run.name={name}", "--set", "train.eval_every=0"]
-    llmtrain("train", "--config", config, *common, "--set", "train.max_steps=10", check=True)
+    cli("train", "--config", config, *common, "--set", "train.max_steps=10", check=True)
     newest = run_dir / "checkpoints" / "step-00000010"
     for shard in newest.glob("*.distcp"):
         shard.write_bytes(b"garbage")
-    proc = llmtrain("train", "--config", config, *common, "--set", "train.max_steps=12")
+    proc = cli("train", "--config", config, *common, "--set", "train.max_steps=12")
     assert proc.returncode == 0, proc.stderr
     log = (run_dir / "logs" / "rank-0.log").read_text()
     assert f"warning: skipping checkpoint {newest}: cannot load it" in log
@@ -235,7 +259,7 @@ def test_export_loads_in_plain_transformers_with_identical_logits(setup, tmp_pat
              "--set", "train.max_steps=6")
     run_dir = root / "home" / "runs" / name
     out = tmp_path / "hf"
-    llmtrain("export", "--run-dir", run_dir, "--out", out, check=True)
+    cli("export", "--run-dir", run_dir, "--out", out, check=True)
     assert {"config.json", "model.safetensors", "tokenizer.json"} <= {p.name for p in out.iterdir()}
 
     code = ("import sys, torch; from transformers import AutoModelForCausalLM, AutoTokenizer; "
@@ -248,7 +272,7 @@ def test_export_loads_in_plain_transformers_with_identical_logits(setup, tmp_pat
     subprocess.run([sys.executable, "-I", "-c", code, str(logits_file)], check=True, env=env,
                    cwd=tmp_path)  # -I: no llmtrain on the path
 
-    from llmtrain.export import load_checkpoint_model
+    from llmtrain.model.export import load_checkpoint_model
     model, tokenizer = load_checkpoint_model(run_dir)
     ids = tokenizer("Once upon a time, Tom had a red ball.", return_tensors="pt").input_ids
     with torch.no_grad():
@@ -259,12 +283,12 @@ def test_export_loads_in_plain_transformers_with_identical_logits(setup, tmp_pat
 def test_generate_from_a_run_and_from_an_exported_folder(setup, tmp_path):
     root, config = setup
     run_dir = root / "home" / "runs" / "gen"
-    llmtrain("train", "--config", config, "--set", "run.name=gen", "--set", "train.max_steps=40",
+    cli("train", "--config", config, "--set", "run.name=gen", "--set", "train.max_steps=40",
              "--set", "train.eval_every=0", check=True)
     args = ["--prompt", "Once upon a time,", "--max-new-tokens", "30", "--seed", "1"]
-    a = llmtrain("generate", "--run-dir", run_dir, *args, check=True).stdout
-    llmtrain("export", "--run-dir", run_dir, "--out", tmp_path / "hf", check=True)
-    b = llmtrain("generate", "--model", tmp_path / "hf", *args, check=True).stdout
+    a = cli("generate", "--run-dir", run_dir, *args, check=True).stdout
+    cli("export", "--run-dir", run_dir, "--out", tmp_path / "hf", check=True)
+    b = cli("generate", "--model", tmp_path / "hf", *args, check=True).stdout
     assert a == b and a.startswith("Once upon a time,") and len(a) > len("Once upon a time,") + 20
     # It reads like the training stories: nearly every generated word is one of the corpus's.
     import re

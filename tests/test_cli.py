@@ -41,3 +41,32 @@ def test_every_option_of_every_command_says_its_default(command, monkeypatch):
             continue
         words = " ".join(entry.split())
         assert "default" in words or "required" in words, f"llmtrain {command} --help: {words}"
+
+
+def test_a_second_launch_of_a_running_run_is_refused_before_anything_starts(home, write_config, capfd):
+    """submit.sh (and --local) check with --launch: a live run is named, with the ways out."""
+    import json
+    import socket
+    import time
+
+    from conftest import tiny_config
+    from llmtrain.cli import main
+    path = write_config(tiny_config(run={"name": "live"}))
+    assert main(["check-config", str(path), "--launch"]) == 0  # no run directory yet
+    run_dir = home / "runs" / "live"
+    (run_dir / "logs").mkdir(parents=True)
+    # A local trainer of this run, as status sees one: rank 0's heartbeat names a live process.
+    trainer = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)", "llmtrain"])
+    try:
+        beat = {"step": 7, "time": time.time(), "pid": trainer.pid, "host": socket.gethostname()}
+        (run_dir / "logs" / "heartbeat-rank-0.json").write_text(json.dumps(beat))
+        capfd.readouterr()
+        assert main(["check-config", str(path), "--launch"]) == 1
+        assert capfd.readouterr().err.splitlines() == [
+            f"error: run 'live' is running now (running at step 7); stop it (llmtrain control "
+            f"{run_dir} stop), or use another run.name"]
+        assert main(["check-config", str(path)]) == 0  # without --launch: the config is fine
+    finally:
+        trainer.kill()
+        trainer.wait()
+    assert main(["check-config", str(path), "--launch"]) == 0  # it ended: a launch may go ahead

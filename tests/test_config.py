@@ -133,17 +133,29 @@ def test_epochs_and_data_options_load(home, write_config):
 
 
 def test_every_problem_is_reported_at_once(home, write_config):
-    cfg = tiny_config(train={"max_steps": 0, "lr": -1.0, "checkpoint_every": -1},
+    cfg = tiny_config(train={"max_steps": 0, "lr": -1.0, "checkpoint_every": -1, "bogus": 1},
                       parallel={"strategy": "zero"}, data={"seq_len": 4096})
     proc = llmtrain("check-config", write_config(cfg))
     assert proc.returncode == 2
     assert proc.stderr.splitlines() == [
+        "train.bogus: unknown key",  # and the checks of the rest still run
         "parallel.strategy: must be one of ddp, fsdp, hsdp (got 'zero')",
         "train.max_steps: must be > 0 (got 0)",
         "train.lr: must be > 0 (got -1.0)",
         "train.checkpoint_every: must be >= 0 (got -1)",
         "data.seq_len: must be <= the model's max_position_embeddings (got 4096 > 128)",
     ]
+
+
+def test_a_time_is_a_time_in_the_file_and_in_set(home, write_config):
+    """YAML 1.1 reads 12:00:00 as the base-60 integer 43200; a config means the time."""
+    cfg = tiny_config()
+    cfg["slurm"] = {"time": "TIME", "procs_per_node": 2}
+    path = write_config(cfg)
+    path.write_text(path.read_text().replace("TIME", "12:00:00"))  # unquoted in the file
+    assert "time: '12:00:00'" not in path.read_text() and load_config(path).slurm.time == "12:00:00"
+    assert load_config(path, ["slurm.time=36:00:00"]).slurm.time == "36:00:00"
+    assert load_config(path, ["train.lr=1e-3", "train.max_steps=20"]).train.max_steps == 20
 
 
 def test_tokenizer_larger_than_model_vocab(home, write_config):

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -12,9 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from conftest import (llmtrain, prepared_home, losses, read_metrics, tiny_config, torchrun,
-                      torchrun_unchecked)
-from test_checkpoint import logged_step
+from conftest import cli, prepared_home, losses, read_metrics, tiny_config, torchrun, torchrun_unchecked
 
 pytestmark = pytest.mark.slow
 
@@ -46,24 +45,36 @@ def start(config: Path, name: str, *sets: str, env=None) -> subprocess.Popen:
                             env=env, start_new_session=True)
 
 
+def wait_for_step(proc: subprocess.Popen, step: int) -> str:
+    """Block on the run's output (no polling) until rank 0 has logged `step` (its metrics line
+    is written just before); returns what it printed so far."""
+    seen = []
+    for line in proc.stdout:
+        seen.append(line)
+        m = re.search(r"\[rank 0\] step (\d+)/", line)
+        if m and int(m.group(1)) >= step:
+            return "".join(seen)
+    proc.wait()
+    raise AssertionError(f"the run ended (exit {proc.returncode}) before step {step}:\n" + "".join(seen))
+
+
 def test_stop_switch_saves_stops_and_resumes_bit_identically(setup, reference):
     root, config = setup
     run_dir = root / "home" / "runs" / "stopped"
     proc = start(config, "stopped")
-    while logged_step(run_dir) < 5:
-        assert proc.poll() is None, proc.stdout.read()
-    status = llmtrain("status", run_dir, check=True).stdout.splitlines()
+    early = wait_for_step(proc, 5)
+    status = cli("status", run_dir, check=True).stdout.splitlines()
     assert status[1].startswith("state: running at step ") and status[1].endswith(" of 150")
     assert status[2].startswith("progress: step ") and ", eta " in status[2]
-    assert llmtrain("control", run_dir, "stop", check=True).stdout.startswith("stop requested")
-    out, _ = proc.communicate(timeout=60)
+    assert cli("control", run_dir, "stop", check=True).stdout.startswith("stop requested")
+    out = early + proc.communicate(timeout=60)[0]
     assert proc.returncode == 0, out
     exit_info = json.loads((run_dir / "control" / "exit.json").read_text())
     assert exit_info["reason"] == "user" and exit_info["requeue"] is False
     stopped_at = exit_info["step"]
     assert 5 <= stopped_at < 150 and (run_dir / "checkpoints" / f"step-{stopped_at:08d}").is_dir()
     assert f"stopping at step {stopped_at} (user)" in out
-    status = llmtrain("status", run_dir, check=True).stdout.splitlines()
+    status = cli("status", run_dir, check=True).stdout.splitlines()
     assert status[1] == (f"state: stopped by request at step {stopped_at} of 150; launch the same "
                          f"config again to continue")
     assert status[2].startswith("progress: step ") and "eta" not in status[2]  # it is not coming
@@ -78,11 +89,10 @@ def test_ctrl_c_saves_at_the_step_it_stopped_and_resumes_bit_identically(setup, 
     root, config = setup
     run_dir = root / "home" / "runs" / "ctrl-c"
     proc = start(config, "ctrl-c")
-    while logged_step(run_dir) < 5:
-        assert proc.poll() is None, proc.stdout.read()
+    early = wait_for_step(proc, 5)
     t0 = time.monotonic()
     os.killpg(proc.pid, signal.SIGINT)
-    out, _ = proc.communicate(timeout=60)
+    out = early + proc.communicate(timeout=60)[0]
     assert time.monotonic() - t0 < 20, out  # saved and gone, not killed after 30 s
     exit_info = json.loads((run_dir / "control" / "exit.json").read_text())
     assert exit_info["reason"] == "user" and exit_info["requeue"] is False  # a person: no requeue
@@ -100,7 +110,7 @@ def test_ctrl_c_saves_at_the_step_it_stopped_and_resumes_bit_identically(setup, 
 
 def test_control_on_a_run_that_is_not_running_says_so_and_writes_nothing(setup, reference):
     for action in ("stop", "save"):
-        proc = llmtrain("control", reference, action)
+        proc = cli("control", reference, action)
         assert proc.returncode == 1 and proc.stdout == ""
         assert proc.stderr.splitlines() == [f"error: {reference}: not running (finished: 150 of 150 "
                                             f"steps); nothing to {action}"]
@@ -138,10 +148,9 @@ def test_save_switch_checkpoints_and_goes_on(setup):
     root, config = setup
     run_dir = root / "home" / "runs" / "saved"
     proc = start(config, "saved")
-    while logged_step(run_dir) < 3:
-        assert proc.poll() is None, proc.stdout.read()
-    llmtrain("control", run_dir, "save", check=True)
-    out, _ = proc.communicate(timeout=60)
+    early = wait_for_step(proc, 3)
+    cli("control", run_dir, "save", check=True)
+    out = early + proc.communicate(timeout=60)[0]
     assert proc.returncode == 0, out
     saved = sorted(p.name for p in (run_dir / "checkpoints").glob("step-*"))
     assert len(saved) == 2 and saved[-1] == "step-00000150"  # the requested one and the final one
@@ -149,17 +158,18 @@ def test_save_switch_checkpoints_and_goes_on(setup):
 
 
 def test_a_non_finite_step_is_skipped_and_logged(setup):
+    """Step 7 of 12 is non-finite: skipped, logged with its samples, and training goes on."""
     root, config = setup
-    env = {**os.environ, "LLMTRAIN_INJECT_NAN_STEPS": "7"}
-    proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone",
-                           "--nproc-per-node", "2", "-m", "llmtrain", "train", "--config", str(config),
-                           "--set", "run.name=nan-once"], capture_output=True, text=True, env=env)
+    proc = torchrun_unchecked(2, "train", "--config", config, "--set", "run.name=nan-once",
+                              "--set", "train.max_steps=12", env={"LLMTRAIN_INJECT_NAN_STEPS": "7"})
     assert proc.returncode == 0, proc.stderr
     log = (root / "home" / "runs" / "nan-once" / "logs" / "rank-0.log").read_text()
     assert "warning: step 7: non-finite loss or gradient norm on some rank; step skipped (1 in a row" in log
     assert "this rank's samples: [" in log
-    last = [r for r in read_metrics(root / "home" / "runs" / "nan-once") if r["kind"] == "train"][-1]
-    assert last["step"] == 150 and last["skipped_steps"] == 1 and last["loss"] == last["loss"]
+    train = [r for r in read_metrics(root / "home" / "runs" / "nan-once") if r["kind"] == "train"]
+    assert [r["step"] for r in train] == list(range(1, 13))
+    assert [r["skipped_steps"] for r in train] == [0] * 6 + [1] * 6
+    assert all(r["loss"] == r["loss"] for r in train[7:])  # finite again after the skipped step
 
 
 def test_too_many_non_finite_steps_stop_with_a_diagnostic(setup):
@@ -189,7 +199,8 @@ def test_a_rank_that_stops_participating_is_named_within_the_timeout(setup):
     [line] = {x for x in proc.stderr.splitlines() if x.startswith("error:")}
     assert line.startswith("error: a collective did not complete within "
                            "parallel.collective_timeout_s=10s: rank 1 on ")
-    assert "(last heartbeat " in line and "stopped participating: stuck or dead" in line
+    assert "(last heartbeat " in line and line.endswith(
+        f"stopped participating: stuck or dead; its stack dump is in {run_dir}/logs/rank-1.log")
     # The watchdog named it before the timeout: under NCCL, whose own watchdog kills the process
     # without a Python error, that warning is the line the user gets.
     warnings = [x for x in proc.stderr.splitlines() if x.startswith("warning: a collective")]

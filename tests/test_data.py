@@ -11,11 +11,11 @@ import pytest
 import yaml
 from transformers import AutoTokenizer
 
-from conftest import DEMO, llmtrain, prepared_home, read_metrics, tiny_config
-from llmtrain import prepare as prepare_mod
+from conftest import DEMO, cli, prepared_home, read_metrics, tiny_config
+from llmtrain.data import prepare as prepare_mod
 from llmtrain.config import load_config
-from llmtrain.data import StepSampler, TokenStream, open_prepared, prepared_path
-from llmtrain.prepare import PrepareError, prepare
+from llmtrain.data.loader import StepSampler, TokenStream, open_prepared, prepared_path
+from llmtrain.data.prepare import PrepareError, prepare
 
 DOCS = [f"Story {i}: " + " ".join(["Anna had a red ball."] * (i % 7 + 1)) for i in range(300)]
 
@@ -183,7 +183,7 @@ def test_a_glob_reads_every_file_it_matches(home, tmp_path, write_config, tokeni
         _write(tmp_path / "shards" / f"part-{i}.jsonl.gz", "jsonl", DOCS[i * 100:(i + 1) * 100])
     path = write_config(tiny_config(data={"dataset": "./shards/*.jsonl.gz", "validation_fraction": 0.0},
                                     train={"eval_every": 0}))
-    proc = llmtrain("check-config", path)  # relative to the config file, and validated
+    proc = cli("check-config", path)  # relative to the config file, and validated
     assert proc.returncode == 0, proc.stderr
     cfg = load_config(path)
     assert cfg.data.dataset == f"{tmp_path}/shards/*.jsonl.gz"
@@ -204,7 +204,7 @@ def test_a_column_that_is_not_text_is_one_line(home, tmp_path, write_config):
     src = tmp_path / "chats.parquet"
     Dataset.from_list([{"text": d, "n": i, "messages": [{"role": "user", "content": d}]}
                        for i, d in enumerate(DOCS)]).to_parquet(str(src))
-    proc = llmtrain("prepare", "--config", write_config(tiny_config(
+    proc = cli("prepare", "--config", write_config(tiny_config(
         data={"dataset": str(src), "text_field": "messages"})))
     assert proc.returncode == 1
     assert proc.stderr.splitlines()[-1] == (
@@ -328,7 +328,7 @@ def test_validation_from_the_datasets_own_split(home, write_config, tokenizer):
 
 def test_training_unprepared_data_says_how_to_prepare(home, write_config):
     path = write_config(tiny_config())
-    proc = llmtrain("train", "--config", path)
+    proc = cli("train", "--config", path)
     assert proc.returncode == 1
     [line] = proc.stderr.splitlines()
     assert line.startswith("error: data: ") and f"run: llmtrain prepare --config {path}" in line
@@ -388,7 +388,7 @@ def epochs_run(tmp_path_factory):
                       train={"max_steps": None, "epochs": 2, "log_every": 1, "eval_every": 0,
                              "checkpoint_every": 0})
     with prepared_home(tmp_path_factory, "epochs", cfg) as (home, config):
-        proc = llmtrain("train", "--config", config, check=True)
+        proc = cli("train", "--config", config, check=True)
         folder, manifest = open_prepared(load_config(config))
         yield home / "home" / "runs" / "test", proc.stdout, TokenStream(folder, manifest, "train")
 

@@ -13,7 +13,7 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from conftest import llmtrain, prepared_home, tiny_config
+from conftest import cli, prepared_home, tiny_config
 
 pytestmark = pytest.mark.slow
 
@@ -25,9 +25,9 @@ PROMPT = "Once upon a time, Tom had a red ball."
 
 
 def with_umask(mask: int, *args):
-    old = os.umask(mask)  # inherited by the subprocess
+    old = os.umask(mask)  # the command runs in this process, under this umask
     try:
-        return llmtrain(*args, check=True)
+        return cli(*args, check=True)
     finally:
         os.umask(old)
 
@@ -40,13 +40,13 @@ def exports(tmp_path_factory):
                       train={"max_steps": 2, "warmup_steps": 1, "eval_every": 0,
                              "checkpoint_every": 2})
     with prepared_home(tmp_path_factory, "export", cfg) as (root, config):
-        llmtrain("train", "--config", config, check=True)
+        cli("train", "--config", config, check=True)
         run_dir = root / "home" / "runs" / "test"
         out = {"fp32": root / "shared" / "team" / "fp32", "bf16": root / "bf16",
                "fp16": root / "fp16"}
         with_umask(0o077, "export", "--run-dir", run_dir, "--out", out["fp32"])
         with_umask(0o022, "export", "--run-dir", run_dir, "--out", out["bf16"], "--dtype", "bf16")
-        llmtrain("export", "--run-dir", run_dir, "--out", out["fp16"], "--dtype", "fp16",
+        cli("export", "--run-dir", run_dir, "--out", out["fp16"], "--dtype", "fp16",
                  check=True)
         yield root, run_dir, out
 
@@ -113,7 +113,7 @@ class capture_log(logging.Handler):
                                                ("fp16", torch.float16)])
 def test_export_dtype_logits_identical_in_fp32_and_close_in_half(exports, dtype, torch_dtype):
     _, run_dir, out = exports
-    from llmtrain.export import load_checkpoint_model
+    from llmtrain.model.export import load_checkpoint_model
     trained, tokenizer = load_checkpoint_model(run_dir)
     exported = AutoModelForCausalLM.from_pretrained(out[dtype])  # as saved: config.json's dtype
     assert exported.dtype == torch_dtype

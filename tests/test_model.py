@@ -10,8 +10,8 @@ import torch
 from transformers import AutoConfig
 
 from llmtrain.config import TrainConfig
-from llmtrain.model import decoder_layers, flops_per_token, num_params
-from llmtrain.optim import lr_at
+from llmtrain.model.build import decoder_layers, flops_per_token, num_params
+from llmtrain.training.optim import lr_at
 
 
 def test_an_8b_model_builds_on_meta_without_memory():
@@ -27,8 +27,23 @@ def test_an_8b_model_builds_on_meta_without_memory():
     assert all(p.is_meta for p in model.parameters())
     layers = decoder_layers(model)
     assert len(layers) == 32 and type(layers[0]).__name__ == "LlamaDecoderLayer"
-    assert flops_per_token(config, num_params(model), 8192) == pytest.approx(
-        6 * 8_030_261_248 + 12 * 32 * 4096 * 8192)
+
+    # An independent count: torch's FLOP counter over one forward and backward of an 8192-token
+    # sequence (on meta: shapes only), which counts every matmul, the attention's included.
+    from torch.utils.flop_counter import FlopCounterMode
+    ids = torch.zeros(1, 8192, dtype=torch.long, device="meta")
+    with FlopCounterMode(display=False) as counter:
+        model(input_ids=ids, labels=ids).loss.backward()
+    counted = counter.get_total_flops() / 8192
+    assert counted == pytest.approx(57.9e9, rel=1e-3)  # per token
+    # The formula (6N plus the attention scores) also counts the embedding table, which is a
+    # lookup, not a matmul (and the norms' weights): 6 x 525M more, 5% above the count.
+    lookups = num_params(model.model.embed_tokens) + sum(
+        p.numel() for n, p in model.named_parameters() if "norm" in n)
+    assert lookups == 128256 * 4096 + (2 * 32 + 1) * 4096
+    assert flops_per_token(config, num_params(model), 8192) == pytest.approx(counted + 6 * lookups,
+                                                                            rel=1e-9)
+    assert flops_per_token(config, num_params(model), 8192) == pytest.approx(counted, rel=0.06)
 
 
 def schedule(**kw) -> TrainConfig:

@@ -10,7 +10,7 @@ from transformers import LlamaConfig, LlamaForCausalLM
 
 from conftest import tiny_config
 from llmtrain.config import load_config
-from llmtrain.parallel import apply_fsdp, configure_matmul_precision, local_slices
+from llmtrain.model.parallel import apply_fsdp, configure_matmul_precision, local_slices
 
 
 @pytest.fixture(scope="module")

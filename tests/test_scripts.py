@@ -16,7 +16,7 @@ import yaml
 from conftest import REPO, read_metrics, tiny_config
 
 SCRIPTS = ["setup.sh", "submit.sh", "download_data_model.sh", "train.slurm", "lib/find-env.sh",
-           "cluster/local-cluster.sh", ".ci/run", "tests/gpu.sh"]
+           "lib/run-local.sh", "cluster/local-cluster.sh", ".ci/run", "tests/gpu.sh"]
 USER_SCRIPTS = ["setup.sh", "submit.sh", "download_data_model.sh"]
 pytestmark = pytest.mark.slow
 
@@ -24,6 +24,12 @@ pytestmark = pytest.mark.slow
 def bash(*args, env=None, cwd=None, timeout=600):
     return subprocess.run(["bash", *map(str, args)], capture_output=True, text=True, env=env,
                           cwd=cwd, timeout=timeout)
+
+
+@pytest.mark.parametrize("script", ["setup.sh", "submit.sh", "download_data_model.sh", "train.slurm"])
+def test_the_user_facing_scripts_stay_short(script):
+    """Decisions live in Python (llmtrain sbatch-command, check-config); a script only runs them."""
+    assert len((REPO / script).read_text().splitlines()) <= 115
 
 
 @pytest.mark.parametrize("script", SCRIPTS)
@@ -106,7 +112,7 @@ def test_local_run_gives_each_process_its_share_of_the_cpus(tmp_path):
 
 def test_a_user_error_inside_torchrun_is_the_first_and_the_last_line(tmp_path):
     """Printed once by the trainer (rank 0, not once per rank), shown by torchrun's summary
-    instead of a traceback, and repeated as the last line, below that summary."""
+    instead of a traceback (and torchrun's own traceback gone), repeated as the last line."""
     cfg = tiny_config(run={"name": "one-line", "dir": str(tmp_path / "runs")},
                       data={"prepared_dir": str(tmp_path / "prepared")},
                       slurm={"gpus_per_node": 1, "procs_per_node": 2})  # no CUDA here
@@ -118,7 +124,7 @@ def test_a_user_error_inside_torchrun_is_the_first_and_the_last_line(tmp_path):
     errors = [x for x in lines if x.startswith("error:")]
     assert len(errors) == 2 and errors[0] == errors[1] == lines[-1], proc.stderr[-3000:]
     assert errors[0].startswith("error: slurm.gpus_per_node is 1 but CUDA is unusable on ")
-    assert lines.index(errors[0]) < lines.index("Traceback (most recent call last):")
+    assert "Traceback" not in proc.stderr  # neither the trainer's nor torchrun's own
     # torchrun's summary names the trainer's line, not "<N/A>" or a Python traceback.
     assert f"traceback : {errors[0]}" in proc.stderr
     assert (tmp_path / "runs" / "one-line" / "logs" / "error.txt").read_text() == errors[0] + "\n"
@@ -159,8 +165,8 @@ case "$1 $2" in
   *) echo "$*" >>"$FAKE_LOG/scontrol.calls" ;;
 esac
 """
-# The trainer's own record of a stop in this job: Control.exit, the code train.py calls.
-TRAINER_STOPS = ('python -c "import pathlib, sys, types; from llmtrain.control import Control; '
+# The trainer's own record of a stop in this job: Control.exit, the code training/loop.py calls.
+TRAINER_STOPS = ('python -c "import pathlib, sys, types; from llmtrain.training.control import Control; '
                  'Control.exit(types.SimpleNamespace(world=types.SimpleNamespace(is_main=True), '
                  'folder=pathlib.Path(sys.argv[1])), \'preempt\', 7)" "$LLMTRAIN_RUN_DIR/control"')
 
@@ -179,7 +185,9 @@ def fake_job(tmp_path, step: str = "", **env):
                "FAKE_LOG": str(log), "FAKE_STEP": step, "SLURM_JOB_ID": "4242",
                "SLURM_JOB_NODELIST": "node1", "SLURM_JOB_NUM_NODES": "1", "SLURM_TMPDIR": str(tmp_path),
                "LLMTRAIN_CONFIG": str(tmp_path / "config.yaml"), "LLMTRAIN_HOME": str(home),
-               "LLMTRAIN_REPO": str(REPO), "LLMTRAIN_RUN_DIR": str(tmp_path / "run"), **env}
+               "LLMTRAIN_REPO": str(REPO), "LLMTRAIN_RUN_DIR": str(tmp_path / "run"),
+               "LLMTRAIN_MAX_REQUEUES": "5", "LLMTRAIN_MAX_RESTARTS": "0", "LLMTRAIN_STEP": "train",
+               "LLMTRAIN_CONTINUATION": "0", **env}
     proc = bash(REPO / "train.slurm", env=job_env, timeout=120)
     srun = (log / "srun.args").read_text().splitlines()
     return proc, srun[:srun.index("bash")], (log / "srun.omp").read_text().strip()
@@ -201,6 +209,13 @@ def test_job_step_gets_the_jobs_cpus_and_each_worker_its_share_of_threads(tmp_pa
     procs = env["LLMTRAIN_PROCS_PER_NODE"]
     assert (f"1 node(s) [node1] x {procs} process(es) x {threads} thread(s); rendezvous node1:"
             in proc.stdout), proc.stdout
+
+
+def test_a_job_without_the_environment_contract_says_which_variable_is_missing(tmp_path):
+    env = {k: v for k, v in os.environ.items() if not k.startswith("LLMTRAIN_")}
+    proc = bash(REPO / "train.slurm", env={**env, "LLMTRAIN_CONFIG": str(tmp_path / "c.yaml")})
+    assert proc.returncode == 2
+    assert proc.stderr.splitlines() == ["train.slurm: LLMTRAIN_HOME is not set; submit with bash submit.sh"]
 
 
 STALE_EXIT = {"reason": "preempt", "step": 4, "requeue": True}  # what an earlier stop left behind

@@ -12,12 +12,12 @@ from pathlib import Path
 import pytest
 import yaml
 
-from conftest import llmtrain, read_metrics, tiny_config
-from test_slurm import cluster, job_config, submit, wait_for  # noqa: F401 (fixtures)
+from conftest import cli, read_metrics, tiny_config
+from test_slurm import job_config, submit, wait_for  # noqa: F401 (job_config: a fixture)
 
 
 def status_lines(target) -> list[str]:
-    proc = llmtrain("status", target)
+    proc = cli("status", target)
     assert proc.returncode == 0 and proc.stderr == "", proc.stderr
     return proc.stdout.splitlines()
 
@@ -48,7 +48,7 @@ def test_status_into_a_reader_that_left_ends_quietly(tmp_path):
 @pytest.mark.slow
 def test_a_pending_job_by_its_id_and_by_its_run_directory(job_config):
     config = job_config()
-    llmtrain("prepare", "--config", config, check=True)
+    cli("prepare", "--config", config, check=True)
     job = submit("--config", config, "--set", "run.name=held", "--", "--hold")
     try:
         run_dir = Path(job["run_dir"])
@@ -56,7 +56,7 @@ def test_a_pending_job_by_its_id_and_by_its_run_directory(job_config):
         assert status_lines(job["job_id"])[:3] == [
             f"run: held  ({run_dir})", state, f"job: {job['job_id']} PENDING (squeue)"]
         assert status_lines(run_dir)[1] == state  # found in the queue: it has no log yet
-        stop = llmtrain("control", run_dir, "stop")
+        stop = cli("control", run_dir, "stop")
         assert stop.returncode == 1 and stop.stderr.splitlines() == [
             f"error: {run_dir}: not running ({state.removeprefix('state: ')}); nothing to stop"]
         assert not (run_dir / "control" / "stop").exists()
@@ -67,7 +67,7 @@ def test_a_pending_job_by_its_id_and_by_its_run_directory(job_config):
 @pytest.mark.slow
 def test_a_failed_job_shows_the_trainers_error_line(job_config):
     config = job_config(slurm={"nodes": 1, "procs_per_node": 1})
-    llmtrain("prepare", "--config", config, check=True)
+    cli("prepare", "--config", config, check=True)
     # Non-finite losses at steps 2-5: more than train.max_bad_steps (3) in a row ends the run.
     job = submit("--config", config, "--set", "run.name=diverged",
                  env={**os.environ, "LLMTRAIN_INJECT_NAN_STEPS": "2,3,4,5"})
@@ -83,7 +83,7 @@ def test_a_failed_job_shows_the_trainers_error_line(job_config):
 def test_a_job_out_of_requeues_says_so(job_config):
     config = job_config(train={"max_steps": 100000, "checkpoint_every": 100000, "eval_every": 0},
                         slurm={"nodes": 1, "procs_per_node": 1, "max_requeues": 0})
-    llmtrain("prepare", "--config", config, check=True)
+    cli("prepare", "--config", config, check=True)
     job = submit("--config", config, "--set", "run.name=preempted")
     run_dir = Path(job["run_dir"])
     try:
@@ -104,3 +104,19 @@ def test_a_job_out_of_requeues_says_so(job_config):
                         f"100000 (preempt) and not requeued: the job was requeued 0 times already "
                         f"(slurm.max_requeues); submit the same config again to continue")
     assert lines[3].startswith(f"progress: step {step}/100000 (0%)") and "eta" not in lines[3]
+
+
+def test_a_training_job_that_never_started_shows_its_prepare_jobs_error(tmp_path, monkeypatch):
+    """Slurm cancelled the training job (--kill-on-invalid-dep) when its prepare job failed:
+    status names that failure, not "not started"."""
+    from llmtrain.login.status import assess
+    monkeypatch.setenv("PATH", str(tmp_path / "no-slurm"))  # no squeue/sacct/scontrol here
+    run_dir = tmp_path / "run"
+    run_dir.mkdir()
+    (run_dir / "prepare-150.out").write_text(
+        "llmtrain prepare job 150 on node1: /runs/run/submitted/x.yaml\n"
+        "data.dataset: no such file or folder (got 'gone.txt', resolved to /data/gone.txt)\n")
+    verdict = assess(run_dir, None)
+    assert (verdict.state, verdict.text) == (
+        "failed", f"failed before its first step: its prepare job failed: data.dataset: no such "
+        f"file or folder (got 'gone.txt', resolved to /data/gone.txt) (see {run_dir}/prepare-150.out)")

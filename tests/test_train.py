@@ -11,9 +11,9 @@ import torch
 import yaml
 from transformers import AutoTokenizer, LlamaConfig, LlamaForCausalLM
 
-from conftest import DEMO, assert_same_curve, prepared_home, llmtrain, losses, read_metrics, tiny_config, torchrun
+from conftest import DEMO, assert_same_curve, cli, prepared_home, losses, read_metrics, tiny_config, torchrun
 from llmtrain.config import load_config
-from llmtrain.data import StepSampler, TokenStream, batch_tokens, open_prepared
+from llmtrain.data.loader import StepSampler, TokenStream, batch_tokens, open_prepared
 
 pytestmark = pytest.mark.slow
 
@@ -34,7 +34,7 @@ def test_ddp_fsdp_single_process_and_accumulation_agree(setup):
     torchrun(2, "train", "--config", config, "--set", "run.name=ddp")
     torchrun(2, "train", "--config", config, "--set", "run.name=fsdp", "--set", "parallel.strategy=fsdp")
     torchrun(2, "train", "--config", config, "--set", "run.name=ddp-mb2", "--set", "train.micro_batch_size=2")
-    llmtrain("train", "--config", config, "--set", "run.name=single", check=True)
+    cli("train", "--config", config, "--set", "run.name=single", check=True)
 
     ddp = run_dir(setup, "ddp")
     assert_same_curve(ddp, run_dir(setup, "fsdp"), tol=1e-5)
@@ -85,12 +85,14 @@ def test_run_directory_holds_what_a_user_looks_for(setup):
 
 def test_rerun_with_the_same_name_keeps_metrics_consistent(setup):
     _, config = setup
-    llmtrain("train", "--config", config, "--set", "run.name=again", "--set", "train.max_steps=4",
+    cli("train", "--config", config, "--set", "run.name=again", "--set", "train.max_steps=4",
              "--set", "train.warmup_steps=1", check=True)
-    llmtrain("train", "--config", config, "--set", "run.name=again", "--set", "train.max_steps=4",
-             "--set", "train.warmup_steps=1", check=True)
+    again = cli("train", "--config", config, "--set", "run.name=again", "--set", "train.max_steps=4",
+                "--set", "train.warmup_steps=1", check=True)
+    # It resumes at its last step: nothing trains again, and the log says so.
+    assert "nothing to train: the run is at step 4 of 4 already" in again.stdout
     steps = [r["step"] for r in read_metrics(run_dir(setup, "again")) if r["kind"] == "train"]
-    assert steps == [1, 2, 3, 4]  # a start from step 0 drops the earlier lines past step 0
+    assert steps == [1, 2, 3, 4]
 
 
 def tiny_pretrained(folder, tokenizer_dir=DEMO / "tokenizer"):
@@ -122,8 +124,11 @@ def test_pretrained_weights_are_what_training_starts_from(tmp_path, monkeypatch,
     cfg["model"] = {"name_or_path": str(tmp_path / "model")}
     path = tmp_path / "c.yaml"
     path.write_text(yaml.safe_dump(cfg))
-    llmtrain("prepare", "--config", path, check=True)
-    torchrun(nproc, "train", "--config", path)
+    cli("prepare", "--config", path, check=True)
+    if nproc == 1:  # a world of one: the plain command, in this process
+        cli("train", "--config", path, check=True)
+    else:
+        torchrun(nproc, "train", "--config", path)
 
     c = load_config(path)
     folder, manifest = open_prepared(c)
@@ -151,13 +156,13 @@ def test_model_not_on_disk_names_the_download_script(tmp_path, monkeypatch):
     cfg["model"] = {"name_or_path": "org/not-downloaded"}
     path = tmp_path / "c.yaml"
     path.write_text(yaml.safe_dump(cfg))
-    check = llmtrain("check-config", path)
+    check = cli("check-config", path)
     assert check.returncode == 0
     assert "note: model.name_or_path: org/not-downloaded is not downloaded yet" in check.stderr
-    offline = llmtrain("check-config", path, "--offline")
+    offline = cli("check-config", path, "--offline")
     assert offline.returncode == 2 and offline.stderr.splitlines()[0].startswith(
         "model.name_or_path: org/not-downloaded is not downloaded yet (looked in ")
-    proc = llmtrain("prepare", "--config", path)
+    proc = cli("prepare", "--config", path)
     assert proc.returncode == 1
     assert proc.stderr.splitlines() == [
         f"error: model.tokenizer: org/not-downloaded is not on disk (looked in "
@@ -168,8 +173,8 @@ def test_model_not_on_disk_names_the_download_script(tmp_path, monkeypatch):
 def test_fp16_survives_an_overflow_step(setup):
     """A non-finite fp16 step is skipped and the loss scale lowered; training goes on."""
     _, config = setup
-    proc = llmtrain("train", "--config", config, "--set", "run.name=fp16", "--set",
-                    "train.precision=fp16", env={**os.environ, "LLMTRAIN_INJECT_NAN_STEPS": "3"})
+    proc = cli("train", "--config", config, "--set", "run.name=fp16", "--set",
+               "train.precision=fp16", env={"LLMTRAIN_INJECT_NAN_STEPS": "3"})
     assert proc.returncode == 0, proc.stderr
     train = [r for r in read_metrics(run_dir(setup, "fp16")) if r["kind"] == "train"]
     assert [r["step"] for r in train] == list(range(1, 9))
@@ -181,7 +186,7 @@ def test_fp16_survives_an_overflow_step(setup):
 
 def test_gpus_asked_for_where_cuda_is_unusable_stop_with_one_line(setup):
     _, config = setup
-    proc = llmtrain("train", "--config", config, "--set", "run.name=nogpu",
+    proc = cli("train", "--config", config, "--set", "run.name=nogpu",
                     "--set", "slurm.gpus_per_node=4")
     assert proc.returncode == 1
     [line] = proc.stderr.splitlines()
@@ -192,7 +197,7 @@ def test_gpus_asked_for_where_cuda_is_unusable_stop_with_one_line(setup):
 
 def test_an_eval_set_smaller_than_the_world_is_refused(setup):
     _, config = setup
-    check = llmtrain("check-config", config, "--set", "train.eval_samples=1")
+    check = cli("check-config", config, "--set", "train.eval_samples=1")
     assert check.returncode == 2
     assert check.stderr.splitlines() == ["train.eval_samples: must be >= the world size 2, so "
                                          "every rank evaluates at least one sample (got 1)"]
@@ -206,8 +211,8 @@ def test_a_model_folder_without_weights_is_one_line(tmp_path, monkeypatch):
     cfg["model"] = {"name_or_path": str(tmp_path / "model")}
     path = tmp_path / "c.yaml"
     path.write_text(yaml.safe_dump(cfg))
-    llmtrain("prepare", "--config", path, check=True)
-    proc = llmtrain("train", "--config", path)
+    cli("prepare", "--config", path, check=True)
+    proc = cli("train", "--config", path)
     assert proc.returncode == 1
     assert proc.stderr.splitlines() == [
         f"error: model.name_or_path: no model.safetensors, pytorch_model.bin or index of either in "
@@ -223,9 +228,13 @@ def test_a_run_directory_has_one_writer_and_a_dead_ones_lock_does_not_block(setu
     d = run_dir(setup, "locked")
     first = launch(2, config, "run.name=locked", "train.max_steps=400", "train.eval_every=0")
     try:
-        while logged_step(d) < 2:
-            assert first.poll() is None, first.stdout.read()
-        second = llmtrain("train", "--config", config, "--set", "run.name=locked")
+        seen = []
+        for line in first.stdout:  # its progress lines, as they come: no polling
+            seen.append(line)
+            if logged_step(d) >= 2:
+                break
+        assert logged_step(d) >= 2, "".join(seen)
+        second = cli("train", "--config", config, "--set", "run.name=locked")
         assert second.returncode == 1
         [line] = second.stderr.splitlines()
         assert line.startswith(f"error: run.name: {d} is in use by a live run (host ")
@@ -237,6 +246,6 @@ def test_a_run_directory_has_one_writer_and_a_dead_ones_lock_does_not_block(setu
             os.kill(int(pid), signal.SIGKILL)
         kill_when(first, lambda: True)
     assert (d / "run.lock").exists()  # left behind, its owner dead
-    llmtrain("train", "--config", config, "--set", "run.name=locked", "--set", "train.max_steps=6",
+    cli("train", "--config", config, "--set", "run.name=locked", "--set", "train.max_steps=6",
              "--set", "train.eval_every=0", check=True)
     assert not (d / "run.lock").exists()

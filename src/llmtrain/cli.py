@@ -8,6 +8,8 @@
     llmtrain status RUN_DIR|JOB_ID [--follow]
     llmtrain control RUN_DIR save|stop
     llmtrain download [--config FILE] [--model ID] [--dataset ID] [--force] ...
+    llmtrain sbatch-command prepare|train|continuation --config FILE --script PATH [...] [-- ARGS]
+    llmtrain requeue-decision RUN_DIR JOB_ID --restarts N    # train.slurm, after its step
     llmtrain --version
 
 A config is always `--config FILE` (check-config also takes it as its one positional argument),
@@ -31,7 +33,13 @@ EXIT_USER = 1  # anything else the user can fix: data, model, paths
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = parser().parse_args(argv)
+    argv = sys.argv[1:] if argv is None else list(argv)
+    # check-config and sbatch-command take sbatch arguments after `--`, verbatim (they start
+    # with dashes, which argparse would read as its own options).
+    split = argv[:1] in (["check-config"], ["sbatch-command"]) and "--" in argv
+    sbatch_args = argv[argv.index("--") + 1:] if split else []
+    args = parser().parse_args(argv[:argv.index("--")] if split else argv)
+    args.sbatch_args = sbatch_args
     try:
         return args.func(args)
     except ConfigError as e:
@@ -122,9 +130,39 @@ def parser() -> argparse.ArgumentParser:
                    "summary; repeatable, one line each (default: the summary)")
     p.add_argument("--offline", action="store_true", help="require the model, tokenizer and "
                    "dataset on disk (as a job on an offline compute node will)")
+    p.add_argument("--launch", action="store_true", help="also refuse a run that is running or "
+                   "queued now (a second launch would find it locked): submit.sh's check")
     p.add_argument("--freeze", metavar="FILE", help="also write the resolved config (overrides "
-                   "applied, paths absolute) to FILE, for a job to train from (default: none)")
+                   "applied, paths absolute, sbatch arguments after -- added to slurm.extra_args) "
+                   "to FILE, for a job to train from (default: none)")
     p.set_defaults(func=cmd_check_config)
+
+    p = sub.add_parser("sbatch-command", help="print the sbatch command line of a run's job, "
+                       "NUL-separated, for submit.sh and train.slurm to run (no torch)")
+    p.add_argument("job", choices=["prepare", "train", "continuation"], help="prepare: tokenize "
+                   "on one CPU node; train: the training job; continuation: train again after "
+                   "the job --after names ends, where requeue is refused")
+    _config(p)
+    _overrides(p)
+    p.add_argument("--script", required=True, help="the batch script, train.slurm (required)")
+    p.add_argument("--frozen", help="the config file the job reads (default: --config itself)")
+    p.add_argument("--after", metavar="JOB_ID", help="the job this one waits for: the prepare "
+                   "job (train), the job that ends first (continuation) (default: none)")
+    p.add_argument("--dependency", metavar="SPEC", help="the user's sbatch --dependency for the "
+                   "first job (default: none)")
+    p.add_argument("--continuation", type=int, default=int(os.environ.get("LLMTRAIN_CONTINUATION", 0)),
+                   help="continuation jobs before this one (default: $LLMTRAIN_CONTINUATION or 0)")
+    p.add_argument("--shell", action="store_true", help="print the line shell-quoted instead")
+    p.set_defaults(func=cmd_sbatch_command)
+
+    p = sub.add_parser("requeue-decision", help="after a job's step: whether the trainer asked for "
+                       "a requeue and slurm.max_requeues allows it (exit 0: requeue, 1: do not)")
+    p.add_argument("run_dir", help="the run's directory")
+    p.add_argument("job_id", help="this job's id ($SLURM_JOB_ID)")
+    p.add_argument("--restarts", type=int, required=True, help="requeues and continuations so "
+                   "far (required)")
+    p.add_argument("--max-requeues", type=int, required=True, help="slurm.max_requeues (required)")
+    p.set_defaults(func=cmd_requeue_decision)
 
     p = sub.add_parser("prepare", help="tokenize and pack the dataset (idempotent)")
     _config(p)
@@ -219,10 +257,20 @@ def cmd_check_config(args) -> int:
                if source and not on_disk(source, kind)]
     if args.offline and missing:
         raise ConfigError(list(dict.fromkeys(missing)))
+    if args.launch and cfg.run_dir.is_dir():
+        from .login.status import assess, latest_job
+        job = latest_job(cfg.run_dir)
+        verdict = assess(cfg.run_dir, job)
+        if verdict.state in ("running", "pending"):
+            after = f"submit with --dependency afterany:{job} to continue after it, " if job else ""
+            raise UserError(f"run {cfg.run.name!r} is {verdict.state} now ({verdict.text}); {after}"
+                            f"stop it (llmtrain control {cfg.run_dir} stop), or use another run.name")
     if args.freeze:  # what was validated is what runs: the job reads this file, not the original
         from pathlib import Path
 
+        from .login.slurm import with_extra_args
         from .rundir import write_atomic
+        cfg = with_extra_args(cfg, args.sbatch_args)
         Path(args.freeze).parent.mkdir(parents=True, exist_ok=True)
         write_atomic(Path(args.freeze), f"# frozen by submit.sh from {args.config}\n" + dump_yaml(cfg))
     if args.get:
@@ -244,7 +292,7 @@ def _get(cfg, key: str):
     if key == "world_size":
         return cfg.world_size
     if key in ("prepared_dir", "prepared"):
-        from .data import prepared_path, read_manifest
+        from .data.loader import prepared_path, read_manifest
         path = prepared_path(cfg)
         return path if key == "prepared_dir" else ("yes" if read_manifest(path) else "no")
     section, _, name = key.partition(".")
@@ -259,7 +307,7 @@ def _get(cfg, key: str):
 
 def cmd_prepare(args) -> int:
     cfg = load_config(args.config, args.overrides, world_size=1)
-    from .prepare import prepare
+    from .data.prepare import prepare
     prepare(cfg)
     return 0
 
@@ -267,7 +315,7 @@ def cmd_prepare(args) -> int:
 def cmd_train(args) -> int:
     world_size = int(os.environ.get("WORLD_SIZE", 1))
     cfg = load_config(args.config, args.overrides, world_size=world_size)
-    from .train import train
+    from .training.loop import train
     try:
         train(cfg)
     except UserError as e:  # for train.slurm, submit.sh --local and status: the line to show last
@@ -283,14 +331,14 @@ def cmd_train(args) -> int:
 
 
 def cmd_export(args) -> int:
-    from .export import export
+    from .model.export import export
     out = export(args.run_dir, args.out, args.step, args.dtype)
     print(f"exported: {out} ({args.dtype} weights)")
     return 0
 
 
 def cmd_generate(args) -> int:
-    from .export import generate, load_checkpoint_model, load_folder
+    from .model.export import generate, load_checkpoint_model, load_folder
     if args.model:
         model, tokenizer = load_folder(args.model)
     else:
@@ -299,8 +347,37 @@ def cmd_generate(args) -> int:
     return 0
 
 
+def cmd_sbatch_command(args) -> int:
+    import shlex
+    from pathlib import Path
+
+    from .login.slurm import sbatch_command, with_extra_args
+    home = os.environ.get("LLMTRAIN_HOME")
+    if not home:
+        raise UserError("LLMTRAIN_HOME is not set; source the env.sh that setup.sh wrote")
+    cfg = with_extra_args(load_config(args.config, args.overrides), args.sbatch_args)
+    cmd = sbatch_command(cfg, args.job, script=Path(args.script), frozen=Path(args.frozen or args.config),
+                         home=home, after=args.after, dependency=args.dependency,
+                         continuation=args.continuation)
+    if args.shell:
+        print(shlex.join(cmd))
+    else:
+        sys.stdout.write("".join(f"{word}\0" for word in cmd))
+    return 0
+
+
+def cmd_requeue_decision(args) -> int:
+    from pathlib import Path
+
+    from .login.slurm import requeue_decision
+    requeue, line = requeue_decision(Path(args.run_dir), args.job_id, args.restarts, args.max_requeues)
+    if line:
+        print(line)
+    return 0 if requeue else 1
+
+
 def cmd_download(args) -> int:
-    from .download import download, targets
+    from .login.download import download, targets
     cfg = load_config(args.config, args.overrides, world_size=1) if args.config else None
     todo = targets(cfg, args.model, args.dataset)
     if not todo:
@@ -313,14 +390,14 @@ def cmd_download(args) -> int:
 
 
 def cmd_control(args) -> int:
-    from .control import request
+    from .training.control import request
     path = request(args.run_dir, args.action)  # a run that is not running: one line, exit 1
     print(f"{args.action} requested: {path} (acted on within seconds, at a step boundary)")
     return 0
 
 
 def cmd_status(args) -> int:
-    from .status import status
+    from .login.status import status
     try:
         status(args.target, args.follow, args.interval)
     except BrokenPipeError:

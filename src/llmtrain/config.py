@@ -182,7 +182,7 @@ def load_config(path: str | os.PathLike, overrides: list[str] = (), world_size: 
     """Read, override, type-check and cross-check a config file; raise ConfigError."""
     path = Path(path)
     try:
-        raw = yaml.safe_load(path.read_text())
+        raw = load_yaml(path.read_text())
     except FileNotFoundError:
         raise ConfigError([f"{path}: no such config file"]) from None
     except yaml.YAMLError as e:
@@ -223,7 +223,7 @@ def _apply_override(raw: dict, item: str, problems: list[str]) -> None:
             node[part] = {}
         node = node[part]
     try:
-        node[parts[-1]] = yaml.safe_load(value) if value.strip() else None
+        node[parts[-1]] = load_yaml(value) if value.strip() else None
     except yaml.YAMLError:
         node[parts[-1]] = value
 
@@ -253,9 +253,8 @@ def _build_section(section: str, cls: type, body: dict, base: Path, problems: li
     fields = {f.name: f for f in dataclasses.fields(cls)}
     values, ok = {}, True
     for key in body:
-        if key not in fields:
+        if key not in fields:  # reported; the section is still built, so the checks of the rest run
             problems.append(f"{section}.{key}: unknown key{_did_you_mean(key, fields)}")
-            ok = False
     for name, f in fields.items():
         where = f"{section}.{name}"
         if name in body:
@@ -284,6 +283,21 @@ def _build_section(section: str, cls: type, body: dict, base: Path, problems: li
                 continue
         values[name] = value
     return cls(**values) if ok else None
+
+
+class _Loader(yaml.SafeLoader):
+    """YAML as a config means it: 12:00:00 stays the string it looks like (YAML 1.1 reads digits
+    with colons as a base-60 number, 43200, which slurm.time would then refuse)."""
+
+
+_Loader.yaml_implicit_resolvers = {
+    first: [(tag, re.compile(r"^(?![^:]*:)" + rx.pattern.lstrip("^"), rx.flags))
+            if tag.endswith((":int", ":float")) else (tag, rx) for tag, rx in resolvers]
+    for first, resolvers in yaml.SafeLoader.yaml_implicit_resolvers.items()}
+
+
+def load_yaml(text: str) -> Any:
+    return yaml.load(text, Loader=_Loader)
 
 
 def _coerce(value: Any, hint: Any) -> Any:
@@ -619,10 +633,11 @@ def _check_resume(cfg: Config) -> list[str]:
     """The run's newest checkpoint must fit the config, or the job would be refused at start."""
     if cfg.train.resume != "auto":
         return []
-    folder = cfg.run_dir / "checkpoints"
+    from .rundir import CHECKPOINTS, META, latest_checkpoint  # rundir imports this module
+    folder = cfg.run_dir / CHECKPOINTS
+    pointer = latest_checkpoint(folder)
     try:
-        pointer = (folder / "latest").read_text().strip()
-        meta = json.loads((folder / pointer / "meta.json").read_text())
+        meta = json.loads((folder / pointer / META).read_text()) if pointer else {}
     except (OSError, ValueError):
         return []  # no checkpoint yet (or a damaged one: the trainer falls back and says so)
     saved = meta.get("compat", {})
@@ -632,7 +647,7 @@ def _check_resume(cfg: Config) -> list[str]:
          f"({saved[key]!r} -> {value!r}); {fix}" for key, value in now.items()
          if key in saved and saved[key] != value]
     if "data_fingerprint" in saved and on_disk(cfg.data.dataset, "datasets"):
-        from .data import fingerprint  # numpy, no torch
+        from .data.loader import fingerprint  # numpy, no torch
         if fingerprint(cfg) != saved["data_fingerprint"]:
             p.append(f"train.resume: checkpoint {folder / pointer} was trained on other data (the "
                      f"dataset's files, the tokenizer or the data options changed); {fix}")

@@ -1,11 +1,16 @@
-"""Throughput, MFU, peak memory and the compact progress line (torch only where needed)."""
+"""metrics.jsonl and the per-rank sample logs; throughput, MFU, peak memory and the compact progress
+line (torch only where needed)."""
 
 from __future__ import annotations
 
 import contextlib
+import json
 import resource
 import sys
 import time
+from pathlib import Path
+
+from .rundir import write_atomic
 
 # Dense bf16 peak FLOP/s per GPU, from the vendors' datasheets (no sparsity).
 PEAK_FLOPS = {"H200": 989e12, "H100": 989e12, "A100": 312e12, "L40S": 362e12, "A10G": 125e12,
@@ -81,3 +86,52 @@ def format_duration(seconds: float) -> str:
     h, rem = divmod(seconds, 3600)
     m, s = divmod(rem, 60)
     return f"{h}h{m:02d}m" if h else f"{m}m{s:02d}s"
+
+
+class MetricsWriter:
+    """Appends metrics.jsonl lines (rank 0 only); each line is flushed as it is written.
+
+    Opening at step S first drops the lines past S: a run killed after its last checkpoint
+    logged steps that the resumed run does again.
+    """
+
+    def __init__(self, path: Path | None, step: int = 0):
+        self.file = None
+        if path is not None:
+            if path.exists():
+                write_atomic(path, "".join(_lines_up_to(path, step)))
+            self.file = open(path, "a", buffering=1)
+
+    def write(self, record: dict) -> None:
+        if self.file:
+            self.file.write(json.dumps(record) + "\n")
+
+    def close(self) -> None:
+        if self.file:
+            self.file.close()
+
+
+class SampleLog:
+    """Opt-in (train.log_samples): logs/samples-rank-N.jsonl, {"step": S, "samples": [...]}."""
+
+    def __init__(self, path: Path | None, step: int = 0):
+        self.writer = MetricsWriter(path, step) if path is not None else None
+
+    def write(self, step: int, indices) -> None:
+        if self.writer:
+            self.writer.write({"step": step, "samples": [int(i) for i in indices]})
+
+    def close(self) -> None:
+        if self.writer:
+            self.writer.close()
+
+
+def _lines_up_to(path: Path, step: int) -> list[str]:
+    kept = []
+    for line in path.read_text().splitlines(keepends=True):
+        try:
+            if json.loads(line)["step"] <= step:
+                kept.append(line)
+        except (ValueError, KeyError, TypeError):  # a line cut short by a kill
+            continue
+    return kept

@@ -7,6 +7,10 @@
         logs/rank-N.log    everything rank N logged; rank 0's lines also go to stdout
         logs/error.txt     the one-line user error the last launch ended with, if it did
         run.lock           held by the launch that writes the directory (RunLock)
+        checkpoints/       step-NNNNNNNN/ (complete once meta.json is in it) and `latest`
+
+The checkpoint layout's names are here, without torch, for status and check-config; the
+checkpoints themselves are training/checkpoint.py's.
 """
 
 from __future__ import annotations
@@ -22,6 +26,11 @@ from pathlib import Path
 
 from .config import read_json
 
+CHECKPOINTS = "checkpoints"
+META = "meta.json"  # written last: a step folder without it is incomplete
+LATEST = "latest"   # the name of the newest complete checkpoint
+# meta.json's "format": raised when a checkpoint's layout changes in a way older code misreads.
+CHECKPOINT_FORMAT = 1
 ERROR_FILE = "error.txt"  # logs/error.txt: the user error a training launch ended with
 SECRET_VARS = ("HF_TOKEN", "HUGGING_FACE_HUB_TOKEN")
 PACKAGES = ("llmtrain", "torch", "transformers", "datasets", "accelerate", "tokenizers",
@@ -56,53 +65,22 @@ class Log:
             self.file.close()
 
 
-class MetricsWriter:
-    """Appends metrics.jsonl lines (rank 0 only); each line is flushed as it is written.
-
-    Opening at step S first drops the lines past S: a run killed after its last checkpoint
-    logged steps that the resumed run does again.
-    """
-
-    def __init__(self, path: Path | None, step: int = 0):
-        self.file = None
-        if path is not None:
-            if path.exists():
-                write_atomic(path, "".join(_lines_up_to(path, step)))
-            self.file = open(path, "a", buffering=1)
-
-    def write(self, record: dict) -> None:
-        if self.file:
-            self.file.write(json.dumps(record) + "\n")
-
-    def close(self) -> None:
-        if self.file:
-            self.file.close()
+def step_name(step: int) -> str:
+    return f"step-{step:08d}"
 
 
-class SampleLog:
-    """Opt-in (train.log_samples): logs/samples-rank-N.jsonl, {"step": S, "samples": [...]}."""
-
-    def __init__(self, path: Path | None, step: int = 0):
-        self.writer = MetricsWriter(path, step) if path is not None else None
-
-    def write(self, step: int, indices) -> None:
-        if self.writer:
-            self.writer.write({"step": step, "samples": [int(i) for i in indices]})
-
-    def close(self) -> None:
-        if self.writer:
-            self.writer.close()
+def complete_checkpoints(folder: Path) -> list[Path]:
+    """Complete checkpoints (meta.json written), newest first."""
+    found = [p for p in folder.glob("step-*") if (p / META).is_file()]
+    return sorted(found, key=lambda p: p.name, reverse=True)
 
 
-def _lines_up_to(path: Path, step: int) -> list[str]:
-    kept = []
-    for line in path.read_text().splitlines(keepends=True):
-        try:
-            if json.loads(line)["step"] <= step:
-                kept.append(line)
-        except (ValueError, KeyError, TypeError):  # a line cut short by a kill
-            continue
-    return kept
+def latest_checkpoint(folder: Path) -> str | None:
+    """The name `latest` points to, if it exists."""
+    try:
+        return (folder / LATEST).read_text().strip() or None
+    except OSError:
+        return None
 
 
 def provenance(world_size: int, hostnames: list[str]) -> dict:

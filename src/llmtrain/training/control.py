@@ -35,8 +35,8 @@ from dataclasses import dataclass
 from datetime import datetime
 from pathlib import Path
 
-from .config import Config, UserError
-from .rundir import Log, write_atomic
+from ..config import Config, UserError
+from ..rundir import Log, write_atomic
 
 SWITCH_POLL_S = 1.0
 HEARTBEAT_S = 2.0
@@ -166,7 +166,7 @@ def request(run_dir: Path, what: str, reason: str = "user") -> Path:
     """`llmtrain control RUN_DIR stop|save`: ask a running trainer to stop or save. A run that is
     not running is refused (UserError), and nothing is written: a switch must not wait in the
     run directory for a later launch."""
-    from .status import assess, latest_job
+    from ..login.status import assess, latest_job
 
     run_dir = Path(run_dir)
     if not run_dir.is_dir():

@@ -32,9 +32,9 @@ import torch
 from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
 from torch.nn.parallel import DistributedDataParallel as DDP
 
-from .config import Config, UserError
-from .distributed import World
-from .model import build_model, decoder_layers, pretrained_dir
+from ..config import Config, UserError
+from ..training.distributed import World
+from .build import build_model, decoder_layers, pretrained_dir
 
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 SHARDED_STRATEGIES = ("fsdp", "hsdp")

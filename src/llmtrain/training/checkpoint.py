@@ -34,14 +34,13 @@ from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
 from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 
-from .config import Config, UserError
+from ..config import Config, UserError
+from ..model.parallel import unwrap
+from ..rundir import (CHECKPOINT_FORMAT, CHECKPOINTS, LATEST, META, Log, complete_checkpoints,
+                      step_name, write_atomic)
 from .distributed import World
-from .parallel import unwrap
-from .rundir import Log, write_atomic
 
-META = "meta.json"
 BUFFERS = "buffers.pt"
-LATEST = "latest"
 # Keys that must be equal to continue a run, and keys whose change is only logged.
 MUST_MATCH = ("model", "tokenizer_vocab", "data_fingerprint", "seq_len", "global_batch_size")
 MAY_CHANGE = ("lr", "min_lr", "warmup_steps", "max_steps", "eval_every", "checkpoint_every",
@@ -52,19 +51,9 @@ class CheckpointMismatch(UserError):
     pass
 
 
-def step_name(step: int) -> str:
-    return f"step-{step:08d}"
-
-
-def complete_checkpoints(folder: Path) -> list[Path]:
-    """Complete checkpoints (meta.json written), newest first."""
-    found = [p for p in folder.glob("step-*") if (p / META).is_file()]
-    return sorted(found, key=lambda p: p.name, reverse=True)
-
-
 def resolve(run_dir: Path, step: int | None = None) -> Path:
     """The checkpoint to read for export/generate: step N, or the newest complete one."""
-    folder = run_dir / "checkpoints"
+    folder = run_dir / CHECKPOINTS
     every = complete_checkpoints(folder)
     found = [p for p in every if step is None or p.name == step_name(step)]
     if not found:
@@ -81,7 +70,7 @@ class Checkpointer:
         checkpoint self-contained for export."""
         self.cfg, self.world, self.log, self.compat = cfg, world, log, compat
         self.hf_files = hf_files
-        self.folder = cfg.run_dir / "checkpoints"
+        self.folder = cfg.run_dir / CHECKPOINTS
         self.pending = None  # (future, tmp, final, meta) of the async save in flight
         # Async saves upload on their own gloo group: sharing the training group crashed when
         # training collectives overlapped the upload (torch-stack-facts.md).
@@ -113,7 +102,7 @@ class Checkpointer:
             tmp.mkdir(parents=True, exist_ok=True)
         dist.barrier()
         model_sd, optim_sd = get_state_dict(model, optimizer)
-        meta = {"step": step, "world_size": self.world.world_size, **extra,
+        meta = {"format": CHECKPOINT_FORMAT, "step": step, "world_size": self.world.world_size, **extra,
                 "compat": self.compat, "settings": _settings(self.cfg)}
         state = {"model": model_sd, "optim": optim_sd}
         with self._failing_save(tmp, final):
@@ -236,6 +225,10 @@ class Checkpointer:
         return found
 
     def _check_compatible(self, ckpt: Path, meta: dict) -> None:
+        if meta.get("format", 1) > CHECKPOINT_FORMAT:  # checkpoints before formats had none: 1
+            raise CheckpointMismatch(
+                f"checkpoint {ckpt} has format {meta['format']}, newer than this llmtrain reads "
+                f"({CHECKPOINT_FORMAT}); update llmtrain (git pull, then bash setup.sh)")
         saved = meta.get("compat", {})
         for key in MUST_MATCH:
             if key in saved and saved[key] != self.compat[key]:

@@ -20,9 +20,9 @@ from pathlib import Path
 
 import numpy as np
 
-from .config import (FILE_BUILDERS, Config, UserError, file_suffix, is_glob, is_split_name,
-                     local_path, source_files, tokenizer_source)
-from .data import FORMAT_VERSION, MANIFEST, fingerprint, prepared_path, read_manifest
+from ..config import (FILE_BUILDERS, Config, UserError, file_suffix, is_glob, is_split_name,
+                      local_path, source_files, tokenizer_source)
+from .loader import FORMAT_VERSION, MANIFEST, fingerprint, prepared_path, read_manifest
 
 SHARD_TOKENS = 1 << 28  # 256M tokens: 512 MiB of uint16 per shard file
 
@@ -38,7 +38,7 @@ def prepare(cfg: Config, log=print) -> Path:
         log(f"prepared data is up to date: {final}")
         return final
 
-    from .model import load_tokenizer
+    from ..model.build import load_tokenizer
 
     tok_dir = local_path(tokenizer_source(cfg), "models")
     tokenizer = load_tokenizer(cfg)

@@ -17,7 +17,7 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 
-from .config import Config, UserError
+from ..config import Config, UserError
 
 
 @dataclass(frozen=True)

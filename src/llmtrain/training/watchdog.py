@@ -32,8 +32,8 @@ import threading
 import time
 from pathlib import Path
 
+from ..rundir import write_atomic
 from .control import HEARTBEAT_S
-from .rundir import write_atomic
 
 POLL_S = 0.5
 FIRE_AT = 0.75  # share of the collective timeout after which a step counts as stuck
@@ -129,7 +129,7 @@ class Watchdog:
     def _diagnose(self) -> str:
         write_atomic(self.heartbeat, json.dumps({
             "step": self.step_no, "stage": self.stage, "host": socket.gethostname(),
-            "time": time.time(), "stalled": True}))
+            "time": time.time(), "pid": os.getpid(), "stalled": True}))
         time.sleep(HEARTBEAT_S + 1)  # the other ranks' watchdogs fire at about the same time
         beats = {}
         for rank in range(self.world_size):
@@ -142,18 +142,20 @@ class Watchdog:
         head = (f"a collective did not complete within parallel.collective_timeout_s="
                 f"{self.collective_timeout_s}s")
         if waiting:
-            stuck = []
+            stuck, logs = [], []
             for rank, beat in beats.items():
                 if rank in waiting:
                     continue
+                logs.append(f"{self.run_dir}/logs/rank-{rank}.log")
                 if beat is None:
                     stuck.append(f"rank {rank} (never reported)")
                 else:
                     stuck.append(f"rank {rank} on {beat['host']} (last heartbeat "
                                  f"{time.time() - beat['time']:.0f}s ago, at step {beat['step']})")
             if stuck:
-                return (f"{head}: {', '.join(stuck)} stopped participating: stuck or dead; its "
-                        f"stack dump is in {self.run_dir}/logs/rank-N.log")
+                dumps = (f"its stack dump is in {logs[0]}" if len(logs) == 1
+                         else f"their stack dumps are in {', '.join(logs)}")
+                return f"{head}: {', '.join(stuck)} stopped participating: stuck or dead; {dumps}"
         return (f"{head}: no rank finished step {self.step_no}, so a collective inside the "
                 f"forward/backward is stuck; stack dumps are in {self.run_dir}/logs/rank-*.log "
                 f"(and NCCL's flight recorder dumps, on GPUs)")

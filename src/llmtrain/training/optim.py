@@ -6,7 +6,7 @@ import math
 
 import torch
 
-from .config import TrainConfig
+from ..config import TrainConfig
 
 
 def build_optimizer(model: torch.nn.Module, t: TrainConfig, device: torch.device) -> torch.optim.AdamW:

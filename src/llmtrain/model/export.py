@@ -26,8 +26,8 @@ import torch
 import torch.distributed.checkpoint as dcp
 from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, GenerationConfig
 
-from .checkpoint import BUFFERS, resolve
-from .config import UserError
+from ..config import UserError
+from ..training.checkpoint import BUFFERS, resolve
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 # What `model.generate(**inputs)` on an export does when asked nothing else (and what
@@ -55,7 +55,7 @@ def load_checkpoint_model(run_dir: Path, step: int | None = None):
     for name, buf in model.named_buffers():
         buf.copy_(buffers[name])
     tokenizer = AutoTokenizer.from_pretrained(ckpt)
-    # Checkpoints carry the training config, where model.py turns the KV cache off; without it
+    # Checkpoints carry the training config, where model/build.py turns the KV cache off; without it
     # generate recomputes the whole sequence for every token (56x slower for 200 tokens).
     model.config.use_cache = True
     model.generation_config = generation_config(tokenizer, model.config)

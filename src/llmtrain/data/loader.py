@@ -1,7 +1,7 @@
 """Prepared token data: where it lives, how it is read, and which rank reads what.
 
 A prepared dataset is a folder of memory-mapped token shards plus manifest.json, made by
-`llmtrain prepare` (prepare.py). Its folder name carries a fingerprint of everything that
+`llmtrain prepare` (data/prepare.py). Its folder name carries a fingerprint of everything that
 decides its contents (source files, split, text field and unit, BOS, validation source or
 share, tokenizer), so the trainer finds it without loading the source dataset, and a changed
 source, option or tokenizer gets a new folder instead of stale tokens.
@@ -23,8 +23,8 @@ from pathlib import Path
 
 import numpy as np
 
-from .config import (COMPRESSED, Config, UserError, is_glob, is_split_name, local_path, source_files,
-                     tokenizer_source)
+from ..config import (COMPRESSED, Config, UserError, is_glob, is_split_name, local_path, source_files,
+                      tokenizer_source)
 
 FORMAT_VERSION = 1
 MANIFEST = "manifest.json"

@@ -27,9 +27,9 @@ from pathlib import Path
 
 import yaml
 
-from .config import UserError, read_json
-from .metrics import format_duration
-from .rundir import pid_alive
+from ..config import UserError, read_json
+from ..metrics import format_duration
+from ..rundir import CHECKPOINTS, complete_checkpoints, latest_checkpoint, pid_alive
 
 LOG_LINES = 10
 BEAT_FRESH_S = 60  # a heartbeat from another host, outside Slurm, this recent means running
@@ -75,7 +75,7 @@ def resolve_target(target: str) -> tuple[Path, str | None]:
     run_dir = Path(target)
     if not run_dir.is_dir():
         raise UserError(f"{target}: no such run directory, and not a job id")
-    return run_dir, None
+    return run_dir.resolve(), None  # the paths it prints work from anywhere
 
 
 def latest_job(run_dir: Path) -> str | None:
@@ -83,16 +83,22 @@ def latest_job(run_dir: Path) -> str | None:
     still queued that will (its log file appears only when it starts)."""
     jobs = [m.group(1) for p in run_dir.glob("*-*.out") if not p.name.startswith("prepare-")
             for m in [re.fullmatch(r".+-(\d+)\.out", p.name)] if m]
-    jobs += _queued_jobs(run_dir)
+    queued = _queued_jobs(run_dir)  # {id: state}
+    running = [job for job, state in queued.items() if state in ACTIVE]
+    if running:  # a job that trains the run says more than a newer one waiting behind it
+        return max(running, key=int)
+    jobs += list(queued)
     return max(jobs, key=int) if jobs else None
 
 
-def _queued_jobs(run_dir: Path) -> list[str]:
+def _queued_jobs(run_dir: Path) -> dict[str, str]:
+    """The run's jobs in Slurm's queue, and their states."""
     if not shutil.which("squeue"):
-        return []
-    out = _run(["squeue", "-h", "-n", _run_name(run_dir), "-o", "%i"]) or ""
-    return [job for job in out.split()
-            if Path(_scontrol(job).get("StdOut", "/")).parent.resolve() == run_dir.resolve()]
+        return {}
+    out = _run(["squeue", "-h", "-n", _run_name(run_dir), "-o", "%i|%T"]) or ""
+    jobs = dict(line.split("|", 1) for line in out.split() if "|" in line)
+    return {job: state for job, state in jobs.items()
+            if Path(_scontrol(job).get("StdOut", "/")).parent.resolve() == run_dir.resolve()}
 
 
 def job_state(job_id: str) -> tuple[str, str, str]:
@@ -119,8 +125,11 @@ def assess(run_dir: Path, job_id: str | None, slurm: tuple[str, str, str] | None
     stop = read_json(run_dir / "control" / "exit.json")
     if stop and stop.get("job_id") not in (None, job_id):
         stop = None  # another job's stop: this one did not get that far
+    if stop and state in ACTIVE and _mtime(run_dir / "control" / "exit.json") < _job_start(job_id):
+        stop = None  # the stop before a requeue: this attempt has not stopped yet
+    beat = read_json(run_dir / "logs" / "heartbeat-rank-0.json") or {}
     run = _Run(run_dir, job_id, _config(run_dir).get("train", {}).get("max_steps"),
-               stop["step"] if stop else _last_step(run_dir))
+               stop["step"] if stop else max(_last_step(run_dir), int(beat.get("step", 0))))
     if state in QUEUED:
         return _pending(run, stop, reason or state)
     if state in ACTIVE or (state == "UNKNOWN" and not stop and _beating(run_dir)):
@@ -189,11 +198,11 @@ def _stopped(run: _Run, stop: dict) -> Verdict:
 
 def _ended(run: _Run, state: str) -> Verdict:
     """No record of a stop: the job or the launch ended another way, or never started."""
+    preps = sorted(run.dir.glob("prepare-*.out"), key=lambda p: int(p.stem.split("-")[-1]))
+    prep_failed = not run.step and preps and _log_search(preps[-1], r"^((?:error: |[a-z_]+\.[a-z_.]+: ).*)")
     if state == "CANCELLED":  # by scancel, or by Slurm when a job it waited for failed
-        preps = sorted(run.dir.glob("prepare-*.out"), key=lambda p: int(p.stem.split("-")[-1]))
-        failed = not run.step and preps and _log_search(preps[-1], r"^(error: .*)")
         return Verdict("cancelled", f"cancelled{run.job} {run.at()}"
-                       + (f": its prepare job failed: {failed}" if failed else ""))
+                       + (f": its prepare job failed: {prep_failed}" if prep_failed else ""))
     if state == "COMPLETED" and run.total and run.step == run.total:
         return Verdict("finished", f"finished{run.job}: {run.step} of {run.total} steps")
     error = _error_line(run.dir, run.job_id)
@@ -207,6 +216,9 @@ def _ended(run: _Run, state: str) -> Verdict:
     if (run.dir / "logs" / "rank-0.log").exists():
         return Verdict("not started", f"not started: no step logged yet (starting up, or it ended "
                        f"before its first step; see {run.dir}/logs/rank-0.log)")
+    if prep_failed:  # the training job never started: Slurm cancelled it (--kill-on-invalid-dep)
+        return Verdict("failed", f"failed before its first step: its prepare job failed: {prep_failed} "
+                       f"(see {preps[-1]})")
     return Verdict("not started", "not started: no job and no step logged yet")
 
 
@@ -219,10 +231,8 @@ def render(run_dir: Path, job_id: str | None) -> str:
     if slurm:
         lines.append(f"job: {job_id} {slurm[0]} ({slurm[2]})")
     lines += _progress(run_dir, cfg.get("train", {}).get("max_steps"), verdict.state == "running")
-    ckpts = sorted(p.name for p in (run_dir / "checkpoints").glob("step-*")
-                   if (p / "meta.json").is_file())
-    latest = run_dir / "checkpoints" / "latest"
-    pointer = latest.read_text().strip() if latest.exists() else None
+    ckpts = [p.name for p in reversed(complete_checkpoints(run_dir / CHECKPOINTS))]
+    pointer = latest_checkpoint(run_dir / CHECKPOINTS)
     lines.append("checkpoints: " + (", ".join(f"{c}{' (latest)' if c == pointer else ''}"
                                               for c in ckpts) or "none yet"))
     log = _job_log(run_dir, job_id) or run_dir / "logs" / "rank-0.log"
@@ -275,6 +285,13 @@ def _beating(run_dir: Path) -> bool:
     if beat.get("host") == socket.gethostname() and "pid" in beat:
         return pid_alive(beat["pid"])
     return time.time() - float(beat.get("time", 0)) < BEAT_FRESH_S
+
+
+def _mtime(path: Path) -> float:
+    try:
+        return path.stat().st_mtime
+    except OSError:
+        return 0.0
 
 
 def _job_start(job_id: str | None) -> float:

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import faulthandler
 import json
 import os
 import signal
@@ -21,19 +22,19 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
+from ..config import Config, ConfigError, UserError, dump_yaml
+from ..data.loader import StepSampler, TokenStream, batch_tokens, open_prepared
+from ..metrics import MetricsWriter, SampleLog, Throughput, peak_flops, peak_memory_gib, progress_line
+from ..model.build import (flops_per_token, load_tokenizer, model_config, num_params, pretrained_dir,
+                           vocab_padding)
+from ..model.parallel import (autocast, configure_matmul_precision, grad_scaler, gradient_sync, parallelize,
+                              shard_size)
+from ..rundir import Log, RunLock, hostname, provenance, write_atomic
 from . import distributed
 from .checkpoint import Checkpointer, compat_info
 from .control import Control
-from .config import Config, ConfigError, UserError, dump_yaml
-from .data import StepSampler, TokenStream, batch_tokens, open_prepared
 from .distributed import World
-from .metrics import Throughput, peak_flops, peak_memory_gib, progress_line
-from .model import (flops_per_token, load_tokenizer, model_config, num_params, pretrained_dir,
-                    vocab_padding)
 from .optim import apply_settings, build_optimizer, lr_at, set_lr
-from .parallel import (autocast, configure_matmul_precision, grad_scaler, gradient_sync, parallelize,
-                       shard_size)
-from .rundir import Log, MetricsWriter, RunLock, SampleLog, hostname, provenance, write_atomic
 from .watchdog import Watchdog
 
 
@@ -77,6 +78,7 @@ def train(cfg: Config) -> None:
             raise
         raise CollectiveTimeout(watch.diagnose()) from None
     finally:
+        faulthandler.cancel_dump_traceback_later()  # the step watchdog of Control.beat
         run_lock.release()
         watch.close()
         # Stop requests mean nothing outside the loop: a SIGTERM from torchrun while this rank
@@ -125,17 +127,18 @@ def run(cfg: Config, world: World, watch: Watchdog, run_lock: RunLock) -> None:
     state = RunState()
     checkpointer = Checkpointer(cfg, world, log, compat_info(cfg, config, manifest),
                                 hf_files=(config, tokenizer))
+    job = Job(model, optimizer, scaler, checkpointer, sampler, state, train_data, val_data, accum,
+              flops_per_token(config, n_params, seq_len) * t.global_batch_size * seq_len)
     with watch.phase("resuming"):
         resumed = checkpointer.load(model, optimizer)  # a refused resume raises here
     if resumed:
-        state.load_state_dict(resumed["run"])
-        sampler.state.load_state_dict(resumed["sampler"])
-        scaler.load_state_dict(resumed["scaler"])
+        job.restore(resumed)
         apply_settings(optimizer, t)  # the config's weight decay, betas and eps win
     record_start(written, world, hosts)  # only a start that goes ahead replaces config/provenance
     log.info(f"model ready: peak memory {peak_memory_gib(world.device):.2f} GiB on this rank")
-    job = Job(model, optimizer, scaler, checkpointer, sampler, state, train_data, val_data, accum,
-              flops_per_token(config, n_params, seq_len) * t.global_batch_size * seq_len)
+    if t.max_steps is not None and state.step >= t.max_steps:
+        log.info(f"nothing to train: the run is at step {state.step} of {t.max_steps} already; "
+                 f"raise train.max_steps (or train.epochs) to train further")
     try:
         loop(cfg, world, watch, log, job)
     except BaseException:
@@ -166,6 +169,16 @@ class Job:
     accum: int  # micro-batches per rank per step
     flops_per_step: float
     reason: str = "done"  # why the loop ended (control.py's reasons)
+
+    def carried(self) -> dict:
+        """What a checkpoint carries besides the model and optimizer (into meta.json)."""
+        return {"run": self.state.state_dict(), "sampler": self.sampler.state.state_dict(),
+                "scaler": self.scaler.state_dict()}
+
+    def restore(self, meta: dict) -> None:
+        self.state.load_state_dict(meta["run"])
+        self.sampler.state.load_state_dict(meta["sampler"])
+        self.scaler.load_state_dict(meta["scaler"])
 
 
 def loop(cfg: Config, world: World, watch: Watchdog, log: Log, job: Job) -> None:
@@ -218,9 +231,7 @@ def loop(cfg: Config, world: World, watch: Watchdog, log: Log, job: Job) -> None
         periodic = t.checkpoint_every > 0 and due(state.step, t.checkpoint_every, t.max_steps)
         if periodic or verdict.save or verdict.stop:
             with meter.paused():
-                checkpointer.save(state.step, model, optimizer, {
-                    "run": state.state_dict(), "sampler": sampler.state.state_dict(),
-                    "scaler": scaler.state_dict()})
+                checkpointer.save(state.step, model, optimizer, job.carried())
         if verdict.stop:
             reason = verdict.reason
             log.info(f"stopping at step {state.step} ({reason}); the checkpoint is saved")

@@ -1,0 +1,125 @@
+"""The sbatch command lines of a run, computed from its config; submit.sh and train.slurm run them.
+
+    llmtrain sbatch-command train --config FILE [--set ...] [--frozen F] [--after ID] [-- ARGS]
+
+prints one command (`env VAR=... sbatch ... train.slurm`), NUL-separated (`--shell`: quoted for
+reading). There are three jobs:
+
+    prepare       one node, one task, no GPUs: tokenizes the data when it is not prepared yet
+    train         the training job; --after ID makes it wait for the prepare job (afterok)
+    continuation  the training job again, after this one (afterany), where requeue is refused
+
+The job's environment is this contract, set by the command and read by train.slurm only:
+
+    LLMTRAIN_CONFIG         the frozen config the job trains from (submitted/<stamp>.yaml)
+    LLMTRAIN_HOME           the llmtrain home (env.sh, venv, models, datasets)
+    LLMTRAIN_RUN_DIR        <run.dir>/<run.name>
+    LLMTRAIN_PROCS_PER_NODE slurm.procs_per_node, else slurm.gpus_per_node
+    LLMTRAIN_MAX_REQUEUES   slurm.max_requeues
+    LLMTRAIN_MAX_RESTARTS   slurm.max_restarts
+    LLMTRAIN_STEP           prepare or train
+    LLMTRAIN_CONTINUATION   how many continuation jobs came before this one (0 for the first)
+
+Arguments after `--` (and slurm.extra_args) go to sbatch verbatim; the frozen config keeps them
+in slurm.extra_args, so a continuation asks for what the first job asked for. No torch here.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from pathlib import Path
+
+from ..config import Config
+
+JOBS = ("prepare", "train", "continuation")
+
+
+def with_extra_args(cfg: Config, extra: list[str]) -> Config:
+    """The config with sbatch arguments given on the command line appended to slurm.extra_args."""
+    if not extra:
+        return cfg
+    slurm = dataclasses.replace(cfg.slurm, extra_args=[*cfg.slurm.extra_args, *extra])
+    return dataclasses.replace(cfg, slurm=slurm)
+
+
+def job_env(cfg: Config, frozen: Path, home: str, step: str, continuation: int = 0) -> dict[str, str]:
+    s = cfg.slurm
+    return {"LLMTRAIN_CONFIG": str(frozen), "LLMTRAIN_HOME": home, "LLMTRAIN_RUN_DIR": str(cfg.run_dir),
+            "LLMTRAIN_PROCS_PER_NODE": str(s.procs_per_node or s.gpus_per_node or 1),
+            "LLMTRAIN_MAX_REQUEUES": str(s.max_requeues), "LLMTRAIN_MAX_RESTARTS": str(s.max_restarts),
+            "LLMTRAIN_STEP": step, "LLMTRAIN_CONTINUATION": str(continuation)}
+
+
+def sbatch_command(cfg: Config, job: str, *, script: Path, frozen: Path, home: str,
+                   after: str | None = None, dependency: str | None = None,
+                   continuation: int = 0) -> list[str]:
+    """`env VAR=... sbatch ARGS script` for one of JOBS. `after`: the job this one waits for
+    (the prepare job of a train job, the ending job of a continuation); `dependency`: the
+    user's own --dependency, for the first job submitted."""
+    if job not in JOBS:
+        raise ValueError(f"job must be one of {JOBS} (got {job!r})")
+    s, name, run_dir = cfg.slurm, cfg.run.name, cfg.run_dir
+    place = [f"--{key}={value}" for key, value in
+             (("partition", s.partition), ("account", s.account), ("qos", s.qos)) if value]
+    if job == "prepare":
+        # The training job's CPUs, memory, time and place; one task on one node; no GPUs, so
+        # none of the user's GPU requests either; no warning signal (the prepare step has no trap).
+        args = [f"--cpus-per-task={s.cpus_per_node}", f"--mem={s.mem}", f"--time={s.time}",
+                "--requeue", "--open-mode=append", *place, *without_gpus(s.extra_args),
+                f"--job-name=prepare-{name}", "--nodes=1", "--ntasks=1",
+                f"--output={run_dir}/prepare-%j.out"]
+        waits = [f"--dependency={dependency}"] if dependency else []
+    else:
+        args = [f"--job-name={name}", f"--nodes={s.nodes}", "--ntasks-per-node=1",
+                f"--cpus-per-task={s.cpus_per_node}", f"--mem={s.mem}", f"--time={s.time}",
+                f"--output={run_dir}/%x-%j.out", "--open-mode=append", "--requeue"]
+        if s.signal_lead_s > 0:  # Slurm's warning to the batch shell, before the time limit
+            args.append(f"--signal=B:USR1@{s.signal_lead_s}")
+        if s.gpus_per_node > 0:
+            args.append(f"--gpus-per-node={s.gpus_per_node}")
+        args += [*place, *s.extra_args]
+        if job == "continuation":
+            waits = [f"--dependency=afterany:{after}"]
+        elif after:  # a failed prepare job cancels training instead of leaving it pending
+            waits = [f"--dependency=afterok:{after}", "--kill-on-invalid-dep=yes"]
+        else:
+            waits = [f"--dependency={dependency}", "--kill-on-invalid-dep=yes"] if dependency else []
+    env = job_env(cfg, frozen, home, "prepare" if job == "prepare" else "train",
+                  continuation + (job == "continuation"))
+    return ["env", *(f"{k}={v}" for k, v in env.items()), "sbatch", "--parsable", *args, *waits,
+            str(script)]
+
+
+def without_gpus(args: list[str]) -> list[str]:
+    """sbatch arguments less their GPU requests: --gpus*, -G, --gpu-*, --cpus-per-gpu,
+    --mem-per-gpu (each with its value), and the gpu entries of a --gres."""
+    out, rest = [], list(args)
+    while rest:
+        arg = rest.pop(0)
+        if arg == "--gres" or arg.startswith("--gres="):
+            spec = (rest.pop(0) if rest else "") if arg == "--gres" else arg.removeprefix("--gres=")
+            kept = [e for e in spec.split(",") if e and not e.startswith("gpu")]
+            out += [f"--gres={','.join(kept)}"] if kept else []
+        elif arg.startswith(("--gpus", "--gpu-", "--cpus-per-gpu", "--mem-per-gpu")) or arg == "-G":
+            if "=" not in arg and rest:
+                rest.pop(0)  # its value
+        elif not arg.startswith("-G"):
+            out.append(arg)
+    return out
+
+
+def requeue_decision(run_dir: Path, job_id: str, restarts: int, max_requeues: int) -> tuple[bool, str]:
+    """Whether the job should come back after its step ended, and the line that says so. Only a
+    stop this job's trainer recorded (control/exit.json) asks; a missing or torn file is a no."""
+    try:
+        stop = json.loads((run_dir / "control" / "exit.json").read_text())
+        asked = stop["requeue"] is True and str(stop["job_id"]) == job_id
+    except (OSError, ValueError, KeyError, TypeError):
+        asked = False
+    if not asked:
+        return False, ""
+    if restarts >= max_requeues:
+        return False, (f"not requeueing: the job was requeued {restarts} time{'s' * (restarts != 1)} "
+                       f"already (slurm.max_requeues)")
+    return True, f"requeueing job {job_id} (requeue {restarts + 1} of at most {max_requeues})"

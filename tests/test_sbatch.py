@@ -1,0 +1,174 @@
+"""The sbatch command lines of a run (llmtrain/login/slurm.py), in-process, without Slurm."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import yaml
+
+from conftest import tiny_config
+from llmtrain.cli import main
+from llmtrain.config import load_config
+from llmtrain.login.slurm import requeue_decision, sbatch_command, with_extra_args, without_gpus
+
+SCRIPT = Path("/repo/train.slurm")
+FROZEN = Path("/runs/slurm/submitted/20261121-101010-1.yaml")
+
+
+@pytest.fixture
+def config(tmp_path, home):
+    def make(slurm: dict | None = None, **sections):
+        cfg = tiny_config(run={"name": "slurm", "dir": str(tmp_path / "runs")},
+                          data={"prepared_dir": str(tmp_path / "prepared")}, **sections)
+        cfg["slurm"] = {"nodes": 1, "procs_per_node": 2, **(slurm or {})}
+        path = tmp_path / "job.yaml"
+        path.write_text(yaml.safe_dump(cfg))
+        return path
+    return make
+
+
+def command(path: Path, job: str = "train", *sets: str, extra=(), **kw) -> tuple[dict, list[str]]:
+    cfg = with_extra_args(load_config(path, list(sets)), list(extra))
+    cmd = sbatch_command(cfg, job, script=SCRIPT, frozen=FROZEN, home="/home/llm", **kw)
+    assert cmd[0] == "env" and cmd[-1] == str(SCRIPT)
+    at = cmd.index("sbatch")
+    return dict(w.split("=", 1) for w in cmd[1:at]), cmd[at:-1]
+
+
+# (overrides, extra sbatch arguments) -> the sbatch arguments after `sbatch --parsable`
+MATRIX = [
+    ([], [], ["--job-name=slurm", "--nodes=1", "--ntasks-per-node=1", "--cpus-per-task=8", "--mem=0",
+              "--time=01:00:00", "--output={run_dir}/%x-%j.out", "--open-mode=append", "--requeue",
+              "--signal=B:USR1@120"]),
+    (["slurm.nodes=4", "slurm.time=02:30:00", "slurm.signal_lead_s=0", "slurm.mem=200G",
+      "train.global_batch_size=32"], [],
+     ["--job-name=slurm", "--nodes=4", "--ntasks-per-node=1", "--cpus-per-task=8", "--mem=200G",
+      "--time=02:30:00", "--output={run_dir}/%x-%j.out", "--open-mode=append", "--requeue"]),
+    (["slurm.partition=gpu", "slurm.account=acme", "slurm.qos=high", "slurm.gpus_per_node=4",
+      "slurm.procs_per_node=4", "train.micro_batch_size=2"], ["--exclusive", "--constraint=a100"],
+     ["--job-name=slurm", "--nodes=1", "--ntasks-per-node=1", "--cpus-per-task=8", "--mem=0",
+      "--time=01:00:00", "--output={run_dir}/%x-%j.out", "--open-mode=append", "--requeue",
+      "--signal=B:USR1@120", "--gpus-per-node=4", "--partition=gpu", "--account=acme", "--qos=high",
+      "--exclusive", "--constraint=a100"]),
+    (["slurm.extra_args=[--reservation=r1]", "slurm.cpus_per_node=32"], ["--hold"],
+     ["--job-name=slurm", "--nodes=1", "--ntasks-per-node=1", "--cpus-per-task=32", "--mem=0",
+      "--time=01:00:00", "--output={run_dir}/%x-%j.out", "--open-mode=append", "--requeue",
+      "--signal=B:USR1@120", "--reservation=r1", "--hold"]),
+]
+
+
+@pytest.mark.parametrize("sets,extra,expected", MATRIX)
+def test_the_training_jobs_sbatch_line_follows_the_config(config, sets, extra, expected):
+    path = config()
+    env, sbatch = command(path, "train", *sets, extra=extra)
+    run_dir = load_config(path, sets).run_dir
+    assert sbatch == ["sbatch", "--parsable", *(e.format(run_dir=run_dir) for e in expected)]
+    procs = "4" if "slurm.procs_per_node=4" in sets else "2"
+    assert env == {"LLMTRAIN_CONFIG": str(FROZEN), "LLMTRAIN_HOME": "/home/llm",
+                   "LLMTRAIN_RUN_DIR": str(run_dir), "LLMTRAIN_PROCS_PER_NODE": procs,
+                   "LLMTRAIN_MAX_REQUEUES": "5", "LLMTRAIN_MAX_RESTARTS": "0", "LLMTRAIN_STEP": "train",
+                   "LLMTRAIN_CONTINUATION": "0"}
+
+
+def test_procs_per_node_defaults_to_the_gpus(config):
+    env, _ = command(config({"gpus_per_node": 8, "procs_per_node": None}, train={"global_batch_size": 64}))
+    assert env["LLMTRAIN_PROCS_PER_NODE"] == "8"
+
+
+def test_dependencies_of_the_first_job_the_training_job_and_a_continuation(config):
+    path = config()
+    _, first = command(path, "train", dependency="afterok:41")
+    assert first[-2:] == ["--dependency=afterok:41", "--kill-on-invalid-dep=yes"]
+    # After a prepare job: its id, and the user's dependency went to the prepare job.
+    _, after = command(path, "train", after="77", dependency="afterok:41")
+    assert after[-2:] == ["--dependency=afterok:77", "--kill-on-invalid-dep=yes"]
+    assert "--dependency=afterok:41" not in after
+    env, cont = command(path, "continuation", after="99", continuation=2)
+    assert cont[-1] == "--dependency=afterany:99" and env["LLMTRAIN_CONTINUATION"] == "3"
+    assert cont[:-1] == first[:-2]  # the same resources as the first job
+
+
+def test_the_prepare_job_keeps_place_and_time_but_no_gpus(config):
+    path = config({"nodes": 2, "gpus_per_node": 8, "procs_per_node": 8, "cpus_per_node": 16,
+                   "partition": "gpu", "account": "acme", "qos": "high", "time": "02:00:00",
+                   "extra_args": ["--gres=gpu:8,nvme:1", "--constraint=a100"]},
+                  train={"global_batch_size": 64})
+    env, sbatch = command(path, "prepare", extra=["--gpus-per-task", "1", "--exclusive", "--cpus-per-gpu=4"],
+                          dependency="afterok:5")
+    run_dir = load_config(path).run_dir
+    assert sbatch == [
+        "sbatch", "--parsable", "--cpus-per-task=16", "--mem=0", "--time=02:00:00", "--requeue",
+        "--open-mode=append", "--partition=gpu", "--account=acme", "--qos=high",
+        "--gres=nvme:1", "--constraint=a100", "--exclusive",  # the user's, less their GPU requests
+        "--job-name=prepare-slurm", "--nodes=1", "--ntasks=1", f"--output={run_dir}/prepare-%j.out",
+        "--dependency=afterok:5"]
+    assert env["LLMTRAIN_STEP"] == "prepare"
+
+
+@pytest.mark.parametrize("args,kept", [
+    (["--gres", "gpu:a100:4", "--qos=x"], ["--qos=x"]),
+    (["--gres=gpu:2,shard:1,nvme:1"], ["--gres=shard:1,nvme:1"]),
+    (["-G", "4", "-G4", "--gpus=8", "--gpus-per-task", "2", "--gpu-bind=closest", "--mem-per-gpu", "8G"], []),
+    (["--exclusive", "--constraint=h100"], ["--exclusive", "--constraint=h100"]),
+])
+def test_gpu_requests_are_dropped_with_their_values(args, kept):
+    assert without_gpus(args) == kept
+
+
+def test_the_cli_prints_the_line_nul_separated_and_freezes_the_extra_arguments(config, capfd, tmp_path):
+    path = config()
+    assert main(["sbatch-command", "train", "--config", str(path), "--script", str(SCRIPT),
+                 "--set", "slurm.nodes=2", "--set", "train.global_batch_size=16", "--", "--exclusive",
+                 "--hold"]) == 0
+    words = capfd.readouterr().out.split("\0")
+    assert words[-1] == "" and words[-2] == str(SCRIPT)
+    assert "--nodes=2" in words and words[-4:-2] == ["--exclusive", "--hold"]
+    assert f"LLMTRAIN_CONFIG={path}" in words  # no --frozen: the config itself
+    # The frozen config keeps the extra arguments: a continuation asks for the same.
+    frozen = tmp_path / "frozen.yaml"
+    assert main(["check-config", str(path), "--set", "slurm.nodes=2", "--set", "train.global_batch_size=16",
+                 "--freeze", str(frozen),
+                 "--", "--exclusive"]) == 0
+    assert yaml.safe_load(frozen.read_text())["slurm"]["extra_args"] == ["--exclusive"]
+    capfd.readouterr()
+    assert main(["sbatch-command", "continuation", "--config", str(frozen), "--script", str(SCRIPT),
+                 "--after", "12", "--shell"]) == 0
+    line = capfd.readouterr().out
+    assert "--nodes=2" in line and "--exclusive --dependency=afterany:12" in line
+
+
+def test_a_bad_config_is_one_line_and_exit_2(config, capfd):
+    path = config()
+    assert main(["sbatch-command", "train", "--config", str(path), "--script", str(SCRIPT),
+                 "--set", "slurm.nodes=0"]) == 2
+    assert capfd.readouterr().err.splitlines() == ["slurm.nodes: must be > 0 (got 0)"]
+
+
+@pytest.mark.parametrize("exit_json,restarts,expected", [
+    ({"reason": "preempt", "requeue": True, "job_id": "7"}, 0,
+     (True, "requeueing job 7 (requeue 1 of at most 2)")),
+    ({"reason": "preempt", "requeue": True, "job_id": "7"}, 1,
+     (True, "requeueing job 7 (requeue 2 of at most 2)")),
+    ({"reason": "deadline", "requeue": True, "job_id": "7"}, 2,
+     (False, "not requeueing: the job was requeued 2 times already (slurm.max_requeues)")),
+    ({"reason": "user", "requeue": False, "job_id": "7"}, 0, (False, "")),
+    ({"reason": "preempt", "requeue": True, "job_id": "6"}, 0, (False, "")),  # another job's file
+    ("{torn", 0, (False, "")),
+    (None, 0, (False, "")),
+])
+def test_requeue_only_when_this_jobs_trainer_asked_and_requeues_remain(tmp_path, exit_json, restarts,
+                                                                       expected):
+    if exit_json is not None:
+        (tmp_path / "control").mkdir()
+        text = exit_json if isinstance(exit_json, str) else json.dumps(exit_json)
+        (tmp_path / "control" / "exit.json").write_text(text)
+    assert requeue_decision(tmp_path, "7", restarts, max_requeues=2) == expected
+
+
+def test_one_requeue_is_one_time(tmp_path):
+    (tmp_path / "control").mkdir()
+    (tmp_path / "control" / "exit.json").write_text('{"requeue": true, "job_id": "7"}')
+    assert requeue_decision(tmp_path, "7", 1, max_requeues=1) == (
+        False, "not requeueing: the job was requeued 1 time already (slurm.max_requeues)")
