@@ -131,6 +131,7 @@ def test_a_user_error_inside_torchrun_is_the_first_and_the_last_line(tmp_path):
 
 
 def test_submit_rejects_a_bad_config_before_starting(tmp_path):
+    shutil.copytree(REPO / "configs" / "demo", tmp_path / "demo")  # its relative paths resolve
     bad = tmp_path / "bad.yaml"
     bad.write_text((REPO / "configs" / "demo.yaml").read_text().replace("max_steps: 300", "max_stepz: 3"))
     proc = bash(REPO / "submit.sh", "--local", "--config", bad)

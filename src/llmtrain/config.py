@@ -204,7 +204,10 @@ def load_config(path: str | os.PathLike, overrides: list[str] = (), world_size: 
                    and isinstance(raw[section].get(key), str)}
         # A key with a wrong value is reported once: checks on the default standing in for it
         # (max_steps: 'ten' leaves max_steps None, "neither max_steps nor epochs") are noise.
-        wrong = {q.split(":")[0] for q in problems}
+        # So is the key a misspelt one meant (max_stepz for max_steps: "set max_steps or epochs").
+        wrong = {q.split(":")[0] for q in problems} | {
+            f"{q.split('.')[0]}.{m.group(1)}" for q in problems
+            for m in [re.search(r"unknown key \(did you mean '(\w+)'\?\)", q)] if m}
         problems += [q for q in validate(cfg, world_size, written) if q.split(":")[0] not in wrong]
     if problems:
         raise ConfigError(problems)
