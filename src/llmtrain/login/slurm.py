@@ -27,10 +27,9 @@ in slurm.extra_args, so a continuation asks for what the first job asked for. No
 from __future__ import annotations
 
 import dataclasses
-import json
 from pathlib import Path
 
-from ..config import Config
+from ..config import Config, read_json
 
 JOBS = ("prepare", "train", "continuation")
 
@@ -112,12 +111,8 @@ def without_gpus(args: list[str]) -> list[str]:
 def requeue_decision(run_dir: Path, job_id: str, restarts: int, max_requeues: int) -> tuple[bool, str]:
     """Whether the job should come back after its step ended, and the line that says so. Only a
     stop this job's trainer recorded (control/exit.json) asks; a missing or torn file is a no."""
-    try:
-        stop = json.loads((run_dir / "control" / "exit.json").read_text())
-        asked = stop["requeue"] is True and str(stop["job_id"]) == job_id
-    except (OSError, ValueError, KeyError, TypeError):
-        asked = False
-    if not asked:
+    stop = read_json(run_dir / "control" / "exit.json")
+    if not (isinstance(stop, dict) and stop.get("requeue") is True and str(stop.get("job_id")) == job_id):
         return False, ""
     if restarts >= max_requeues:
         return False, (f"not requeueing: the job was requeued {restarts} time{'s' * (restarts != 1)} "

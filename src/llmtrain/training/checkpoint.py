@@ -34,10 +34,10 @@ from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
 from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 
-from ..config import Config, UserError
+from ..config import Config, UserError, read_json
 from ..model.parallel import unwrap
 from ..rundir import (CHECKPOINT_FORMAT, CHECKPOINTS, LATEST, META, Log, complete_checkpoints,
-                      step_name, write_atomic)
+                      latest_checkpoint, step_name, write_atomic)
 from .distributed import World
 
 BUFFERS = "buffers.pt"
@@ -216,12 +216,11 @@ class Checkpointer:
 
     def _candidates(self) -> list[Path]:
         found = complete_checkpoints(self.folder)
-        latest = self.folder / LATEST
-        if latest.exists():
-            pointed = self.folder / latest.read_text().strip()
-            if pointed in found:  # newest first, but the pointer wins if it names an older one
-                found.remove(pointed)
-                found.insert(0, pointed)
+        pointer = latest_checkpoint(self.folder)
+        pointed = self.folder / pointer if pointer else None
+        if pointed in found:  # newest first, but the pointer wins if it names an older one
+            found.remove(pointed)
+            found.insert(0, pointed)
         return found
 
     def _check_compatible(self, ckpt: Path, meta: dict) -> None:
@@ -279,10 +278,7 @@ def _root_cause(e: BaseException) -> str:
 
 
 def _read_meta(ckpt: Path) -> dict | None:
-    try:
-        return json.loads((ckpt / META).read_text())
-    except (OSError, ValueError):
-        return None
+    return read_json(ckpt / META)
 
 
 def _rng_state() -> dict:
