@@ -90,16 +90,45 @@ start_munge() {
   munge -n | unmunge >/dev/null || die "munged does not answer"
 }
 
+# Whether pid $1 is a live (not zombie) process running the daemon named $2.
+runs() {
+  local stat
+  stat="$(cat "/proc/$1/stat" 2>/dev/null)" || return 1
+  [[ "$stat" == *"($2) "[^Z]* ]]
+}
+
+# What is left of a cluster that ended without stop: its pidfiles may name pids that now belong
+# to other processes, so a daemon is ended only if that pid still runs the daemon it recorded.
+forget_dead_cluster() {
+  local pidfile pid name
+  for pidfile in "$STATE"/run/slurmd-*.pid "$STATE/run/munged.pid"; do
+    [[ -f "$pidfile" ]] || continue
+    pid="$(<"$pidfile")"
+    name="$(basename "$pidfile" .pid)"
+    name="${name%%-*}"
+    if runs "$pid" "$name"; then
+      kill "$pid" 2>/dev/null || true
+      while runs "$pid" "$name"; do sleep 0.2; done
+    fi
+    rm -f "$pidfile"
+  done
+  rm -f "$STATE/run/slurmctld.pid"
+  rm -rf "$STATE/spool"  # the dead slurmd's job files
+}
+
 start() {
   [[ $(id -u) -eq 0 ]] || die "must run as root"
   install_packages
-  if [[ -f "$STATE/run/slurmctld.pid" ]] && kill -0 "$(<"$STATE/run/slurmctld.pid")" 2>/dev/null; then
+  if [[ -f "$STATE/run/slurmctld.pid" ]] && runs "$(<"$STATE/run/slurmctld.pid")" slurmctld; then
     echo "already running; export SLURM_CONF=$CONF"
     return
   fi
+  forget_dead_cluster
   write_conf
   start_munge
-  slurmctld -f "$CONF" -i
+  # -c: a fresh controller. Jobs saved by one that died without stop (a machine reset, a
+  # killed session) would be recovered as running and hold the nodes for good.
+  slurmctld -f "$CONF" -c
   local i
   for i in "${!NODES[@]}"; do
     # shellcheck disable=SC2016  # $1/$2 are expanded by the inner sh, on purpose
@@ -122,10 +151,11 @@ stop() {
       sleep 0.5
     done
   fi
-  local pidfile
+  local pidfile name
   for pidfile in "$STATE"/run/slurmd-*.pid "$STATE/run/slurmctld.pid" "$STATE/run/munged.pid"; do
     [[ -f "$pidfile" ]] || continue
-    kill "$(<"$pidfile")" 2>/dev/null || true
+    name="$(basename "$pidfile" .pid)"
+    ! runs "$(<"$pidfile")" "${name%%-*}" || kill "$(<"$pidfile")"
     rm -f "$pidfile"
   done
   if [[ -f "$STATE/run/hosts-added" ]]; then

@@ -25,16 +25,15 @@ def cluster():
     """The project's test cluster (cluster/local-cluster.sh), started once for every module that
     uses it (test_slurm, test_status) unless one runs already; stopped only if we started it."""
     state = Path(os.environ.get("LLMTRAIN_CLUSTER_DIR", "/tmp/llmtrain-cluster"))
-    pidfile = state / "run" / "slurmctld.pid"
-    running = pidfile.exists() and subprocess.run(["kill", "-0", pidfile.read_text().strip()],
-                                                  capture_output=True).returncode == 0
-    if not running:
-        subprocess.run(["bash", str(CLUSTER), "start"], check=True, capture_output=True, text=True)
+    started = subprocess.run(["bash", str(CLUSTER), "start"], capture_output=True, text=True)
+    if started.returncode != 0:
+        pytest.fail(f"the test cluster did not start: {started.stderr.strip()}", pytrace=False)
+    ours = not started.stdout.startswith("already running")
     mp = pytest.MonkeyPatch()
     mp.setenv("SLURM_CONF", str(state / "etc" / "slurm.conf"))
     yield
     mp.undo()
-    if not running:
+    if ours:
         subprocess.run(["bash", str(CLUSTER), "stop"], check=True, capture_output=True)
 
 
