@@ -4,6 +4,7 @@ process matters (torchrun, signals, memory), the CLI in this process where none 
 from __future__ import annotations
 
 import contextlib
+import fcntl
 import io
 import json
 import os
@@ -20,21 +21,69 @@ DEMO = REPO / "configs" / "demo"
 CLUSTER = REPO / "cluster" / "local-cluster.sh"
 
 
+CLUSTER_STATE = Path(os.environ.get("LLMTRAIN_CLUSTER_DIR", "/tmp/llmtrain-cluster"))
+
+
+def pytest_configure(config):
+    """Names this pytest run for its xdist workers (they inherit the environment), and gives
+    every test process one thread: the workers share the machine's cores, and torch's threads spin
+    when the cores are oversubscribed (five 2-node jobs at once took 275 s with 2 threads a
+    process, 121 s with 1). Tests of the thread share unset OMP_NUM_THREADS themselves."""
+    if not hasattr(config, "workerinput"):
+        os.environ.setdefault("LLMTRAIN_TEST_RUN", str(os.getpid()))
+    os.environ.setdefault("OMP_NUM_THREADS", "1")
+
+
+def pytest_sessionfinish(session):
+    """The run that started the test cluster stops it, once every worker is done with it."""
+    if hasattr(session.config, "workerinput"):
+        return
+    marker = CLUSTER_STATE / "run" / f"started-by-pytest-{os.environ['LLMTRAIN_TEST_RUN']}"
+    if marker.exists():
+        subprocess.run(["bash", str(CLUSTER), "stop"], check=True, capture_output=True)
+        marker.unlink()
+
+
+# pytest-xdist runs the suite on two workers (pyproject's addopts). Tests that share a module
+# fixture which trains a reference run stay on one worker (it trains once), and the longest work
+# is handed out first so that no worker is left alone with a long test at the end.
+SHARED_REFERENCE_RUNS = ("trials", "reference")
+LONGEST_FIRST = ("test_slurm.py", "test_bigmodel.py", "test_scripts.py::test_setup_",
+                 "test_control.py", "test_checkpoint.py", "test_train.py")
+
+
+@pytest.hookimpl(tryfirst=True)  # before xdist's own hook reads the xdist_group marks
+def pytest_collection_modifyitems(items):
+    for item in items:
+        for name in SHARED_REFERENCE_RUNS:
+            if name in item.fixturenames:
+                item.add_marker(pytest.mark.xdist_group(f"{item.module.__name__}-{name}"))
+
+    def rank(item) -> tuple[int, bool]:
+        where = item.nodeid.split("/")[-1]
+        first = [i for i, prefix in enumerate(LONGEST_FIRST) if where.startswith(prefix)]
+        shared = any(name in item.fixturenames for name in SHARED_REFERENCE_RUNS)
+        return (first[0] if first else len(LONGEST_FIRST)), not shared
+    items.sort(key=rank)
+
+
 @pytest.fixture(scope="session")
 def cluster():
-    """The project's test cluster (cluster/local-cluster.sh), started once for every module that
-    uses it (test_slurm, test_status) unless one runs already; stopped only if we started it."""
-    state = Path(os.environ.get("LLMTRAIN_CLUSTER_DIR", "/tmp/llmtrain-cluster"))
-    started = subprocess.run(["bash", str(CLUSTER), "start"], capture_output=True, text=True)
-    if started.returncode != 0:
-        pytest.fail(f"the test cluster did not start: {started.stderr.strip()}", pytrace=False)
-    ours = not started.stdout.startswith("already running")
+    """The project's test cluster (cluster/local-cluster.sh) for the tests that submit jobs: the
+    first worker to need it starts it unless one runs already; pytest_sessionfinish stops it
+    if this run started it."""
+    CLUSTER_STATE.mkdir(parents=True, exist_ok=True)
+    with open(CLUSTER_STATE / "pytest.lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)  # one worker starts it, the others find it running
+        started = subprocess.run(["bash", str(CLUSTER), "start"], capture_output=True, text=True)
+        if started.returncode != 0:
+            pytest.fail(f"the test cluster did not start: {started.stderr.strip()}", pytrace=False)
+        if not started.stdout.startswith("already running"):
+            (CLUSTER_STATE / "run" / f"started-by-pytest-{os.environ['LLMTRAIN_TEST_RUN']}").touch()
     mp = pytest.MonkeyPatch()
-    mp.setenv("SLURM_CONF", str(state / "etc" / "slurm.conf"))
+    mp.setenv("SLURM_CONF", str(CLUSTER_STATE / "etc" / "slurm.conf"))
     yield
     mp.undo()
-    if ours:
-        subprocess.run(["bash", str(CLUSTER), "stop"], check=True, capture_output=True)
 
 
 @pytest.fixture
@@ -149,7 +198,8 @@ def cli(*args: str, check: bool = False, env: dict | None = None) -> subprocess.
 
 
 def torchrun(nproc: int, *args: str, timeout: float = 300):
-    """`torchrun --standalone --nproc-per-node N -m llmtrain ARGS`, checked."""
+    """`torchrun --standalone --nproc-per-node N -m llmtrain ARGS` (as submit.sh --local starts it:
+    llmtrain.training.torchrun), checked."""
     proc = torchrun_unchecked(nproc, *args, timeout=timeout)
     if proc.returncode != 0:
         raise AssertionError(f"torchrun exited {proc.returncode}:\n{proc.stdout}\n{proc.stderr}")
@@ -159,7 +209,7 @@ def torchrun(nproc: int, *args: str, timeout: float = 300):
 def torchrun_unchecked(nproc: int, *args: str, env: dict | None = None, timeout: float = 300):
     """The same for runs meant to fail (extra environment variables in `env`): the
     CompletedProcess; workers left behind by a failure get 5 s to go."""
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node",
+    cmd = [sys.executable, "-m", "llmtrain.training.torchrun", "--standalone", "--nproc-per-node",
            str(nproc), "--shutdown-timeout", "5", "-m", "llmtrain", *map(str, args)]
     return subprocess.run(cmd, capture_output=True, text=True, timeout=timeout,
                           env={**os.environ, **env} if env else None)

@@ -113,7 +113,8 @@ MID = {**BIG, "hidden_size": 512, "intermediate_size": 1408, "num_hidden_layers"
 
 def test_fsdp_accumulation_keeps_only_gradient_shards(setup, monkeypatch):
     """Accumulation 4 costs the same per-rank memory as accumulation 1, and the no-sync option
-    costs what its comment says; losses equal DDP's."""
+    costs what its comment says; losses equal those without accumulation (FSDP equals DDP:
+    tests/test_train.py)."""
     _, config = setup
     # Large blocks are mmapped and returned at free, so a process's peak RSS follows its live
     # tensors (glibc's heap otherwise keeps freed memory and blurs the comparison).
@@ -129,8 +130,6 @@ def test_fsdp_accumulation_keeps_only_gradient_shards(setup, monkeypatch):
     torchrun(2, "train", "--config", config, "--set", "run.name=acc4-nosync", "--set",
              "parallel.strategy=fsdp", "--set", "train.micro_batch_size=1",
              "--set", "parallel.reduce_every_micro_batch=false", *common)
-    torchrun(2, "train", "--config", config, "--set", "run.name=acc4-ddp",
-             "--set", "train.micro_batch_size=1", *common)
 
     def peak(run):
         return max(r["peak_mem_gib"] for r in read_metrics(run_dir(setup, run)) if r["kind"] == "train")
@@ -143,8 +142,8 @@ def test_fsdp_accumulation_keeps_only_gradient_shards(setup, monkeypatch):
     assert peaks["acc4"] - peaks["acc1"] < grads / 2, peaks
     # Deferred reduction holds the full gradients: the other rank's half on top of the shard.
     assert peaks["acc4-nosync"] - peaks["acc4"] > grads / 4, peaks
-    assert_same_curve(run_dir(setup, "acc4"), run_dir(setup, "acc4-ddp"), tol=1e-5)
-    assert_same_curve(run_dir(setup, "acc4-nosync"), run_dir(setup, "acc4-ddp"), tol=1e-5)
+    assert_same_curve(run_dir(setup, "acc4"), run_dir(setup, "acc1"), tol=1e-5)
+    assert_same_curve(run_dir(setup, "acc4-nosync"), run_dir(setup, "acc1"), tol=1e-5)
 
 
 def test_hsdp_matches_ddp_and_resumes_on_two_and_one_ranks(setup):

@@ -32,7 +32,7 @@ def setup(tmp_path_factory):
 
 
 def launch(nproc: int, config: Path, *sets: str) -> subprocess.Popen:
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node",
+    cmd = [sys.executable, "-m", "llmtrain.training.torchrun", "--standalone", "--nproc-per-node",
            str(nproc), "-m", "llmtrain", "train", "--config", str(config)]
     for s in sets:
         cmd += ["--set", s]

@@ -37,7 +37,7 @@ def reference(setup):
 def start(config: Path, name: str, *sets: str, env=None) -> subprocess.Popen:
     """torchrun in its own process group (a terminal's foreground job): os.killpg(pid, SIGINT)
     is Ctrl-C. Its workers run in sessions of their own, as torchrun starts them."""
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
+    cmd = [sys.executable, "-m", "llmtrain.training.torchrun", "--standalone", "--nproc-per-node", "2",
            "-m", "llmtrain", "train", "--config", str(config), "--set", f"run.name={name}"]
     for s in sets:
         cmd += ["--set", s]

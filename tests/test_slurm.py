@@ -8,6 +8,7 @@ import re
 import shlex
 import subprocess
 import time
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
@@ -23,8 +24,9 @@ def job_config(tmp_path, cluster):
     """A tiny config whose runs and prepared data live in tmp_path (a path with a space)."""
     def make(**sections) -> Path:
         root = tmp_path / "shared fs"
-        cfg = tiny_config(run={"name": "slurm", "dir": str(root / "runs")},
-                          data={"prepared_dir": str(root / "prepared")}, **sections)
+        run = {"name": "slurm", "dir": str(root / "runs"), **sections.pop("run", {})}
+        cfg = tiny_config(run=run, data={"prepared_dir": str(root / "prepared")}, **sections)
+        cfg["slurm"].setdefault("cpus_per_node", 1)  # of the 8 declared: jobs share the nodes
         path = tmp_path / "job.yaml"
         path.write_text(yaml.safe_dump(cfg))
         return path
@@ -131,24 +133,24 @@ def test_a_stale_exit_file_does_not_requeue_a_job_that_crashes_at_start(job_conf
 
 def test_dry_run_prints_the_exact_sbatch_command(job_config):
     """submit.sh runs what `llmtrain sbatch-command` prints (its matrix: tests/test_sbatch.py)."""
-    config = job_config(slurm={"nodes": 1, "procs_per_node": 2})
+    config = job_config(run={"name": "dry"}, slurm={"nodes": 1, "procs_per_node": 2})
     subprocess.run(["llmtrain", "prepare", "--config", str(config)], check=True, capture_output=True)
     proc = subprocess.run(["bash", str(REPO / "submit.sh"), "--config", str(config), "--dry-run",
                            "--time", "02:30:00", "--dependency", "afterok:41", "--", "--exclusive"],
                           capture_output=True, text=True)
     assert proc.returncode == 0, proc.stderr
     [command] = [shlex.split(line) for line in proc.stdout.splitlines() if line.startswith("env ")]
-    run_dir = Path(yaml.safe_load(config.read_text())["run"]["dir"]) / "slurm"
+    run_dir = Path(yaml.safe_load(config.read_text())["run"]["dir"]) / "dry"
     frozen = next(c for c in command if c.startswith("LLMTRAIN_CONFIG="))
     assert re.fullmatch(re.escape(f"LLMTRAIN_CONFIG={run_dir}/submitted/") + r"\d{8}-\d{6}-\d+\.yaml",
                         frozen)
     assert not Path(frozen.split("=", 1)[1]).exists()  # a dry run writes nothing
     assert command[command.index("sbatch"):] == [
-        "sbatch", "--parsable", "--job-name=slurm", "--nodes=1", "--ntasks-per-node=1",
-        "--cpus-per-task=8", "--mem=0", "--time=02:30:00", f"--output={run_dir}/%x-%j.out",
+        "sbatch", "--parsable", "--job-name=dry", "--nodes=1", "--ntasks-per-node=1",
+        "--cpus-per-task=1", "--mem=0", "--time=02:30:00", f"--output={run_dir}/%x-%j.out",
         "--open-mode=append", "--requeue", "--signal=B:USR1@120", "--exclusive",
         "--dependency=afterok:41", "--kill-on-invalid-dep=yes", str(REPO / "train.slurm")]
-    assert not subprocess.run(["squeue", "-h", "-n", "slurm"], capture_output=True, text=True).stdout
+    assert not subprocess.run(["squeue", "-h", "-n", "dry"], capture_output=True, text=True).stdout
 
 
 def test_the_job_trains_the_config_that_was_submitted(job_config):
@@ -195,41 +197,115 @@ def logged(run_dir: Path) -> int:
         return 0
 
 
+def wait_until_step(run_dir: Path, step: int, job_id: str | None = None) -> None:
+    """Until the run has logged `step` (and, with job_id, its rank-1 worker is up)."""
+    deadline = time.monotonic() + 180
+    while logged(run_dir) < step or (job_id and worker_pid(job_id, 1) is None):
+        assert time.monotonic() < deadline, f"{run_dir.name} never reached step {step}"
+        time.sleep(0.1)
+
+
+def worker_pid(job_id: str, rank: int) -> int | None:
+    """The training process of `rank` in a job (all fake nodes share this machine's /proc)."""
+    for proc in Path("/proc").iterdir():
+        try:
+            env = dict(x.split("=", 1) for x in (proc / "environ").read_text().split("\0") if "=" in x)
+            cmd = (proc / "cmdline").read_text()
+        except (OSError, ValueError):
+            continue
+        if (env.get("SLURM_JOB_ID") == job_id and env.get("RANK") == str(rank)
+                and "llmtrain" in cmd and "torch.distributed.run" not in cmd and "torchrun" not in cmd):
+            return int(proc.name)
+    return None
+
+
+# Imported by every Python process of the job (PYTHONPATH): once the marker exists, a new rank-0
+# worker starts late, so the restarted rank 1 is first to the store. With torchrun's shared store
+# it then read the previous attempt's rank-0 address and failed every restart.
+SLOW_RANK0 = """
+import os, time
+if os.environ.get("RANK") == "0" and os.path.exists(os.environ["LLMTRAIN_TEST_SLOW_RANK0"]):
+    time.sleep(4)
+"""
+
+
+def uninterrupted(config: Path) -> dict:
+    job = submit("--config", config, "--nodes", 2, "--procs-per-node", 1)
+    return {**job, "state": wait_for(job["job_id"], timeout=300)}
+
+
+def warned(config: Path, at_step: int) -> dict:
+    """Slurm's warning signal to the batch shell (what --signal=B:USR1@lead sends) at a step."""
+    job = submit("--config", config, "--nodes", 2, "--procs-per-node", 1,
+                 "--set", f"run.name=preempted-{at_step}")
+    wait_until_step(Path(job["run_dir"]), at_step)
+    subprocess.run(["scancel", "-b", "-s", "USR1", job["job_id"]], check=True)
+    return {**job, "state": wait_for(job["job_id"], timeout=300)}
+
+
+def killed(config: Path, root: Path) -> dict:
+    """SIGKILL to the rank-1 worker at step 25 of a job with slurm.max_restarts."""
+    (root / "sitecustomize.py").write_text(SLOW_RANK0)
+    marker = root / "slow-rank0"
+    env = {**os.environ, "PYTHONPATH": str(root), "LLMTRAIN_TEST_SLOW_RANK0": str(marker)}
+    job = submit("--config", config, "--nodes", 2, "--procs-per-node", 1, "--set", "run.name=restarted",
+                 "--set", "slurm.max_restarts=3", "--set", "train.checkpoint_every=10", env=env)
+    wait_until_step(Path(job["run_dir"]), 25, job["job_id"])
+    marker.touch()
+    os.kill(worker_pid(job["job_id"], 1), 9)
+    return {**job, "state": wait_for(job["job_id"], timeout=300)}
+
+
+def continued(config: Path) -> dict:
+    """The warning signal at step 10 of a job that may not be requeued (sbatch --no-requeue)."""
+    job = submit("--config", config, "--nodes", 2, "--procs-per-node", 1,
+                 "--set", "run.name=continued", "--", "--no-requeue")
+    wait_until_step(Path(job["run_dir"]), 10)
+    subprocess.run(["scancel", "-b", "-s", "USR1", job["job_id"]], check=True)
+    state = wait_for(job["job_id"], timeout=300)
+    m = re.search(r"requeue refused; submitted continuation job (\d+)", Path(job["log"]).read_text())
+    follow = wait_for(m.group(1), timeout=300) if m else None
+    return {**job, "state": state, "continuation": m and m.group(1), "continuation_state": follow}
+
+
 @pytest.fixture(scope="module")
-def uninterrupted(cluster, tmp_path_factory):
-    """One uninterrupted 2-node run, the reference for every preemption trial."""
+def trials(cluster, tmp_path_factory):
+    """An uninterrupted 2-node run, the reference, and every preemption trial of the same config,
+    submitted at once: each job takes 1 of a node's 8 CPUs, so they run side by side and the
+    module waits about as long as its longest trial. Each test checks one trial."""
     root = tmp_path_factory.mktemp("preempt")
     cfg = tiny_config(run={"name": "uninterrupted", "dir": str(root / "runs")},
                       data={"prepared_dir": str(root / "prepared")},
-                      train={"max_steps": 120, "checkpoint_every": 1000, "eval_every": 0})
+                      train={"max_steps": 120, "checkpoint_every": 1000, "eval_every": 0},
+                      slurm={"cpus_per_node": 1})
     config = root / "job.yaml"
     config.write_text(yaml.safe_dump(cfg))
     cli("prepare", "--config", config, check=True)
-    ref = submit("--config", config, "--nodes", 2, "--procs-per-node", 1)
-    assert wait_for(ref["job_id"], timeout=300) == "COMPLETED"
-    return config, Path(ref["run_dir"])
+    with ThreadPoolExecutor(max_workers=5) as pool:
+        yield {"reference": pool.submit(uninterrupted, config),
+               "warned-3": pool.submit(warned, config, 3),
+               "warned-40": pool.submit(warned, config, 40),
+               "killed": pool.submit(killed, config, root),
+               "continued": pool.submit(continued, config)}
+
+
+def reference_losses(trials) -> list:
+    ref = trials["reference"].result()
+    assert ref["state"] == "COMPLETED"
+    return losses(Path(ref["run_dir"]))
 
 
 @pytest.mark.parametrize("at_step", [3, 40])
-def test_warning_signal_saves_requeues_and_resumes_bit_identically(uninterrupted, at_step):
-    """Slurm's warning signal to the batch shell (what --signal=B:USR1@lead sends), mid-run."""
-    config, ref_dir = uninterrupted
-    job = submit("--config", config, "--nodes", 2, "--procs-per-node", 1,
-                 "--set", f"run.name=preempted-{at_step}")
+def test_warning_signal_saves_requeues_and_resumes_bit_identically(trials, at_step):
+    job = trials[f"warned-{at_step}"].result()
+    assert job["state"] == "COMPLETED"
     run_dir = Path(job["run_dir"])
-    deadline = time.monotonic() + 120
-    while logged(run_dir) < at_step:
-        assert time.monotonic() < deadline, "the job never reached the step"
-        time.sleep(0.1)
-    subprocess.run(["scancel", "-b", "-s", "USR1", job["job_id"]], check=True)
-    assert wait_for(job["job_id"], timeout=300) == "COMPLETED"
-
     log = Path(job["log"]).read_text()
     stopped = re.search(r"stopping at step (\d+) \(preempt\)", log)
-    assert stopped and int(stopped.group(1)) < 120
+    assert stopped and at_step <= int(stopped.group(1)) < 120
     assert "requeueing job" in log and "SLURM_RESTART_COUNT=1" in log
     assert f"resumed from {run_dir}/checkpoints/step-{int(stopped.group(1)):08d}" in log
-    assert losses(run_dir) == losses(ref_dir)  # every step, bit for bit
+    assert losses(run_dir) == reference_losses(trials)  # every step, bit for bit
 
 
 def test_time_limit_without_a_signal_still_saves_and_continues(job_config):
@@ -266,65 +342,22 @@ def test_resources_the_cluster_rejects_are_one_clear_failure(job_config):
     assert not subprocess.run(["squeue", "-h", "-n", "rejected"], capture_output=True, text=True).stdout
 
 
-def worker_pid(job_id: str, rank: int) -> int | None:
-    """The training process of `rank` in a job (all fake nodes share this machine's /proc)."""
-    for proc in Path("/proc").iterdir():
-        try:
-            env = dict(x.split("=", 1) for x in (proc / "environ").read_text().split("\0") if "=" in x)
-            cmd = (proc / "cmdline").read_text()
-        except (OSError, ValueError):
-            continue
-        if (env.get("SLURM_JOB_ID") == job_id and env.get("RANK") == str(rank)
-                and "llmtrain" in cmd and "torch.distributed.run" not in cmd and "torchrun" not in cmd):
-            return int(proc.name)
-    return None
-
-
-# Imported by every Python process of the job (PYTHONPATH): once the marker exists, a new rank-0
-# worker starts late, so the restarted rank 1 is first to the store. With torchrun's shared store
-# it then read the previous attempt's rank-0 address and failed every restart.
-SLOW_RANK0 = """
-import os, time
-if os.environ.get("RANK") == "0" and os.path.exists(os.environ["LLMTRAIN_TEST_SLOW_RANK0"]):
-    time.sleep(4)
-"""
-
-
-def test_a_killed_worker_is_restarted_and_resumes_bit_identically(uninterrupted, tmp_path):
+def test_a_killed_worker_is_restarted_and_resumes_bit_identically(trials):
     """slurm.max_restarts: torchrun restarts the workers, which resume from the newest checkpoint."""
-    config, ref_dir = uninterrupted
-    (tmp_path / "sitecustomize.py").write_text(SLOW_RANK0)
-    marker = tmp_path / "slow-rank0"
-    env = {**os.environ, "PYTHONPATH": str(tmp_path), "LLMTRAIN_TEST_SLOW_RANK0": str(marker)}
-    job = submit("--config", config, "--nodes", 2, "--procs-per-node", 1, "--set", "run.name=restarted",
-                 "--set", "slurm.max_restarts=3", "--set", "train.checkpoint_every=10", env=env)
+    job = trials["killed"].result()
+    assert job["state"] == "COMPLETED"
     run_dir = Path(job["run_dir"])
-    deadline = time.monotonic() + 120
-    while logged(run_dir) < 25 or worker_pid(job["job_id"], 1) is None:
-        assert time.monotonic() < deadline, "the job never reached step 25"
-        time.sleep(0.1)
-    marker.touch()
-    os.kill(worker_pid(job["job_id"], 1), 9)
-    assert wait_for(job["job_id"], timeout=300) == "COMPLETED"
     log = Path(job["log"]).read_text()
     assert re.search(rf"resumed from {run_dir}/checkpoints/step-000000[2-9]0 ", log), log[-3000:]
     # checkpoint_every differs from the reference, which changes nothing in the losses.
-    assert losses(run_dir) == losses(ref_dir)
+    assert losses(run_dir) == reference_losses(trials)
 
 
-def test_where_requeue_is_refused_a_continuation_job_finishes_the_run(uninterrupted):
-    config, ref_dir = uninterrupted
-    job = submit("--config", config, "--nodes", 2, "--procs-per-node", 1,
-                 "--set", "run.name=continued", "--", "--no-requeue")
+def test_where_requeue_is_refused_a_continuation_job_finishes_the_run(trials):
+    job = trials["continued"].result()
+    assert job["state"] == "COMPLETED"
+    assert job["continuation"], Path(job["log"]).read_text()[-2000:]
+    assert job["continuation_state"] == "COMPLETED"
     run_dir = Path(job["run_dir"])
-    deadline = time.monotonic() + 120
-    while logged(run_dir) < 10:
-        assert time.monotonic() < deadline, "the job never reached step 10"
-        time.sleep(0.1)
-    subprocess.run(["scancel", "-b", "-s", "USR1", job["job_id"]], check=True)
-    assert wait_for(job["job_id"], timeout=300) == "COMPLETED"
-    m = re.search(r"requeue refused; submitted continuation job (\d+)", Path(job["log"]).read_text())
-    assert m, Path(job["log"]).read_text()[-2000:]
-    assert wait_for(m.group(1), timeout=300) == "COMPLETED"
-    assert "resumed from" in (run_dir / f"continued-{m.group(1)}.out").read_text()
-    assert losses(run_dir) == losses(ref_dir)
+    assert "resumed from" in (run_dir / f"continued-{job['continuation']}.out").read_text()
+    assert losses(run_dir) == reference_losses(trials)

@@ -23,8 +23,11 @@ need it, so check-config answers in a fraction of a second.
 from __future__ import annotations
 
 import argparse
+import atexit
+import contextlib
 import os
 import sys
+from typing import NoReturn
 
 from .config import ConfigError, UserError, dump_yaml, load_config, local_path, on_disk, tokenizer_source
 
@@ -50,6 +53,25 @@ def main(argv: list[str] | None = None) -> int:
     except UserError as e:
         error_lines([f"error: {e}"])
         return EXIT_USER
+
+
+def exit_process(code: int) -> NoReturn:
+    """Ends the process with `code` as sys.exit would, less CPython's teardown of every module,
+    which takes ~1.3 s once torch and transformers are loaded: on every rank, every start and
+    every restart. The atexit handlers still run (logging closes its files) and the standard
+    streams are flushed; the trainer's own files are line-buffered and closed by then."""
+    if "torch" in sys.modules:
+        atexit._run_exitfuncs()
+        for stream in (sys.stdout, sys.stderr):
+            with contextlib.suppress(Exception):
+                stream.flush()
+        os._exit(code)
+    sys.exit(code)
+
+
+def entry() -> NoReturn:
+    """The `llmtrain` command and `python -m llmtrain`."""
+    exit_process(main())
 
 
 def error_lines(lines: list[str]) -> None:
@@ -408,4 +430,4 @@ def cmd_status(args) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    entry()

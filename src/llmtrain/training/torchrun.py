@@ -34,4 +34,5 @@ def launch(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(launch())
+    from ..cli import exit_process
+    exit_process(launch())
