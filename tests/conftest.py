@@ -44,26 +44,18 @@ def pytest_sessionfinish(session):
         marker.unlink()
 
 
-# pytest-xdist runs the suite on two workers (pyproject's addopts). Tests that share a module
-# fixture which trains a reference run stay on one worker (it trains once), and the longest work
-# is handed out first so that no worker is left alone with a long test at the end.
-SHARED_REFERENCE_RUNS = ("trials", "reference")
+# pytest-xdist runs the suite on two workers (pyproject's addopts). The longest work is handed
+# out first, so that no worker is left alone with a long test at the end. (A fixture that both
+# workers share, like test_slurm's preemption trials, runs once under a file lock.)
 LONGEST_FIRST = ("test_slurm.py", "test_bigmodel.py", "test_scripts.py::test_setup_",
                  "test_control.py", "test_checkpoint.py", "test_train.py")
 
 
-@pytest.hookimpl(tryfirst=True)  # before xdist's own hook reads the xdist_group marks
 def pytest_collection_modifyitems(items):
-    for item in items:
-        for name in SHARED_REFERENCE_RUNS:
-            if name in item.fixturenames:
-                item.add_marker(pytest.mark.xdist_group(f"{item.module.__name__}-{name}"))
-
     def rank(item) -> tuple[int, bool]:
         where = item.nodeid.split("/")[-1]
         first = [i for i, prefix in enumerate(LONGEST_FIRST) if where.startswith(prefix)]
-        shared = any(name in item.fixturenames for name in SHARED_REFERENCE_RUNS)
-        return (first[0] if first else len(LONGEST_FIRST)), not shared
+        return (first[0] if first else len(LONGEST_FIRST)), "trials" not in item.fixturenames
     items.sort(key=rank)
 
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import fcntl
 import json
 import os
 import re
@@ -271,9 +272,20 @@ def continued(config: Path) -> dict:
 @pytest.fixture(scope="module")
 def trials(cluster, tmp_path_factory):
     """An uninterrupted 2-node run, the reference, and every preemption trial of the same config,
-    submitted at once: each job takes 1 of a node's 8 CPUs, so they run side by side and the
-    module waits about as long as its longest trial. Each test checks one trial."""
-    root = tmp_path_factory.mktemp("preempt")
+    submitted at once: each job takes 1 of a node's 8 CPUs, so they run side by side and take
+    about as long as the longest trial. Once per pytest run: the first xdist worker to get here
+    runs them (under a lock) and records each outcome; the other reads the record."""
+    shared = tmp_path_factory.getbasetemp().parent / f"preemption-{os.environ['LLMTRAIN_TEST_RUN']}"
+    shared.mkdir(exist_ok=True)
+    record = shared / "outcomes.json"
+    with open(shared / "lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        if not record.exists():
+            record.write_text(json.dumps(run_trials(shared)))
+    return json.loads(record.read_text())
+
+
+def run_trials(root: Path) -> dict:
     cfg = tiny_config(run={"name": "uninterrupted", "dir": str(root / "runs")},
                       data={"prepared_dir": str(root / "prepared")},
                       train={"max_steps": 120, "checkpoint_every": 1000, "eval_every": 0},
@@ -282,22 +294,36 @@ def trials(cluster, tmp_path_factory):
     config.write_text(yaml.safe_dump(cfg))
     cli("prepare", "--config", config, check=True)
     with ThreadPoolExecutor(max_workers=5) as pool:
-        yield {"reference": pool.submit(uninterrupted, config),
-               "warned-3": pool.submit(warned, config, 3),
-               "warned-40": pool.submit(warned, config, 40),
-               "killed": pool.submit(killed, config, root),
-               "continued": pool.submit(continued, config)}
+        futures = {"reference": pool.submit(uninterrupted, config),
+                   "warned-3": pool.submit(warned, config, 3),
+                   "warned-40": pool.submit(warned, config, 40),
+                   "killed": pool.submit(killed, config, root),
+                   "continued": pool.submit(continued, config)}
+        return {name: outcome(f) for name, f in futures.items()}
+
+
+def outcome(future) -> dict:
+    try:
+        return future.result()
+    except Exception as e:  # noqa: BLE001 (the test of this trial reports it)
+        return {"error": f"{type(e).__name__}: {e}"}
+
+
+def trial(trials: dict, name: str) -> dict:
+    job = trials[name]
+    assert "error" not in job, job.get("error")
+    return job
 
 
 def reference_losses(trials) -> list:
-    ref = trials["reference"].result()
+    ref = trial(trials, "reference")
     assert ref["state"] == "COMPLETED"
     return losses(Path(ref["run_dir"]))
 
 
 @pytest.mark.parametrize("at_step", [3, 40])
 def test_warning_signal_saves_requeues_and_resumes_bit_identically(trials, at_step):
-    job = trials[f"warned-{at_step}"].result()
+    job = trial(trials, f"warned-{at_step}")
     assert job["state"] == "COMPLETED"
     run_dir = Path(job["run_dir"])
     log = Path(job["log"]).read_text()
@@ -344,7 +370,7 @@ def test_resources_the_cluster_rejects_are_one_clear_failure(job_config):
 
 def test_a_killed_worker_is_restarted_and_resumes_bit_identically(trials):
     """slurm.max_restarts: torchrun restarts the workers, which resume from the newest checkpoint."""
-    job = trials["killed"].result()
+    job = trial(trials, "killed")
     assert job["state"] == "COMPLETED"
     run_dir = Path(job["run_dir"])
     log = Path(job["log"]).read_text()
@@ -354,7 +380,7 @@ def test_a_killed_worker_is_restarted_and_resumes_bit_identically(trials):
 
 
 def test_where_requeue_is_refused_a_continuation_job_finishes_the_run(trials):
-    job = trials["continued"].result()
+    job = trial(trials, "continued")
     assert job["state"] == "COMPLETED"
     assert job["continuation"], Path(job["log"]).read_text()[-2000:]
     assert job["continuation_state"] == "COMPLETED"
