@@ -52,7 +52,6 @@ def test_setup_in_a_path_with_spaces_then_demo_through_submit(tmp_path):
     """Fresh setup (a real venv), an idempotent second run, then the demo on its environment."""
     shared = tmp_path / "shared fs"
     env = {k: v for k, v in os.environ.items() if not k.startswith(("LLMTRAIN_", "VIRTUAL_ENV"))}
-    env["PIP_NO_COMPILE"] = "1"  # no .pyc for all of torch: 10 s less, nothing setup.sh decides
     clone = tmp_path / "my repo"
     shutil.copytree(REPO, clone, ignore=shutil.ignore_patterns("workspace", ".llmtrain-home", ".git",
                                                                  "__pycache__", ".pytest_cache"))
