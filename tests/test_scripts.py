@@ -119,7 +119,13 @@ def test_a_user_error_inside_torchrun_is_the_first_and_the_last_line(tmp_path):
                       slurm={"gpus_per_node": 1, "procs_per_node": 2})  # no CUDA here
     config = tmp_path / "c.yaml"
     config.write_text(yaml.safe_dump(cfg))
-    proc = bash(REPO / "submit.sh", "--local", "--config", config, "--nproc", 2)
+    # The losing order, forced: rank 0 starts late, so rank 1 fails first; torchrun stops the
+    # other ranks when one fails, and rank 0 must still get to print the line.
+    (tmp_path / "sitecustomize.py").write_text(
+        "import os, time\nif os.environ.get('RANK') == '0':\n    time.sleep(1.5)\n")
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(tmp_path),
+                                                                     os.environ.get("PYTHONPATH")]))}
+    proc = bash(REPO / "submit.sh", "--local", "--config", config, "--nproc", 2, env=env)
     assert proc.returncode == 1
     lines = proc.stderr.splitlines()
     errors = [x for x in lines if x.startswith("error:")]

@@ -27,6 +27,7 @@ import atexit
 import contextlib
 import os
 import sys
+import time
 from typing import NoReturn
 
 from .config import ConfigError, UserError, dump_yaml, load_config, local_path, on_disk, tokenizer_source
@@ -69,9 +70,17 @@ def exit_process(code: int) -> NoReturn:
     sys.exit(code)
 
 
+RANK0_GRACE_S = 3.0
+
+
 def entry() -> NoReturn:
     """The `llmtrain` command and `python -m llmtrain`."""
-    exit_process(main())
+    code = main()
+    if code in (EXIT_USER, EXIT_CONFIG) and os.environ.get("RANK", "0") != "0":
+        # Rank 0 prints a user error (error_lines); this rank, which failed the same way, leaves
+        # a moment later, or torchrun would stop rank 0 before it prints when this one is first.
+        time.sleep(RANK0_GRACE_S)
+    exit_process(code)
 
 
 def error_lines(lines: list[str]) -> None:
@@ -85,7 +94,6 @@ def error_lines(lines: list[str]) -> None:
     error_file = os.environ.get("TORCHELASTIC_ERROR_FILE")
     if error_file:
         import json
-        import time
         message = {"message": text.rstrip(), "extraInfo": {"py_callstack": text.rstrip(),
                                                           "timestamp": str(int(time.time()))}}
         try:
