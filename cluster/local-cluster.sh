@@ -97,18 +97,22 @@ runs() {
   [[ "$stat" == *"($2) "[^Z]* ]]
 }
 
+# Whether the pid in pidfile $1 (slurmctld.pid, slurmd-node1.pid, munged.pid) still runs its daemon.
+recorded_runs() {
+  local name
+  name="$(basename "$1" .pid)"
+  runs "$(<"$1")" "${name%%-*}"
+}
+
 # What is left of a cluster that ended without stop: its pidfiles may name pids that now belong
 # to other processes, so a daemon is ended only if that pid still runs the daemon it recorded.
 forget_dead_cluster() {
-  local pidfile pid name
+  local pidfile
   for pidfile in "$STATE"/run/slurmd-*.pid "$STATE/run/munged.pid"; do
     [[ -f "$pidfile" ]] || continue
-    pid="$(<"$pidfile")"
-    name="$(basename "$pidfile" .pid)"
-    name="${name%%-*}"
-    if runs "$pid" "$name"; then
-      kill "$pid" 2>/dev/null || true
-      while runs "$pid" "$name"; do sleep 0.2; done
+    if recorded_runs "$pidfile"; then
+      kill "$(<"$pidfile")" 2>/dev/null || true
+      while recorded_runs "$pidfile"; do sleep 0.2; done
     fi
     rm -f "$pidfile"
   done
@@ -119,7 +123,7 @@ forget_dead_cluster() {
 start() {
   [[ $(id -u) -eq 0 ]] || die "must run as root"
   install_packages
-  if [[ -f "$STATE/run/slurmctld.pid" ]] && runs "$(<"$STATE/run/slurmctld.pid")" slurmctld; then
+  if [[ -f "$STATE/run/slurmctld.pid" ]] && recorded_runs "$STATE/run/slurmctld.pid"; then
     echo "already running; export SLURM_CONF=$CONF"
     return
   fi
@@ -151,11 +155,10 @@ stop() {
       sleep 0.5
     done
   fi
-  local pidfile name
+  local pidfile
   for pidfile in "$STATE"/run/slurmd-*.pid "$STATE/run/slurmctld.pid" "$STATE/run/munged.pid"; do
     [[ -f "$pidfile" ]] || continue
-    name="$(basename "$pidfile" .pid)"
-    ! runs "$(<"$pidfile")" "${name%%-*}" || kill "$(<"$pidfile")"
+    ! recorded_runs "$pidfile" || kill "$(<"$pidfile")"
     rm -f "$pidfile"
   done
   if [[ -f "$STATE/run/hosts-added" ]]; then
