@@ -11,8 +11,6 @@ import torch
 from transformers import LlamaConfig, LlamaForCausalLM
 
 from conftest import DEMO, assert_same_curve, cli, losses, prepared_home, read_metrics, tiny_config, torchrun
-from llmtrain.config import load_config
-from llmtrain.data.loader import StepSampler, TokenStream, batch_tokens, open_prepared
 
 pytestmark = pytest.mark.slow
 
@@ -20,8 +18,7 @@ pytestmark = pytest.mark.slow
 BIG = {"model_type": "llama", "hidden_size": 1024, "intermediate_size": 2816,
        "num_hidden_layers": 24, "num_attention_heads": 16, "num_key_value_heads": 16,
        "max_position_embeddings": 128, "tie_word_embeddings": False}
-ONE_STEP = ["--set", "train.max_steps=1", "--set", "train.eval_every=0", "--set", "train.warmup_steps=0",
-            "--set", "train.checkpoint_every=0"]  # no 3.7 GB checkpoint at the end
+START_ONLY = ["--set", "train.max_steps=0", "--set", "train.warmup_steps=0"]  # build, load, stop
 
 
 @pytest.fixture(scope="module")
@@ -44,22 +41,17 @@ def startup_peaks(run: str, setup) -> list[float]:
     return peaks
 
 
-def first_loss(run: str, setup) -> float:
-    return read_metrics(run_dir(setup, run))[0]["loss"]
-
-
 def test_a_309m_model_starts_without_a_full_copy_on_any_rank(setup, tmp_path):
     """From scratch and from a multi-file bf16 pretrained folder, FSDP2 on 3 ranks: no rank
-    (rank 0 included) holds more than its shard plus one module at start-up, and the first
-    loss equals a single process's (from scratch) or plain transformers' (pretrained)."""
+    (rank 0 included) holds more than its shard plus one module at start-up. The runs only start
+    (train.max_steps 0): that the loaded weights are the right ones is proven on a small model
+    (tests/test_train.py: the first loss, from scratch on 1 and 2 ranks and from a multi-file
+    bf16 folder)."""
     _, config = setup
-    arch = ["--set", f"model.architecture={BIG}"]
     torchrun(3, "train", "--config", config, "--set", "run.name=tiny3", "--set",
-             "parallel.strategy=fsdp", *ONE_STEP)
+             "parallel.strategy=fsdp", *START_ONLY)
     torchrun(3, "train", "--config", config, "--set", "run.name=scratch3", "--set",
-             "parallel.strategy=fsdp", *arch, *ONE_STEP, timeout=600)
-    # The single-process reference in this process (its memory is not measured).
-    cli("train", "--config", config, "--set", "run.name=scratch1", *arch, *ONE_STEP, check=True)
+             "parallel.strategy=fsdp", "--set", f"model.architecture={BIG}", *START_ONLY, timeout=600)
 
     gib = 309e6 * 4 / 2**30  # the model in fp32
     baseline = max(startup_peaks("tiny3", setup))
@@ -69,7 +61,9 @@ def test_a_309m_model_starts_without_a_full_copy_on_any_rank(setup, tmp_path):
     # through the broadcast), rank 0 more (it built the whole model). Now: a third plus a module.
     assert max(scratch) - baseline < 0.55 * gib, (scratch, baseline)
     assert scratch[0] - min(scratch) < 0.1 * gib, scratch
-    assert abs(first_loss("scratch3", setup) - first_loss("scratch1", setup)) < 1e-5
+    log = (run_dir(setup, "scratch3") / "logs" / "rank-0.log").read_text()
+    assert "model: 309," in log and "nothing to train: the run is at step 0 of 0" in log
+    assert not read_metrics(run_dir(setup, "scratch3")), "max_steps 0 trained"
 
     # A pretrained folder of several safetensors files (+ index), stored in bf16.
     folder = tmp_path / "pretrained"
@@ -83,25 +77,10 @@ def test_a_309m_model_starts_without_a_full_copy_on_any_rank(setup, tmp_path):
     source = ["--set", f"model.name_or_path={folder}", "--set", "model.architecture=null",
               "--set", f"model.tokenizer={DEMO / 'tokenizer'}"]
     torchrun(3, "train", "--config", config, "--set", "run.name=pre3", "--set",
-             "parallel.strategy=fsdp", *source, *ONE_STEP, timeout=600)
+             "parallel.strategy=fsdp", *source, *START_ONLY, timeout=600)
     pre = startup_peaks("pre3", setup)
     assert max(pre) - baseline < 0.55 * gib, (pre, baseline)
     assert pre[0] - min(pre) < 0.1 * gib, pre
-    # The first loss is plain transformers' loss of the saved (bf16, trained in fp32) weights on
-    # the first step's batch: the sharded load put every slice where it belongs.
-    cfg = load_config(config, world_size=1)
-    prepared, manifest = open_prepared(cfg)
-    data = TokenStream(prepared, manifest, "train")
-    seq = cfg.data.seq_len
-    indices = StepSampler(data.num_samples(seq), cfg.train.global_batch_size, cfg.train.seed, 0,
-                          1).next_step()
-    batch = torch.from_numpy(batch_tokens(data, indices, seq))
-    model = LlamaForCausalLM.from_pretrained(folder, dtype=torch.float32)
-    with torch.no_grad():
-        logits = model(input_ids=batch[:, :-1]).logits
-        expected = torch.nn.functional.cross_entropy(logits.flatten(0, 1), batch[:, 1:].flatten())
-    del model
-    assert abs(first_loss("pre3", setup) - expected.item()) < 1e-5
     assert "loaded pretrained weights from " + str(folder) in (
         run_dir(setup, "pre3") / "logs" / "rank-0.log").read_text()
 

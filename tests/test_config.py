@@ -66,6 +66,8 @@ BROKEN = [
      "train.max_steps: set exactly one of train.max_steps and train.epochs (got neither)"),
     ({"train": {"epochs": 2}},
      "train.max_steps: set exactly one of train.max_steps and train.epochs (got max_steps 8 and epochs 2)"),
+    ({"train": {"max_steps": -1}},
+     "train.max_steps: must be >= 0 (got -1)"),
     ({"train": {"max_steps": None, "epochs": 0}},
      "train.epochs: must be > 0 (got 0)"),
     # data sources: globs, a validation source of their own, text units, BOS
@@ -133,14 +135,14 @@ def test_epochs_and_data_options_load(home, write_config):
 
 
 def test_every_problem_is_reported_at_once(home, write_config):
-    cfg = tiny_config(train={"max_steps": 0, "lr": -1.0, "checkpoint_every": -1, "bogus": 1},
+    cfg = tiny_config(train={"max_steps": -5, "lr": -1.0, "checkpoint_every": -1, "bogus": 1},
                       parallel={"strategy": "zero"}, data={"seq_len": 4096})
     proc = llmtrain("check-config", write_config(cfg))
     assert proc.returncode == 2
     assert proc.stderr.splitlines() == [
         "train.bogus: unknown key",  # and the checks of the rest still run
         "parallel.strategy: must be one of ddp, fsdp, hsdp (got 'zero')",
-        "train.max_steps: must be > 0 (got 0)",
+        "train.max_steps: must be >= 0 (got -5)",
         "train.lr: must be > 0 (got -1.0)",
         "train.checkpoint_every: must be >= 0 (got -1)",
         "data.seq_len: must be <= the model's max_position_embeddings (got 4096 > 128)",

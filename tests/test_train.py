@@ -107,14 +107,21 @@ def tiny_pretrained(folder, tokenizer_dir=DEMO / "tokenizer"):
     return model
 
 
-@pytest.mark.parametrize("nproc,strategy,weights", [(1, "ddp", "safetensors"), (2, "fsdp", "safetensors"),
+@pytest.mark.parametrize("nproc,strategy,weights", [(1, "ddp", "safetensors"), (2, "fsdp", "bf16-shards"),
                                                     (2, "fsdp", "bin")])
 def test_pretrained_weights_are_what_training_starts_from(tmp_path, monkeypatch, nproc, strategy,
                                                           weights):
     """The first step's loss equals plain transformers' loss of the saved model on that batch.
+    "bf16-shards": stored in bf16 in several safetensors files named by an index, as large
+    models are (each rank reads its slices from whichever file holds them, and upcasts);
     "bin": an older folder, pytorch_model.bin only, keys saved without the base model's prefix."""
     monkeypatch.setenv("LLMTRAIN_HOME", str(tmp_path / "home"))
     model = tiny_pretrained(tmp_path / "model")
+    if weights == "bf16-shards":
+        (tmp_path / "model" / "model.safetensors").unlink()
+        model.to(torch.bfloat16).save_pretrained(tmp_path / "model", max_shard_size="50KB")
+        assert len(list((tmp_path / "model").glob("model-*-of-*.safetensors"))) >= 3
+        model = LlamaForCausalLM.from_pretrained(tmp_path / "model", dtype=torch.float32)
     if weights == "bin":
         (tmp_path / "model" / "model.safetensors").unlink()
         torch.save({k.removeprefix("model."): v for k, v in model.state_dict().items()

@@ -451,8 +451,10 @@ def validate(cfg: Config, world_size: int | None = None, written: dict | None = 
     if (t.max_steps is None) == (t.epochs is None):
         got = "neither" if t.max_steps is None else f"max_steps {t.max_steps} and epochs {t.epochs}"
         p.append(f"train.max_steps: set exactly one of train.max_steps and train.epochs (got {got})")
-    _positive(p, "train", t, [k for k in ("max_steps", "epochs", "global_batch_size", "micro_batch_size",
+    _positive(p, "train", t, [k for k in ("epochs", "global_batch_size", "micro_batch_size",
                                           "log_every", "eval_samples") if getattr(t, k) is not None])
+    if t.max_steps is not None and t.max_steps < 0:  # 0: start up, report memory, train nothing
+        p.append(f"train.max_steps: must be >= 0 (got {t.max_steps})")
     _positive(p, "data", d, ["seq_len"])
     _positive(p, "slurm", s, ["nodes", "cpus_per_node"])
     for key in ("lr", "eps"):
