@@ -10,6 +10,7 @@ import shlex
 import subprocess
 import time
 from concurrent.futures import ThreadPoolExecutor
+from importlib.metadata import version
 from pathlib import Path
 
 import pytest
@@ -68,6 +69,7 @@ def test_two_node_job_completes_with_everything_in_the_run_dir(job_config, procs
     assert out["log"] == f"{run_dir}/slurm-{out['job_id']}.out"
     log = Path(out["log"]).read_text()
     assert "done: 8 steps" in log and "(hosts: node1, node2)" in log
+    assert re.search(rf"^llmtrain \w+, torch {re.escape(version('torch'))}$", log, re.MULTILINE), log
     # A run that went well ends quietly: no C++ store dump, no warning or traceback from torch.
     assert not re.search(r"TCPStore|recvValue|Traceback|^\[?[WE]\d{4} ", log, re.MULTILINE), log
     prov = json.loads((run_dir / "provenance.json").read_text())
@@ -338,7 +340,7 @@ def test_time_limit_without_a_signal_still_saves_and_continues(job_config):
     """No warning signal at all (signal_lead_s only feeds the trainer's own deadline)."""
     config = job_config(train={"max_steps": 1000000, "checkpoint_every": 1000000, "eval_every": 0,
                                "log_every": 50, "lr": 1e-4, "min_lr": 1e-5},
-                        slurm={"signal_lead_s": 45, "max_requeues": 1})
+                        slurm={"signal_lead_s": 55, "max_requeues": 1})  # stop at the first steps
     cli("prepare", "--config", config, check=True)
     # The sbatch --signal is removed (after --, the last --signal wins): only the deadline is left.
     job = submit("--config", config, "--nodes", 2, "--procs-per-node", 1, "--time", "00:01:00",
