@@ -56,14 +56,12 @@ def wait_for(job_id: str, timeout: float = 240) -> str:
     raise AssertionError(f"job {job_id} still {state} after {timeout}s")
 
 
-@pytest.mark.parametrize("procs", [1, 2])
-def test_two_node_job_completes_with_everything_in_the_run_dir(job_config, procs):
+def test_two_node_job_completes_with_everything_in_the_run_dir(job_config):
+    """2 nodes x 2 processes, data not prepared yet: a CPU prepare job runs first and training
+    waits for it (afterok). (2 nodes x 1 process: the preemption trials' reference run.)"""
     config = job_config(train={"global_batch_size": 8, "micro_batch_size": 2})
-    if procs == 2:  # prepared on the login node: no prepare job
-        cli("prepare", "--config", config, check=True)
-    out = submit("--config", config, "--nodes", 2, "--procs-per-node", procs)
-    # Unprepared data (procs 1): a CPU prepare job runs first, and training waits for it (afterok).
-    assert ("prepare_job_id" in out) == (procs == 1), out
+    out = submit("--config", config, "--nodes", 2, "--procs-per-node", 2)
+    assert "prepare_job_id" in out, out
     assert wait_for(out["job_id"]) == "COMPLETED"
     run_dir = Path(out["run_dir"])
     assert out["log"] == f"{run_dir}/slurm-{out['job_id']}.out"
@@ -73,24 +71,13 @@ def test_two_node_job_completes_with_everything_in_the_run_dir(job_config, procs
     # A run that went well ends quietly: no C++ store dump, no warning or traceback from torch.
     assert not re.search(r"TCPStore|recvValue|Traceback|^\[?[WE]\d{4} ", log, re.MULTILINE), log
     prov = json.loads((run_dir / "provenance.json").read_text())
-    assert prov["world_size"] == 2 * procs and sorted(set(prov["hostnames"])) == ["node1", "node2"]
+    assert prov["world_size"] == 4 and sorted(set(prov["hostnames"])) == ["node1", "node2"]
     assert prov["slurm"]["SLURM_JOB_ID"] == out["job_id"] and prov["slurm"]["SLURM_NNODES"] == "2"
     assert [r["step"] for r in read_metrics(run_dir) if r["kind"] == "train"] == list(range(1, 9))
     assert (run_dir / "checkpoints" / "step-00000008" / "meta.json").is_file()
     status = cli("status", out["job_id"])
     assert f"job: {out['job_id']} COMPLETED" in status.stdout
     assert "progress: step 8/8 (100%)" in status.stdout and "step-00000008 (latest)" in status.stdout
-
-
-def test_two_jobs_on_the_same_nodes_both_complete(job_config, tmp_path):
-    config = job_config()
-    cli("prepare", "--config", config, check=True)
-    a = submit("--config", config, "--nodes", 2, "--procs-per-node", 1, "--set", "run.name=a")
-    b = submit("--config", config, "--nodes", 2, "--procs-per-node", 1, "--set", "run.name=b")
-    assert "prepare_job_id" not in a  # prepared already: no prepare job
-    assert (wait_for(a["job_id"]), wait_for(b["job_id"])) == ("COMPLETED", "COMPLETED")
-    ports = {re.search(r"rendezvous node1:(\d+)", Path(x["log"]).read_text()).group(1) for x in (a, b)}
-    assert len(ports) == 2  # each job its own rendezvous port
 
 
 def test_a_crashing_rank_fails_the_job_promptly(job_config, tmp_path):
@@ -379,6 +366,18 @@ def test_a_killed_worker_is_restarted_and_resumes_bit_identically(trials):
     assert re.search(rf"resumed from {run_dir}/checkpoints/step-000000[2-9]0 ", log), log[-3000:]
     # checkpoint_every differs from the reference, which changes nothing in the losses.
     assert losses(run_dir) == reference_losses(trials)
+
+
+def test_jobs_side_by_side_on_the_same_nodes_each_rendezvous_on_their_own_port(trials):
+    """The trials' five jobs ran at once on node1 and node2 (1 CPU of 8 each): every one
+    completed, on a rendezvous port of its own (a fixed 29500 would have joined them)."""
+    jobs = [trial(trials, name) for name in ("reference", "warned-3", "warned-40", "killed", "continued")]
+    assert [job["state"] for job in jobs] == ["COMPLETED"] * 5
+    assert not any("prepare_job_id" in job for job in jobs)  # prepared on the login node first
+    logs = [Path(job["log"]).read_text() for job in jobs]
+    assert all("(hosts: node1, node2)" in log for log in logs)
+    ports = {re.search(r"rendezvous node1:(\d+)", log).group(1) for log in logs}
+    assert len(ports) == 5, ports
 
 
 def test_where_requeue_is_refused_a_continuation_job_finishes_the_run(trials):

@@ -105,6 +105,7 @@ def run(cfg: Config, world: World, watch: Watchdog, run_lock: RunLock) -> None:
     if padding := vocab_padding(cfg, config, tokenizer):
         log.info(padding)
     configure_matmul_precision(cfg, world.device)
+    before_model = peak_memory_gib(world.device)  # the runtime's own: imports, process group
     model = parallelize(cfg, config, world, watch)
     if cfg.model.name_or_path is not None:
         log.info(f"loaded pretrained weights from {pretrained_dir(cfg)}")
@@ -135,7 +136,8 @@ def run(cfg: Config, world: World, watch: Watchdog, run_lock: RunLock) -> None:
         job.restore(resumed)
         apply_settings(optimizer, t)  # the config's weight decay, betas and eps win
     record_start(written, world, hosts)  # only a start that goes ahead replaces config/provenance
-    log.info(f"model ready: peak memory {peak_memory_gib(world.device):.2f} GiB on this rank")
+    log.info(f"model ready: peak memory {peak_memory_gib(world.device):.2f} GiB on this rank "
+             f"({before_model:.2f} GiB before the model)")
     if t.max_steps is not None and state.step >= t.max_steps:
         log.info(f"nothing to train: the run is at step {state.step} of {t.max_steps} already; "
                  f"raise train.max_steps (or train.epochs) to train further")
