@@ -44,9 +44,10 @@ def pytest_sessionfinish(session):
         marker.unlink()
 
 
-# pytest-xdist runs the suite on two workers (pyproject's addopts). The longest work is handed
-# out first, so that no worker is left alone with a long test at the end. (A fixture that both
-# workers share, like test_slurm's preemption trials, runs once under a file lock.)
+# pytest-xdist runs the suite on two workers (pyproject's addopts: worksteal). The longest work
+# comes first, so that no worker is left alone with a long test at the end, and a worker that
+# runs out of tests takes half of the other's queue. (A fixture that both workers share, like
+# test_slurm's preemption trials, runs once under a file lock.)
 LONGEST_FIRST = ("test_slurm.py", "test_bigmodel.py", "test_scripts.py::test_setup_",
                  "test_control.py", "test_checkpoint.py", "test_train.py")
 
@@ -57,6 +58,13 @@ def pytest_collection_modifyitems(items):
         first = [i for i, prefix in enumerate(LONGEST_FIRST) if where.startswith(prefix)]
         return (first[0] if first else len(LONGEST_FIRST)), "trials" not in item.fixturenames
     items.sort(key=rank)
+    # worksteal gives each worker half of the list: the setup test (a fresh venv, ~2 minutes)
+    # heads the second half, so it starts at once beside the preemption trials, not behind them.
+    setup = [i for i in items if i.nodeid.split("/")[-1].startswith(LONGEST_FIRST[2])]
+    if setup and len(items) > 2:
+        half = len(items) // 2  # worksteal's first worker takes items[:half]
+        items.remove(setup[0])
+        items.insert(half, setup[0])
 
 
 @pytest.fixture(scope="session")

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from llmtrain import metrics
-from llmtrain.metrics import Throughput
+from llmtrain.metrics import Throughput, peak_flops, peak_tflops
 
 
 @pytest.fixture
@@ -33,3 +33,29 @@ def test_evaluation_between_two_readings_neither_inflates_nor_deflates_tokens_pe
     clock[0] += 2
     meter.step()
     assert meter.read(5)["tokens_per_sec"] == pytest.approx(500)  # a new window, no pause in it
+
+
+@pytest.mark.parametrize("name,precision,tf32,expected", [
+    ("NVIDIA H100 80GB HBM3", "bf16", True, 989),  # the SXM part
+    ("NVIDIA H100 PCIe", "bf16", True, 756),
+    ("NVIDIA H100 NVL", "fp16", True, 835),
+    ("NVIDIA H200", "bf16", True, 989),
+    ("NVIDIA GH200 480GB", "bf16", True, 989),
+    ("NVIDIA A100-SXM4-80GB", "fp32", True, 156),  # TF32 tensor cores
+    ("NVIDIA A100 80GB PCIe", "fp32", False, 19.5),  # plain fp32
+    ("NVIDIA L40S", "bf16", True, 362),
+    ("NVIDIA L40", "bf16", True, 181),  # not the L4's
+    ("NVIDIA L4", "bf16", True, 121),
+    ("NVIDIA A10", "bf16", True, 125),
+    ("NVIDIA A10G", "bf16", True, None),  # not the A10's: unpublished
+    ("Tesla V100-SXM2-32GB", "fp32", True, 15.7),  # no TF32 units
+    ("NVIDIA GeForce RTX 4090", "bf16", True, None),
+])
+def test_the_peak_is_the_exact_parts_at_the_precision_trained(name, precision, tf32, expected):
+    assert peak_tflops(name, precision, tf32) == expected
+
+
+def test_a_peak_set_in_the_config_wins_on_any_device():
+    import torch
+    assert peak_flops(torch.device("cpu")) is None
+    assert peak_flops(torch.device("cpu"), "bf16", True, override_tflops=2.5) == 2.5e12

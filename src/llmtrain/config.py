@@ -99,6 +99,7 @@ class TrainConfig:
     grad_clip: float = 1.0  # max global gradient norm; 0 disables clipping
     precision: Literal["bf16", "fp16", "fp32"] = "bf16"
     tf32: bool = True  # fp32 matmuls on Ampere+ GPUs use TF32 tensor cores (about 1e-3 relative error)
+    peak_tflops: Optional[float] = None  # one GPU's dense peak for MFU; None: metrics.PEAK_TFLOPS
     seed: int = 1234
     log_every: int = 10  # steps between metrics lines
     eval_every: int = 500  # steps between evaluations; 0 disables evaluation
@@ -452,7 +453,8 @@ def validate(cfg: Config, world_size: int | None = None, written: dict | None = 
         got = "neither" if t.max_steps is None else f"max_steps {t.max_steps} and epochs {t.epochs}"
         p.append(f"train.max_steps: set exactly one of train.max_steps and train.epochs (got {got})")
     _positive(p, "train", t, [k for k in ("epochs", "global_batch_size", "micro_batch_size",
-                                          "log_every", "eval_samples") if getattr(t, k) is not None])
+                                          "log_every", "eval_samples", "peak_tflops")
+                              if getattr(t, k) is not None])
     if t.max_steps is not None and t.max_steps < 0:  # 0: start up, report memory, train nothing
         p.append(f"train.max_steps: must be >= 0 (got {t.max_steps})")
     _positive(p, "data", d, ["seq_len"])

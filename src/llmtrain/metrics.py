@@ -12,17 +12,49 @@ from pathlib import Path
 
 from .rundir import write_atomic
 
-# Dense bf16 peak FLOP/s per GPU, from the vendors' datasheets (no sparsity).
-PEAK_FLOPS = {"H200": 989e12, "H100": 989e12, "A100": 312e12, "L40S": 362e12, "A10G": 125e12,
-              "L4": 121e12, "V100": 125e12}
+# Peak dense FLOP/s per GPU (no sparsity), from the vendors' datasheets, by the name torch
+# reports ("NVIDIA H100 80GB HBM3" is the SXM part): first match wins, so variants come before
+# the plain name, and \b keeps L4 from matching L40 and A10 from A100 or A10G (not published).
+# Columns, in TFLOP/s: bf16/fp16 tensor cores, TF32 tensor cores, plain fp32.
+PEAK_TFLOPS = [
+    (r"\bH100\b.*\bPCIe\b", 756, 378, 51),
+    (r"\bH100\b.*\bNVL\b", 835, 418, 60),
+    (r"\bH100\b", 989, 495, 67),
+    (r"\bH200\b.*\bNVL\b", 835, 418, 60),
+    (r"\bG?H200\b", 989, 495, 67),
+    (r"\bB200\b", 2250, 1100, 75),
+    (r"\bA100\b", 312, 156, 19.5),
+    (r"\bL40S\b", 362, 183, 91.6),
+    (r"\bL40\b", 181, 90.5, 90.5),
+    (r"\bL4\b", 121, 60, 30.3),
+    (r"\bA10\b", 125, 62.5, 31.2),
+    (r"\bV100\b", 125, None, 15.7),  # fp16 tensor cores; no bf16 or TF32 units
+]
 
 
-def peak_flops(device) -> float | None:
+def peak_tflops(device_name: str, precision: str, tf32: bool) -> float | None:
+    """The peak a step in `precision` can reach on `device_name`; None for a GPU not listed
+    (set train.peak_tflops to get MFU there)."""
+    import re
+    for pattern, half, tf32_peak, fp32 in PEAK_TFLOPS:
+        if re.search(pattern, device_name):
+            if precision in ("bf16", "fp16"):
+                return half
+            return (tf32 and tf32_peak) or fp32
+    return None
+
+
+def peak_flops(device, precision: str = "bf16", tf32: bool = True,
+               override_tflops: float | None = None) -> float | None:
+    """Peak FLOP/s of one rank's device for MFU: the config's override, else the table (GPUs
+    only: a CPU has no meaningful peak here)."""
+    if override_tflops:
+        return override_tflops * 1e12
     if device.type != "cuda":
         return None
     import torch
-    name = torch.cuda.get_device_name(device)
-    return next((v for k, v in PEAK_FLOPS.items() if k in name), None)
+    tflops = peak_tflops(torch.cuda.get_device_name(device), precision, tf32)
+    return tflops * 1e12 if tflops else None
 
 
 class Throughput:

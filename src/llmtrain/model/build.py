@@ -95,7 +95,13 @@ def num_params(model: torch.nn.Module) -> int:
 
 
 def flops_per_token(config: PretrainedConfig, n_params: int, seq_len: int) -> float:
-    """Training FLOPs per token: 6N for the matmuls plus attention scores (PaLM appendix B)."""
+    """Training FLOPs per token, forward and backward: 6 per parameter that multiplies, plus
+    12 x layers x hidden x seq_len for the attention scores and their weighted sum (PaLM,
+    appendix B; no discount for the causal mask). The input embedding is a lookup, not a
+    matmul: left out, unless it is tied to the output head, whose matmul it is. The derivation
+    and a hand check: doc/benchmarks.md."""
     layers = getattr(config, "num_hidden_layers", 0)
     hidden = getattr(config, "hidden_size", 0)
-    return 6 * n_params + 12 * layers * hidden * seq_len
+    tied = getattr(config, "tie_word_embeddings", False)
+    lookup = 0 if tied else getattr(config, "vocab_size", 0) * hidden
+    return 6 * (n_params - lookup) + 12 * layers * hidden * seq_len

@@ -191,7 +191,8 @@ def loop(cfg: Config, world: World, watch: Watchdog, log: Log, job: Job) -> None
     samples = SampleLog(cfg.run_dir / "logs" / f"samples-rank-{world.rank}.jsonl"
                         if t.log_samples else None, state.step)
     tokens_per_step = t.global_batch_size * seq_len
-    meter = Throughput(tokens_per_step, job.flops_per_step, peak_flops(world.device),
+    meter = Throughput(tokens_per_step, job.flops_per_step,
+                       peak_flops(world.device, t.precision, t.tf32, t.peak_tflops),
                        world.world_size, state.step, t.max_steps)
     faults = Faults.from_env(world)
     control = Control(cfg, world, log)
