@@ -10,7 +10,8 @@ from transformers import LlamaConfig, LlamaForCausalLM
 
 from conftest import tiny_config
 from llmtrain.config import load_config
-from llmtrain.model.parallel import apply_fsdp, configure_matmul_precision, local_slices
+from llmtrain.model.build import decoder_layers
+from llmtrain.model.parallel import apply_fsdp, checkpoint_layers, configure_matmul_precision, local_slices
 
 
 @pytest.fixture(scope="module")
@@ -68,3 +69,28 @@ def test_each_rank_reads_the_rows_fsdp2_gives_it(group, rows, parts):
         chunks = torch.chunk(full, parts)
         expected = chunks[coordinate] if coordinate < len(chunks) else full[:0]
         assert torch.equal(full[local_slices(full.shape, fake)], expected)
+
+
+@pytest.mark.parametrize("every,recomputed", [(1, [2, 2, 2, 2, 2]), (2, [2, 1, 2, 1, 2]),
+                                              (3, [2, 1, 1, 2, 1])])
+def test_selective_checkpointing_recomputes_every_kth_layer_and_changes_no_gradient(every, recomputed):
+    """A layer that is checkpointed runs its forward twice in a training step (again in
+    backward); the others once. The gradients are the plain model's, bit for bit."""
+    config = LlamaConfig(vocab_size=128, hidden_size=32, intermediate_size=64, num_hidden_layers=5,
+                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=32)
+    torch.manual_seed(0)
+    plain = LlamaForCausalLM(config)
+    model = LlamaForCausalLM(config)
+    model.load_state_dict(plain.state_dict())
+    assert checkpoint_layers(model, every) == [n == 2 for n in recomputed]
+    runs = [0] * 5
+    for i, layer in enumerate(decoder_layers(model)):
+        # The MLP inside: HF checkpoints the layer's forward, inside the layer's own hooks.
+        layer.mlp.register_forward_pre_hook(lambda *_, i=i: runs.__setitem__(i, runs[i] + 1))
+    ids = torch.randint(0, 128, (2, 16))
+    for m in (plain, model):
+        m.train()
+        m(input_ids=ids, labels=ids).loss.backward()
+    assert runs == recomputed
+    for (name, a), b in zip(plain.named_parameters(), model.parameters()):
+        assert torch.equal(a.grad, b.grad), name

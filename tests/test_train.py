@@ -153,9 +153,12 @@ def test_pretrained_weights_are_what_training_starts_from(tmp_path, monkeypatch,
 
 
 def test_bf16_fsdp_with_activation_checkpointing_trains(setup):
+    """Selective: layer 0 of 2 recomputes, layer 1 keeps its activations (which layers do, and
+    that it changes no gradient: tests/test_parallel.py)."""
     _, config = setup
     torchrun(2, "train", "--config", config, "--set", "run.name=bf16", "--set", "parallel.strategy=fsdp",
-             "--set", "train.precision=bf16", "--set", "model.activation_checkpointing=true")
+             "--set", "train.precision=bf16", "--set", "model.activation_checkpointing=true",
+             "--set", "model.activation_checkpointing_every=2")
     train = [loss for kind, _, loss in losses(run_dir(setup, "bf16")) if kind == "train"]
     assert all(x == x for x in train) and train[-1] < train[0] - 1.0
 

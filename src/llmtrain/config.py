@@ -58,6 +58,7 @@ class ModelConfig:
     architecture: Optional[dict] = None  # inline HF config (model_type + fields) to train from scratch
     attn_implementation: Literal["sdpa", "eager", "flash_attention_2"] = "sdpa"
     activation_checkpointing: bool = False  # recompute each decoder layer in backward
+    activation_checkpointing_every: int = 1  # with it: every k-th decoder layer only (1: all)
 
 
 @dataclass(frozen=True)
@@ -458,6 +459,7 @@ def validate(cfg: Config, world_size: int | None = None, written: dict | None = 
     if t.max_steps is not None and t.max_steps < 0:  # 0: start up, report memory, train nothing
         p.append(f"train.max_steps: must be >= 0 (got {t.max_steps})")
     _positive(p, "data", d, ["seq_len"])
+    _positive(p, "model", m, ["activation_checkpointing_every"])
     _positive(p, "slurm", s, ["nodes", "cpus_per_node"])
     for key in ("lr", "eps"):
         if getattr(t, key) <= 0:

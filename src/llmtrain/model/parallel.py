@@ -49,9 +49,7 @@ def parallelize(cfg: Config, config, world: World, watch=None) -> torch.nn.Modul
         reference = build_model(config, cfg, "meta", buffers="cpu")  # full shapes, real buffers
         tied = _tied(model)  # decided on the skeleton, so every rank agrees
         if cfg.model.activation_checkpointing:
-            # HF wraps each decoder layer's __call__ in non-reentrant torch.utils.checkpoint,
-            # which keeps the parameter names (and so checkpoints) unchanged.
-            model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+            checkpoint_layers(model, cfg.model.activation_checkpointing_every)
     with phase("sharding"):
         if cfg.parallel.strategy in SHARDED_STRATEGIES:
             apply_fsdp(model, cfg, device_mesh(cfg, world))
@@ -68,6 +66,22 @@ def parallelize(cfg: Config, config, world: World, watch=None) -> torch.nn.Modul
     if cfg.parallel.strategy == "ddp" and world.world_size > 1:
         model = DDP(model, device_ids=[world.local_rank] if world.device.type == "cuda" else None)
     return model
+
+
+def checkpoint_layers(model: torch.nn.Module, every: int = 1) -> list[bool]:
+    """Activation checkpointing on decoder layers 0, every, 2 x every, ...: those recompute their
+    forward in backward instead of keeping its activations; the others keep them (selective
+    checkpointing: memory for compute, in steps of 1/every). HF wraps each layer's forward in
+    non-reentrant torch.utils.checkpoint, inside FSDP2's hooks, and keeps the parameter names
+    (so checkpoints) unchanged. Returns which layers recompute."""
+    kwargs = {"use_reentrant": False}
+    if hasattr(model, "activation_checkpointing_enable"):  # transformers 5: selective built in
+        model.activation_checkpointing_enable(activation_checkpointing_kwargs=kwargs, every_n_layers=every)
+    else:
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs=kwargs)
+        for i, layer in enumerate(decoder_layers(model)):
+            layer.gradient_checkpointing = i % every == 0
+    return [bool(layer.gradient_checkpointing) for layer in decoder_layers(model)]
 
 
 # -- sharding ------------------------------------------------------------------------------
