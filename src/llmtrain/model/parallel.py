@@ -64,7 +64,11 @@ def parallelize(cfg: Config, config, world: World, watch=None) -> torch.nn.Modul
         copy_buffers(model, reference)
     del reference
     if cfg.parallel.strategy == "ddp" and world.world_size > 1:
-        model = DDP(model, device_ids=[world.local_rank] if world.device.type == "cuda" else None)
+        # Gradients live in DDP's all-reduce buckets (no second copy, no copy-in per step), and
+        # no buffer broadcast before every forward: the only buffers (rotary frequencies) are
+        # computed alike on every rank and never change.
+        model = DDP(model, device_ids=[world.local_rank] if world.device.type == "cuda" else None,
+                    gradient_as_bucket_view=True, broadcast_buffers=False)
     return model
 
 
