@@ -419,3 +419,15 @@ def test_the_log_states_the_vocabulary_padding(epochs_run):
     assert ("vocab_size 512: the tokenizer's 479 tokens rounded up to a multiple of 64 for faster "
             "matmuls (33 rows no token uses); set model.architecture.vocab_size to choose "
             "another") in stdout
+
+
+@pytest.mark.parametrize("bos", [None, 1])
+def test_packing_puts_bos_and_eos_around_every_document_empty_ones_too(bos):
+    rng = np.random.default_rng(0)
+    docs = [list(rng.integers(3, 500, size=int(n))) for n in rng.integers(0, 20, size=200)]
+    docs[0], docs[57] = [], []
+    offsets = np.cumsum([0] + [len(d) for d in docs])
+    values = np.array([t for d in docs for t in d], dtype=np.int64)
+    expected = [t for d in docs for t in ([] if bos is None else [bos]) + d + [2]]
+    out = prepare_mod.with_bos_eos(offsets, values, bos, 2, np.uint16)
+    assert out.dtype == np.uint16 and out.tolist() == expected

@@ -25,6 +25,7 @@ from ..config import (FILE_BUILDERS, Config, UserError, file_suffix, is_glob, is
 from .loader import FORMAT_VERSION, MANIFEST, fingerprint, prepared_path, read_manifest
 
 SHARD_TOKENS = 1 << 28  # 256M tokens: 512 MiB of uint16 per shard file
+PACK_DOCS = 16384  # documents per batch read back for packing
 
 
 class PrepareError(UserError):
@@ -74,8 +75,8 @@ def prepare(cfg: Config, log=print) -> Path:
     }
     try:
         for split, ds in splits.items():
-            tokens = tokenize(ds, tokenizer, cfg, bos)
-            manifest["splits"][split] = pack(tokens, tmp, split, dtype)
+            tokens = tokenize(ds, tokenizer, cfg)
+            manifest["splits"][split] = pack(tokens, tmp, split, dtype, tokenizer.eos_token_id, bos)
             manifest["splits"][split]["dataset_fingerprint"] = ds._fingerprint
         manifest["seconds"] = round(time.time() - t0, 1)
         (tmp / MANIFEST).write_text(json.dumps(manifest, indent=2) + "\n")
@@ -222,14 +223,14 @@ def bos_to_add(cfg: Config, tokenizer, tok_dir: Path) -> int | None:
     return bos
 
 
-def tokenize(ds, tokenizer, cfg: Config, bos: int | None = None):
-    field, eos = cfg.data.text_field, tokenizer.eos_token_id
-    head = [] if bos is None else [bos]
+def tokenize(ds, tokenizer, cfg: Config):
+    """Each document's token ids, in data.num_proc processes, with the backend tokenizer's batch
+    encoder (no offsets, no attention masks: only the ids are kept)."""
+    field, backend = cfg.data.text_field, tokenizer.backend_tokenizer
 
     def encode(batch):
-        texts = [t or "" for t in batch[field]]
-        ids = tokenizer(texts, add_special_tokens=False)["input_ids"]
-        return {"ids": [head + x + [eos] for x in ids]}
+        encodings = backend.encode_batch_fast([t or "" for t in batch[field]], add_special_tokens=False)
+        return {"ids": [e.ids for e in encodings]}
 
     num_proc = cfg.data.num_proc or min(16, os.cpu_count() or 1)
     num_proc = max(1, min(num_proc, len(ds) // 1000 or 1))  # tiny datasets: no worker pool
@@ -237,8 +238,10 @@ def tokenize(ds, tokenizer, cfg: Config, bos: int | None = None):
                   remove_columns=[field], desc="tokenize")
 
 
-def pack(ds, folder: Path, split: str, dtype) -> dict:
-    """Concatenate every document's ids into shards of SHARD_TOKENS; return their manifest part."""
+def pack(ds, folder: Path, split: str, dtype, eos: int, bos: int | None = None) -> dict:
+    """Concatenate every document's ids, BOS before (if given) and EOS after each, into shards
+    of SHARD_TOKENS; return their manifest part."""
+    import pyarrow.compute as pc
     from tqdm.auto import tqdm
 
     shards, total, buf, filled = [], 0, np.empty(SHARD_TOKENS, dtype=dtype), 0
@@ -251,9 +254,13 @@ def pack(ds, folder: Path, split: str, dtype) -> dict:
             shards.append({"file": name, "tokens": int(filled)})
             filled = 0
 
-    for batch in tqdm(ds.iter(batch_size=4096), total=-(-len(ds) // 4096), desc=f"pack {split}",
-                      unit="batch"):
-        ids = np.fromiter((t for doc in batch["ids"] for t in doc), dtype=dtype)
+    # Arrow batches: a batch's documents are a list column, its offsets and its values, put
+    # together with numpy, never a Python loop over documents or tokens.
+    for batch in tqdm(ds.with_format("arrow").iter(batch_size=PACK_DOCS), total=-(-len(ds) // PACK_DOCS),
+                      desc=f"pack {split}", unit="batch"):
+        docs = batch.column("ids").combine_chunks()
+        offsets = docs.offsets.to_numpy()
+        ids = with_bos_eos(offsets - offsets[0], pc.list_flatten(docs).to_numpy(), bos, eos, dtype)
         while len(ids):
             take = min(len(ids), SHARD_TOKENS - filled)
             buf[filled:filled + take] = ids[:take]
@@ -262,3 +269,18 @@ def pack(ds, folder: Path, split: str, dtype) -> dict:
                 flush()
     flush()
     return {"documents": len(ds), "tokens": total, "shards": shards}
+
+
+def with_bos_eos(offsets: np.ndarray, values: np.ndarray, bos: int | None, eos: int, dtype) -> np.ndarray:
+    """Documents given as `values[offsets[i]:offsets[i + 1]]`, as one stream with BOS (unless
+    None) before and EOS after each document."""
+    n, head = len(offsets) - 1, 0 if bos is None else 1
+    lengths = np.diff(offsets)
+    out = np.empty(len(values) + n * (head + 1), dtype=dtype)
+    shift = np.arange(n) * (head + 1) + head  # how far each document's tokens move right
+    out[np.repeat(shift, lengths) + np.arange(len(values))] = values
+    starts = offsets[:-1] + shift
+    out[starts + lengths] = eos
+    if head:
+        out[starts - 1] = bos
+    return out
