@@ -34,11 +34,16 @@ def pytest_configure(config):
     os.environ.setdefault("OMP_NUM_THREADS", "1")
 
 
+def started_by_this_run() -> Path:
+    """The marker a pytest run leaves when it, not someone else, started the test cluster."""
+    return CLUSTER_STATE / "run" / f"started-by-pytest-{os.environ['LLMTRAIN_TEST_RUN']}"
+
+
 def pytest_sessionfinish(session):
     """The run that started the test cluster stops it, once every worker is done with it."""
     if hasattr(session.config, "workerinput"):
         return
-    marker = CLUSTER_STATE / "run" / f"started-by-pytest-{os.environ['LLMTRAIN_TEST_RUN']}"
+    marker = started_by_this_run()
     if marker.exists():
         subprocess.run(["bash", str(CLUSTER), "stop"], check=True, capture_output=True)
         marker.unlink()
@@ -58,13 +63,6 @@ def pytest_collection_modifyitems(items):
         first = [i for i, prefix in enumerate(LONGEST_FIRST) if where.startswith(prefix)]
         return (first[0] if first else len(LONGEST_FIRST)), "trials" not in item.fixturenames
     items.sort(key=rank)
-    # worksteal gives each worker half of the list: the setup test (a fresh venv, ~2 minutes)
-    # heads the second half, so it starts at once beside the preemption trials, not behind them.
-    setup = [i for i in items if i.nodeid.split("/")[-1].startswith(LONGEST_FIRST[2])]
-    if setup and len(items) > 2:
-        half = len(items) // 2  # worksteal's first worker takes items[:half]
-        items.remove(setup[0])
-        items.insert(half, setup[0])
 
 
 @pytest.fixture(scope="session")
@@ -79,7 +77,7 @@ def cluster():
         if started.returncode != 0:
             pytest.fail(f"the test cluster did not start: {started.stderr.strip()}", pytrace=False)
         if not started.stdout.startswith("already running"):
-            (CLUSTER_STATE / "run" / f"started-by-pytest-{os.environ['LLMTRAIN_TEST_RUN']}").touch()
+            started_by_this_run().touch()
     mp = pytest.MonkeyPatch()
     mp.setenv("SLURM_CONF", str(CLUSTER_STATE / "etc" / "slurm.conf"))
     yield
@@ -209,10 +207,23 @@ def torchrun(nproc: int, *args: str, timeout: float = 300):
 def torchrun_unchecked(nproc: int, *args: str, env: dict | None = None, timeout: float = 300):
     """The same for runs meant to fail (extra environment variables in `env`): the
     CompletedProcess; workers left behind by a failure get 5 s to go."""
-    cmd = [sys.executable, "-m", "llmtrain.training.torchrun", "--standalone", "--nproc-per-node",
-           str(nproc), "--shutdown-timeout", "5", "-m", "llmtrain", *map(str, args)]
-    return subprocess.run(cmd, capture_output=True, text=True, timeout=timeout,
-                          env={**os.environ, **env} if env else None)
+    return subprocess.run(torchrun_command(nproc, *args, shutdown_timeout=5), capture_output=True,
+                          text=True, timeout=timeout, env={**os.environ, **env} if env else None)
+
+
+def torchrun_popen(nproc: int, *args: str, env: dict | None = None) -> subprocess.Popen:
+    """The same, started and not waited for, in its own process group as a terminal's foreground
+    job (os.killpg(pid, SIGINT) is Ctrl-C, SIGKILL ends it whole); output and errors in one pipe."""
+    return subprocess.Popen(torchrun_command(nproc, *args), stdout=subprocess.PIPE,
+                            stderr=subprocess.STDOUT, text=True, env=env, start_new_session=True)
+
+
+def torchrun_command(nproc: int, *args: str, shutdown_timeout: int | None = None) -> list[str]:
+    """llmtrain's torchrun, standalone, `-m llmtrain ARGS`: what submit.sh --local runs."""
+    cmd = [sys.executable, "-m", "llmtrain.training.torchrun", "--standalone", "--nproc-per-node", str(nproc)]
+    if shutdown_timeout is not None:
+        cmd += ["--shutdown-timeout", str(shutdown_timeout)]
+    return cmd + ["-m", "llmtrain", *map(str, args)]
 
 
 def read_metrics(run_dir: Path) -> list[dict]:

@@ -14,7 +14,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from conftest import DEMO, cli, prepared_home, losses, read_metrics, tiny_config, torchrun, torchrun_unchecked
+from conftest import (DEMO, cli, prepared_home, losses, read_metrics, tiny_config, torchrun,
+                      torchrun_popen, torchrun_unchecked)
 from llmtrain.config import load_config
 from llmtrain.data.loader import StepSampler, TokenStream, open_prepared
 
@@ -32,12 +33,8 @@ def setup(tmp_path_factory):
 
 
 def launch(nproc: int, config: Path, *sets: str) -> subprocess.Popen:
-    cmd = [sys.executable, "-m", "llmtrain.training.torchrun", "--standalone", "--nproc-per-node",
-           str(nproc), "-m", "llmtrain", "train", "--config", str(config)]
-    for s in sets:
-        cmd += ["--set", s]
-    return subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                            start_new_session=True)  # its own process group, killed as one
+    """A training run started in its own process group, to be killed as one."""
+    return torchrun_popen(nproc, "train", "--config", config, *(x for s in sets for x in ("--set", s)))
 
 
 def kill_when(proc: subprocess.Popen, ready, timeout: float = 240, per_line: bool = False) -> None:

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import re
 import resource
 import sys
 import time
@@ -35,7 +36,6 @@ PEAK_TFLOPS = [
 def peak_tflops(device_name: str, precision: str, tf32: bool) -> float | None:
     """The peak a step in `precision` can reach on `device_name`; None for a GPU not listed
     (set train.peak_tflops to get MFU there)."""
-    import re
     for pattern, half, tf32_peak, fp32 in PEAK_TFLOPS:
         if re.search(pattern, device_name):
             if precision in ("bf16", "fp16"):

@@ -78,14 +78,14 @@ def checkpoint_layers(model: torch.nn.Module, every: int = 1) -> list[bool]:
     checkpointing: memory for compute, in steps of 1/every). HF wraps each layer's forward in
     non-reentrant torch.utils.checkpoint, inside FSDP2's hooks, and keeps the parameter names
     (so checkpoints) unchanged. Returns which layers recompute."""
-    kwargs = {"use_reentrant": False}
+    kwargs, layers = {"use_reentrant": False}, decoder_layers(model)
     if hasattr(model, "activation_checkpointing_enable"):  # transformers 5: selective built in
         model.activation_checkpointing_enable(activation_checkpointing_kwargs=kwargs, every_n_layers=every)
     else:
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs=kwargs)
-        for i, layer in enumerate(decoder_layers(model)):
+        for i, layer in enumerate(layers):
             layer.gradient_checkpointing = i % every == 0
-    return [bool(layer.gradient_checkpointing) for layer in decoder_layers(model)]
+    return [bool(layer.gradient_checkpointing) for layer in layers]
 
 
 # -- sharding ------------------------------------------------------------------------------
