@@ -179,6 +179,23 @@ def test_a_non_finite_step_is_skipped_and_too_many_in_a_row_stop_with_a_diagnost
     ckpts = run_dir / "checkpoints"
     assert (ckpts / (ckpts / "latest").read_text().strip() / "meta.json").is_file()
 
+    # Steps that do not log are skipped on the device and counted in by the host a step later:
+    # the same steps skip, the same warnings, the same end, the same checkpoints' contents.
+    lagged = root / "home" / "runs" / "nan-lagged"
+    again = torchrun_unchecked(2, "train", "--config", config, "--set", "run.name=nan-lagged",
+                               "--set", "train.max_steps=20", "--set", "train.checkpoint_every=4",
+                               "--set", "train.log_every=4", "--set", "train.eval_every=0",
+                               env={"LLMTRAIN_INJECT_NAN_STEPS": "7,9,10,11,12"})
+    assert {x for x in again.stderr.splitlines() if x.startswith("error:")} == errors
+    warned = [[x.split("] ", 1)[1] for x in (d / "logs" / "rank-0.log").read_text().splitlines()
+               if "non-finite" in x] for d in (run_dir, lagged)]
+    assert warned[1] == warned[0] and len(warned[0]) == 5
+    steps = {r["step"]: r for r in train}
+    assert [(r["step"], r["loss"], r["skipped_steps"]) for r in read_metrics(lagged)] == \
+        [(s, steps[s]["loss"], steps[s]["skipped_steps"]) for s in (4, 8)]
+    meta = json.loads((lagged / "checkpoints" / "step-00000008" / "meta.json").read_text())
+    assert meta["run"] == {"step": 8, "tokens": 8 * 8 * 64, "skipped": 1, "bad_in_a_row": 0}
+
 
 def test_a_rank_that_stops_participating_is_named_within_the_timeout(setup):
     root, config = setup

@@ -5,13 +5,15 @@ from __future__ import annotations
 import json
 import os
 import re
+import subprocess
 
 import pytest
 import torch
 import yaml
 from transformers import AutoTokenizer, LlamaConfig, LlamaForCausalLM
 
-from conftest import DEMO, assert_same_curve, cli, prepared_home, losses, read_metrics, tiny_config, torchrun
+from conftest import (DEMO, REPO, assert_same_curve, cli, losses, prepared_home, read_metrics, tiny_config,
+                      torchrun, torchrun_command)
 from llmtrain.config import load_config
 from llmtrain.data.loader import StepSampler, TokenStream, batch_tokens, open_prepared
 
@@ -84,6 +86,43 @@ def test_run_directory_holds_what_a_user_looks_for(setup, ddp):
     assert all(re.fullmatch(r"\d{4}-\d\d-\d\d \d\d:\d\d:\d\d \[rank \d\] .+", line) for line in progress)
     assert any(re.search(r"\[rank 0\] step 8/8 \| loss \d+\.\d{4} \| lr .+ tok/s \| eta", line)
                for line in progress)
+
+
+@pytest.mark.parametrize("strategy,prefetch", [("ddp", 2), ("ddp", 0), ("fsdp", 2)])
+def test_a_step_that_does_not_log_never_waits_for_the_device(setup, ddp, strategy, prefetch):
+    """Counted step by step (tests/sync_probe.py): host reads of tensor values (each a wait for
+    the device on a GPU) and Python-level collectives. A step that neither logs, evaluates nor
+    saves has one collective, the agreement, and at most one read: the previous step's three
+    flags, long done. The losses equal the reference run's (every step logged, batches read
+    ahead): the lag and the prefetch change when the host looks, not what trains."""
+    root, config = setup
+    name, out = f"probe-{strategy}-{prefetch}", root / f"probe-{strategy}-{prefetch}"
+    cmd = torchrun_command(2, "train", "--config", config, "--set", f"run.name={name}",
+                           "--set", f"parallel.strategy={strategy}", "--set", "train.log_every=4",
+                           "--set", f"data.prefetch_steps={prefetch}")
+    at = cmd.index("-m", 2)  # the script takes torchrun's -m llmtrain's place
+    cmd[at:at + 2] = [str(REPO / "tests" / "sync_probe.py"), str(out)]
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+
+    due = {4, 8}  # logged, evaluated and saved (eval_every and checkpoint_every are 4)
+    for rank in (0, 1):
+        events = {int(k): v for k, v in json.loads((out / f"rank-{rank}.json").read_text()).items()}
+        for step in sorted(set(range(1, 9)) - due):
+            lagged = [] if step == 1 or step - 1 in due else ["read:tolist (3,)"]
+            assert events[step] == ["collective:all_reduce"] + lagged, (rank, step, events[step])
+        assert all("read:item ()" in events[step] for step in due)  # the log line's loss
+
+    reference = {(r["kind"], r["step"]): r for r in read_metrics(run_dir(setup, "ddp"))}
+    probed = read_metrics(run_dir(setup, name))
+    assert [(r["kind"], r["step"]) for r in probed] == [("train", 4), ("eval", 4), ("train", 8), ("eval", 8)]
+    for r in probed:
+        key = "loss" if r["kind"] == "train" else "eval_loss"
+        want = reference[(r["kind"], r["step"])][key]
+        if strategy == "ddp":
+            assert r[key] == want, (r, want)
+        else:
+            assert abs(r[key] - want) <= 1e-5, (r, want)
 
 
 def test_rerun_with_the_same_name_keeps_metrics_consistent(setup):

@@ -75,6 +75,7 @@ class DataConfig:
     seq_len: int = 1024  # tokens per training sample
     prepared_dir: str = "${LLMTRAIN_HOME}/prepared"  # root of prepared (tokenized) datasets
     num_proc: Optional[int] = None  # tokenizer processes; None: the CPU count, at most 16
+    prefetch_steps: int = 2  # steps of batches read ahead on a background thread; 0: on the training one
 
     @property
     def holdout_fraction(self) -> float:
@@ -505,6 +506,8 @@ def validate(cfg: Config, world_size: int | None = None, written: dict | None = 
                  "or set eval_every: 0")
     if d.num_proc is not None and d.num_proc < 1:
         p.append(f"data.num_proc: must be >= 1 (got {d.num_proc})")
+    if d.prefetch_steps < 0:
+        p.append(f"data.prefetch_steps: must be >= 0 (got {d.prefetch_steps})")
     if s.gpus_per_node < 0:
         p.append(f"slurm.gpus_per_node: must be >= 0 (got {s.gpus_per_node})")
     if s.procs_per_node is not None and s.procs_per_node < 1:

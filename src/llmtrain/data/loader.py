@@ -15,16 +15,23 @@ on the world size, and a resumed run on another world size skips and repeats not
 
 from __future__ import annotations
 
+import copy
 import hashlib
 import json
+import queue
 import re
+import threading
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import numpy as np
 
 from ..config import (COMPRESSED, Config, UserError, is_glob, is_split_name, local_path, source_files,
                       tokenizer_source)
+
+if TYPE_CHECKING:
+    import torch
 
 FORMAT_VERSION = 1
 MANIFEST = "manifest.json"
@@ -181,6 +188,12 @@ class StepSampler:
         """Epochs done so far, fractional: 1.5 is halfway through the second."""
         return self.state.epoch + self.state.consumed / (self.steps_per_epoch * self.global_batch)
 
+    def fork(self) -> "StepSampler":
+        """An independent sampler at the same position (for reading ahead)."""
+        other = copy.copy(self)
+        other.state = SamplerState(self.state.epoch, self.state.consumed)
+        return other
+
     def permutation(self, epoch: int) -> np.ndarray:
         if epoch != self._perm_epoch:
             self._perm = np.random.default_rng([self.seed, epoch]).permutation(self.num_samples)
@@ -201,3 +214,76 @@ class StepSampler:
 def batch_tokens(stream: TokenStream, indices: np.ndarray, seq_len: int) -> np.ndarray:
     """[len(indices), seq_len + 1] int64 windows: inputs are [:, :-1], targets [:, 1:]."""
     return np.stack([stream.sample(int(i), seq_len) for i in indices]).astype(np.int64)
+
+
+def pinned(batch: np.ndarray, device) -> "torch.Tensor":
+    """A host batch as a tensor, in pinned memory where it goes to a GPU (the copy can then run
+    without the host waiting: `.to(device, non_blocking=True)`)."""
+    import torch
+    tensor = torch.from_numpy(batch)
+    return tensor.pin_memory() if device.type == "cuda" else tensor
+
+
+class Prefetcher:
+    """Each step's micro-batches, read ahead on a background thread.
+
+        prefetch = Prefetcher(stream, sampler, accum, seq_len, device, depth=2)
+        batches = prefetch.next(sampler.next_step())   # on the device, copies under way
+
+    The thread follows a fork of the sampler (the trainer's own stays where a checkpoint must
+    find it) and keeps up to `depth` steps ready, pinned on CUDA; next() hands the step over and
+    starts its copies to the device without waiting for them. It checks the thread's indices
+    against the trainer's, so reading ahead can never change what trains. depth 0 reads on the
+    training thread.
+    """
+
+    def __init__(self, stream: TokenStream, sampler: StepSampler, accum: int, seq_len: int, device,
+                 depth: int = 2):
+        self.stream, self.accum, self.seq_len, self.device = stream, accum, seq_len, device
+        self.queue: queue.Queue = queue.Queue(maxsize=max(depth, 1))
+        self.stopping = threading.Event()
+        self.thread = None
+        if depth > 0:
+            self.thread = threading.Thread(target=self._run, args=(sampler.fork(),), daemon=True,
+                                           name="llmtrain-prefetch")
+            self.thread.start()
+
+    def _read(self, indices: np.ndarray) -> list:
+        return [pinned(batch_tokens(self.stream, part, self.seq_len), self.device)
+                for part in np.split(indices, self.accum)]
+
+    def _run(self, ahead: StepSampler) -> None:
+        if self.device.type == "cuda":  # pinning from a new thread must not touch GPU 0
+            import torch
+            torch.cuda.set_device(self.device)
+        try:
+            while not self.stopping.is_set():
+                indices = ahead.next_step()
+                self._put((indices, self._read(indices)))
+        except BaseException as e:  # handed to the training thread, raised there
+            self._put((None, e))
+
+    def _put(self, item) -> None:
+        while not self.stopping.is_set():
+            try:
+                self.queue.put(item, timeout=0.1)
+                return
+            except queue.Full:
+                continue
+
+    def next(self, indices: np.ndarray) -> list:
+        """This step's micro-batches on the device; `indices` are the trainer's sampler's."""
+        if self.thread is None:
+            host = self._read(indices)
+        else:
+            ahead, host = self.queue.get()
+            if ahead is None:
+                raise host
+            if not np.array_equal(ahead, indices):
+                raise RuntimeError("the prefetch thread is out of step with the sampler")
+        return [batch.to(self.device, non_blocking=True) for batch in host]
+
+    def close(self) -> None:
+        self.stopping.set()
+        if self.thread is not None:
+            self.thread.join(timeout=5)

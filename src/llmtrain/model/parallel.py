@@ -47,6 +47,8 @@ def parallelize(cfg: Config, config, world: World, watch=None) -> torch.nn.Modul
     with phase("building"):
         model = build_model(config, cfg, "meta")
         reference = build_model(config, cfg, "meta", buffers="cpu")  # full shapes, real buffers
+        if cfg.model.attn_implementation == "sdpa":
+            causal_attention(model)
         tied = _tied(model)  # decided on the skeleton, so every rank agrees
         if cfg.model.activation_checkpointing:
             checkpoint_layers(model, cfg.model.activation_checkpointing_every)
@@ -70,6 +72,26 @@ def parallelize(cfg: Config, config, world: World, watch=None) -> torch.nn.Modul
         model = DDP(model, device_ids=[world.local_rank] if world.device.type == "cuda" else None,
                     gradient_as_bucket_view=True, broadcast_buffers=False)
     return model
+
+
+CAUSAL_SDPA = "llmtrain_causal_sdpa"
+
+
+def causal_attention(model: torch.nn.Module) -> None:
+    """Training attends causally within each window, and windows are never padded: SDPA with
+    is_causal and no mask at all. HF's own "sdpa" path builds its mask from position_ids and
+    checks them for packed sequences, which reads a device value on the host (a stall) in every
+    forward. An attention function HF has no mask builder for gets no mask: that one."""
+    from transformers import AttentionInterface
+    from transformers.integrations.sdpa_attention import sdpa_attention_forward
+
+    def causal_sdpa(module, query, key, value, attention_mask, **kwargs):
+        return sdpa_attention_forward(module, query, key, value, None, **kwargs)
+    AttentionInterface.register(CAUSAL_SDPA, causal_sdpa)
+    if hasattr(model, "set_attn_implementation"):
+        model.set_attn_implementation(CAUSAL_SDPA)
+    else:
+        model.config._attn_implementation = CAUSAL_SDPA
 
 
 def checkpoint_layers(model: torch.nn.Module, every: int = 1) -> list[bool]:

@@ -17,7 +17,11 @@ Requests come from:
   seconds before it, signal or not.
 
 Rank 0 stats the switch files at most every second; the agreement is a MAX all-reduce of
-[stop, save, non-finite] so every rank takes the same decision at the same step.
+[stop, save, non-finite] so every rank takes the same decision at the same step. The all-reduce
+stays on the device: the optimizer skips a non-finite step there (fused AdamW's `found_inf`), and
+the host reads the flags from a pinned copy one step later, unless the step logs, evaluates or
+saves (then at once). So a step that does nothing else never waits for the device, and a stop
+or save request lands one step after the one that saw it, on every rank alike.
 `<run_dir>/control/exit.json` tells train.slurm why the trainer stopped: "preempt", "deadline"
 and "signal" are requeued; "user" and "done" are not.
 """
@@ -40,6 +44,7 @@ from ..rundir import Log, write_atomic
 
 SWITCH_POLL_S = 1.0
 HEARTBEAT_S = 2.0
+ARM_S = 1.0  # the stack-dump timer's re-arming interval
 REQUEUE_REASONS = ("preempt", "deadline", "signal")
 SWITCHES = ("stop", "save")
 IMPORTED = time.time()  # launch_start_time()'s fallback
@@ -49,10 +54,44 @@ SIGNAL_REASONS = {signal.SIGUSR1: "signal", signal.SIGTERM: "signal", signal.SIG
 
 @dataclass(frozen=True)
 class Verdict:
+    step: int
     stop: bool
     save: bool
     nonfinite: bool
     reason: str
+    samples: object = None  # this rank's sample indices in that step (named if it is skipped)
+
+
+class Agreement:
+    """One step's flags [stop, save, non-finite], all-reduced on the device; `read()` gives the
+    Verdict. On CUDA the flags are copied into pinned memory behind the step's work, so reading
+    them a step later waits for nothing that is still running."""
+
+    def __init__(self, control: "Control", step: int, flags, samples=None):
+        import torch
+
+        self.control, self.step, self.flags, self.samples = control, step, flags, samples
+        self.nonfinite = flags[2]  # 0-dim, on the device: fused AdamW's found_inf
+        self.event = None
+        if flags.device.type == "cuda":
+            self.host = torch.empty(flags.shape, dtype=flags.dtype, pin_memory=True)
+            self.host.copy_(flags, non_blocking=True)
+            self.event = torch.cuda.Event()
+            self.event.record()
+        else:
+            self.host = flags
+        self._verdict: Verdict | None = None
+
+    def read(self) -> Verdict:
+        if self._verdict is None:
+            if self.event is not None:
+                self.event.synchronize()
+            stop, save, bad = (bool(x) for x in self.host.tolist())
+            control = self.control
+            if stop and not control.reason:
+                control.reason = "signal"  # another rank's request; rank 0 writes the reason it saw
+            self._verdict = Verdict(self.step, stop, save, bad, control.reason, self.samples)
+        return self._verdict
 
 
 class Control:
@@ -63,7 +102,7 @@ class Control:
         self.reason = ""
         self.lead_s = cfg.slurm.signal_lead_s
         self.end_time = job_end_time() if world.is_main and self.lead_s > 0 else None
-        self.last_poll = self.last_beat = 0.0
+        self.last_poll = self.last_beat = self.last_arm = 0.0
         self.timeout_s = cfg.parallel.collective_timeout_s
         self.heartbeat = cfg.run_dir / "logs" / f"heartbeat-rank-{world.rank}.json"
         if world.is_main:
@@ -94,13 +133,16 @@ class Control:
 
     def beat(self, step: int) -> None:
         """At each step start: a heartbeat file for the hang diagnosis (every few seconds), and
-        a watchdog that dumps this rank's stacks into its log if the step outlasts the timeout."""
+        a timer that dumps this rank's stacks into its log if no step starts for the collective
+        timeout (re-armed at most every second: each arming starts a thread, so a stuck step's
+        dump comes within a second of the timeout)."""
         now = time.time()
         if now - self.last_beat >= HEARTBEAT_S:
             self.last_beat = now
             write_atomic(self.heartbeat, json.dumps({"step": step, "time": now, "pid": os.getpid(),
                                                      "host": socket.gethostname()}))
-        if self.log.file is not None:
+        if self.log.file is not None and now - self.last_arm >= ARM_S:
+            self.last_arm = now
             faulthandler.dump_traceback_later(self.timeout_s, file=self.log.file)
 
     def _on_signal(self, signum, frame) -> None:
@@ -112,9 +154,10 @@ class Control:
         if self.log.file is not None:
             faulthandler.dump_traceback_later(self.timeout_s, exit=True, file=self.log.file)
 
-    def agree(self, finite) -> Verdict:
+    def agree(self, step: int, finite, samples=None) -> Agreement:
         """One collective per step: every rank learns whether any rank wants to stop or save,
-        or saw a non-finite loss or gradient norm (`finite`: a bool tensor on the device)."""
+        or saw a non-finite loss or gradient norm (`finite`: a bool tensor on the device). The
+        host reads the answer with Agreement.read(), now or a step later."""
         import torch
         import torch.distributed as dist
 
@@ -132,14 +175,11 @@ class Control:
                     save = 1.0
             if self.end_time and now > self.end_time - self.lead_s and not stop:
                 stop, self.reason = 1.0, "deadline"
-        flags = torch.stack([torch.tensor(stop, device=finite.device),
-                             torch.tensor(save, device=finite.device),
+        device = finite.device  # torch.full fills on the device; torch.tensor would copy and wait
+        flags = torch.stack([torch.full((), stop, device=device), torch.full((), save, device=device),
                              (~finite).float()])
-        dist.all_reduce(flags, op=dist.ReduceOp.MAX)
-        stop_any, save_any, bad = (bool(x) for x in flags.tolist())
-        if stop_any and not self.reason:
-            self.reason = "signal"  # another rank's request; rank 0 writes the reason it saw
-        return Verdict(stop_any, save_any, bad, self.reason)
+        dist.all_reduce(flags, op=dist.ReduceOp.MAX)  # NCCL: queued on the device, no host wait
+        return Agreement(self, step, flags, samples)
 
     def _take(self, name: str) -> str | None:
         path = self.folder / name

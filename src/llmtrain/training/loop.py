@@ -23,7 +23,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 from ..config import Config, ConfigError, UserError, dump_yaml
-from ..data.loader import StepSampler, TokenStream, batch_tokens, open_prepared
+from ..data.loader import Prefetcher, StepSampler, TokenStream, batch_tokens, open_prepared, pinned
 from ..metrics import MetricsWriter, SampleLog, Throughput, peak_flops, peak_memory_gib, progress_line
 from ..model.build import (flops_per_token, load_tokenizer, model_config, num_params, pretrained_dir,
                            vocab_padding)
@@ -32,7 +32,7 @@ from ..model.parallel import (autocast, configure_matmul_precision, grad_scaler,
 from ..rundir import Log, RunLock, hostname, provenance, write_atomic
 from . import distributed
 from .checkpoint import Checkpointer, compat_info
-from .control import Control
+from .control import Agreement, Control, Verdict
 from .distributed import World
 from .optim import apply_settings, build_optimizer, lr_at, set_lr
 from .watchdog import Watchdog
@@ -196,49 +196,67 @@ def loop(cfg: Config, world: World, watch: Watchdog, log: Log, job: Job) -> None
                        world.world_size, state.step, t.max_steps)
     faults = Faults.from_env(world)
     control = Control(cfg, world, log)
-    reason = "done"
-    while state.step < t.max_steps:
-        control.beat(state.step)
-        watch.step(state.step + 1)
-        lr = lr_at(state.step, t)
-        set_lr(optimizer, lr)
-        indices = sampler.next_step()
-        samples.write(state.step + 1, indices)
-        loss, grad_norm = forward_backward(model, optimizer, scaler, job.train_data,
-                                           np.split(indices, job.accum), cfg, world,
-                                           faults.loss_factor(state.step + 1))
-        faults.maybe_hang(state.step + 1)
-        watch.at_sync()
-        verdict = control.agree(finite(loss, grad_norm, cfg))
-        watch.idle()
-        if verdict.nonfinite:
-            skip_step(optimizer, scaler, state, indices, t, log)
-        else:
-            optimizer_step(optimizer, scaler)
-            state.bad_in_a_row = 0
-        state.step += 1
-        state.tokens += tokens_per_step
-        meter.step()
-        checkpointer.poll()
-        if watch.starting:
-            log.info(watch.started())
+    prefetch = Prefetcher(job.train_data, sampler, job.accum, seq_len, world.device,
+                          cfg.data.prefetch_steps)
+    try:
+        pending: Agreement | None = None  # the previous step's, when nothing made the host read it
+        reason = "done"
+        while state.step < t.max_steps:
+            step = state.step + 1
+            control.beat(state.step)
+            watch.step(step)
+            lr = lr_at(state.step, t)
+            set_lr(optimizer, lr)
+            indices = sampler.next_step()
+            samples.write(step, indices)
+            logs = due(step, t.log_every, t.max_steps)
+            evals = val_data is not None and t.eval_every > 0 and due(step, t.eval_every, t.max_steps)
+            periodic = t.checkpoint_every > 0 and due(step, t.checkpoint_every, t.max_steps)
+            loss, grad_norm = forward_backward(model, optimizer, scaler, prefetch.next(indices), cfg,
+                                               faults.loss_factor(step), norm=logs or t.grad_clip > 0)
+            faults.maybe_hang(step)
+            watch.at_sync()
+            agreement = control.agree(step, finite(loss, grad_norm, cfg), samples=indices)
+            if not scaler.is_enabled():
+                optimizer_step(optimizer, scaler, skip=agreement.nonfinite)  # skipped on the device
+            elif agreement.read().nonfinite:  # fp16: the loss scaler decides on the host, now
+                skip_fp16_step(optimizer, scaler)
+            else:
+                optimizer_step(optimizer, scaler)
+            verdicts = [pending.read()] if pending is not None else []
+            pending = agreement
+            if (logs or evals or periodic or scaler.is_enabled()
+                    or any(v.stop or v.save for v in verdicts)):
+                verdicts.append(agreement.read())  # what is logged or saved counts this step in
+                pending = None
+            watch.idle()
+            state.step = step
+            state.tokens += tokens_per_step
+            for verdict in verdicts:
+                account(verdict, state, t, log)
+            meter.step()
+            checkpointer.poll()
+            if watch.starting:
+                log.info(watch.started())
 
-        if due(state.step, t.log_every, t.max_steps):
-            log_step(metrics, log, meter.read(state.step), state, loss, grad_norm, lr, t, world,
-                     scaler, sampler)
-        if val_data is not None and t.eval_every and due(state.step, t.eval_every, t.max_steps):
-            with meter.paused():
-                eval_loss = evaluate(model, val_data, cfg, world)
-            metrics.write({"kind": "eval", "step": state.step, "eval_loss": eval_loss})
-            log.info(f"eval step {state.step}: eval_loss {eval_loss:.4f}")
-        periodic = t.checkpoint_every > 0 and due(state.step, t.checkpoint_every, t.max_steps)
-        if periodic or verdict.save or verdict.stop:
-            with meter.paused():
-                checkpointer.save(state.step, model, optimizer, job.carried())
-        if verdict.stop:
-            reason = verdict.reason
-            log.info(f"stopping at step {state.step} ({reason}); the checkpoint is saved")
-            break
+            if logs:
+                log_step(metrics, log, meter.read(state.step), state, loss, grad_norm, lr, t, world,
+                         scaler, sampler)
+            if evals:
+                with meter.paused():
+                    eval_loss = evaluate(model, val_data, cfg, world)
+                metrics.write({"kind": "eval", "step": state.step, "eval_loss": eval_loss})
+                log.info(f"eval step {state.step}: eval_loss {eval_loss:.4f}")
+            stop = next((v for v in verdicts if v.stop), None)
+            if periodic or stop or any(v.save for v in verdicts):
+                with meter.paused():
+                    checkpointer.save(state.step, model, optimizer, job.carried())
+            if stop:
+                reason = stop.reason
+                log.info(f"stopping at step {state.step} ({reason}); the checkpoint is saved")
+                break
+    finally:
+        prefetch.close()
     control.exit(reason, state.step)
     job.reason = reason
     for f in (metrics, samples):
@@ -280,54 +298,72 @@ def due(step: int, every: int, last: int) -> bool:
     return (every > 0 and step % every == 0) or step == last
 
 
-def forward_backward(model, optimizer, scaler, data: TokenStream, micro_batches, cfg: Config, world: World,
-                     loss_factor: float = 1.0) -> tuple[torch.Tensor, torch.Tensor]:
-    """This rank's micro-batches and their gradients, reduced across ranks (see gradient_sync);
-    returns (mean loss, global gradient norm before clipping)."""
-    total = torch.zeros((), device=world.device)
-    for i, indices in enumerate(micro_batches):
-        batch = to_device(batch_tokens(data, indices, cfg.data.seq_len), world.device)
+def forward_backward(model, optimizer, scaler, micro_batches, cfg: Config, loss_factor: float = 1.0,
+                     norm: bool = True) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """This rank's micro-batches (on the device) and their gradients, reduced across ranks (see
+    gradient_sync); returns (mean loss, global gradient norm before clipping). The norm is
+    computed where it is used: to clip, or to log (`norm`); else None."""
+    total = None
+    for i, batch in enumerate(micro_batches):
         with gradient_sync(model, i == len(micro_batches) - 1, cfg):
-            with autocast(cfg, world.device):
+            with autocast(cfg, batch.device):
                 loss = lm_loss(model, batch) * loss_factor
             scaler.scale(loss / len(micro_batches)).backward()
-        total += loss.detach()
+        total = loss.detach() if total is None else total + loss.detach()
     scaler.unscale_(optimizer)
-    max_norm = cfg.train.grad_clip or float("inf")
-    grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm)
+    grad_norm = None
+    if cfg.train.grad_clip > 0:
+        grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.train.grad_clip)
+    elif norm:
+        grad_norm = torch.nn.utils.get_total_norm([p.grad for p in model.parameters() if p.grad is not None])
     if hasattr(grad_norm, "full_tensor"):  # FSDP2: a DTensor holding the global norm
         grad_norm = grad_norm.full_tensor()
     return total / len(micro_batches), grad_norm
 
 
-def optimizer_step(optimizer, scaler) -> None:
+def optimizer_step(optimizer, scaler, skip: torch.Tensor | None = None) -> None:
+    """One update, or none where `skip` (a 0-dim flag on the device) is 1: fused AdamW reads it
+    in its kernel (`found_inf`, as the loss scaler uses it), so skipping costs no host wait."""
+    if skip is not None:
+        optimizer.found_inf = skip
     scaler.step(optimizer)
+    optimizer.found_inf = None
     scaler.update()
     optimizer.zero_grad(set_to_none=True)
 
 
-def finite(loss: torch.Tensor, grad_norm: torch.Tensor, cfg: Config) -> torch.Tensor:
+def finite(loss: torch.Tensor, grad_norm: torch.Tensor | None, cfg: Config) -> torch.Tensor:
     """False when the loss or the gradient norm is NaN/inf. Under fp16 an infinite norm is the
-    loss scaler's business (it skips that step and lowers the scale), so only the loss counts."""
+    loss scaler's business (it skips that step and lowers the scale), so only the loss counts;
+    with clipping off, steps that do not log have no norm and the loss alone counts."""
     ok = torch.isfinite(loss)
-    return ok if cfg.train.precision == "fp16" else ok & torch.isfinite(grad_norm.to(loss.device))
+    if cfg.train.precision == "fp16" or grad_norm is None:
+        return ok
+    return ok & torch.isfinite(grad_norm.to(loss.device))
 
 
-def skip_step(optimizer, scaler, state: RunState, indices, t, log: Log) -> None:
+def skip_fp16_step(optimizer, scaler) -> None:
+    """fp16: unscale_ ran, so the scaler must end this step too, with a lower scale."""
     optimizer.zero_grad(set_to_none=True)
-    if scaler.is_enabled():  # fp16: unscale_ ran; the scaler must end this step too, lower
-        scaler.update(scaler.get_scale() * scaler.get_backoff_factor())
+    scaler.update(scaler.get_scale() * scaler.get_backoff_factor())
+
+
+def account(verdict: Verdict, state: RunState, t, log: Log) -> None:
+    """Count a step's verdict in (in step order): a skipped step is logged with this rank's
+    samples, and too many in a row stop the run."""
+    if not verdict.nonfinite:
+        state.bad_in_a_row = 0
+        return
     state.skipped += 1
     state.bad_in_a_row += 1
-    step = state.step + 1
-    log.info(f"warning: step {step}: non-finite loss or gradient norm on some rank; step skipped "
-             f"({state.bad_in_a_row} in a row, {state.skipped} in all); this rank's samples: "
-             f"{[int(i) for i in indices]}")
+    log.info(f"warning: step {verdict.step}: non-finite loss or gradient norm on some rank; step "
+             f"skipped ({state.bad_in_a_row} in a row, {state.skipped} in all); this rank's samples: "
+             f"{[int(i) for i in verdict.samples]}")
     if state.bad_in_a_row > t.max_bad_steps:
         raise TrainingDiverged(
-            f"training stopped at step {step}: {_count(state.bad_in_a_row, 'step')} in a row had a non-finite "
-            f"loss or gradient norm (train.max_bad_steps is {t.max_bad_steps}); lower train.lr, "
-            f"check the data (logs/rank-*.log name the samples), or resume from an earlier "
+            f"training stopped at step {verdict.step}: {_count(state.bad_in_a_row, 'step')} in a row had "
+            f"a non-finite loss or gradient norm (train.max_bad_steps is {t.max_bad_steps}); lower "
+            f"train.lr, check the data (logs/rank-*.log name the samples), or resume from an earlier "
             f"checkpoint with train.resume")
 
 
@@ -379,7 +415,7 @@ def evaluate(model, data: TokenStream, cfg: Config, world: World) -> float:
     total = torch.zeros((), dtype=torch.float64, device=world.device)
     model.eval()
     for chunk in np.array_split(indices, -(-per_rank // mb)) if per_rank else []:
-        batch = to_device(batch_tokens(data, chunk, seq_len), world.device)
+        batch = pinned(batch_tokens(data, chunk, seq_len), world.device).to(world.device, non_blocking=True)
         with autocast(cfg, world.device):
             total += lm_loss(model, batch).double() * len(chunk)
     model.train()
@@ -420,13 +456,6 @@ def steps_from_epochs(cfg: Config, folder, manifest: dict, log: Log) -> Config:
         raise ConfigError([f"train.warmup_steps: must be < the {steps} steps of train.epochs "
                            f"{t.epochs} (got {t.warmup_steps})"])
     return dataclasses.replace(cfg, train=dataclasses.replace(t, max_steps=steps))
-
-
-def to_device(batch: np.ndarray, device: torch.device) -> torch.Tensor:
-    tensor = torch.from_numpy(batch)
-    if device.type == "cuda":
-        return tensor.pin_memory().to(device, non_blocking=True)
-    return tensor
 
 
 def check_model_fits(cfg: Config, config, manifest: dict) -> None:
