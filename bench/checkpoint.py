@@ -31,7 +31,7 @@ from llmtrain.model.parallel import grad_scaler, parallelize
 from llmtrain.rundir import Log
 from llmtrain.training import distributed
 from llmtrain.training.checkpoint import Checkpointer
-from llmtrain.training.loop import lm_loss
+from llmtrain.model.loss import lm_loss
 from llmtrain.training.optim import build_optimizer
 
 REPO = Path(__file__).resolve().parents[1]

@@ -7,10 +7,12 @@ import time
 
 import pytest
 import torch
+import torch.nn.functional as F
 from transformers import AutoConfig
 
 from llmtrain.config import TrainConfig
 from llmtrain.model.build import decoder_layers, flops_per_token, num_params
+from llmtrain.model.loss import chunked_cross_entropy
 from llmtrain.training.optim import lr_at
 
 
@@ -78,3 +80,51 @@ def test_warmup_then_cosine_to_min_lr():
 
 def test_no_warmup_starts_at_peak():
     assert lr_at(0, schedule(warmup_steps=0)) == pytest.approx(1e-3)
+
+
+@pytest.mark.parametrize("dtype,tol", [(torch.float32, 1e-5), (torch.bfloat16, 2e-2)])
+def test_the_chunked_loss_equals_the_plain_one_with_its_gradients(dtype, tol):
+    """Chunks that do not divide the tokens (37 tokens, 8 at a time), fp32 and bf16 inputs:
+    loss, hidden-state and head gradients equal the plain F.cross_entropy's."""
+    torch.manual_seed(0)
+    hidden = torch.randn(37, 16, dtype=dtype, requires_grad=True)
+    weight = torch.randn(50, 16, dtype=dtype, requires_grad=True)
+    targets = torch.randint(0, 50, (37,))
+    plain = F.cross_entropy((hidden @ weight.t()).float(), targets)
+    plain.backward()
+    want = (plain.detach(), hidden.grad.clone(), weight.grad.clone())
+    hidden.grad = weight.grad = None
+    chunked = chunked_cross_entropy(hidden, weight, targets, chunk=8)
+    (chunked * 2).backward()  # the upstream gradient scales both
+    assert abs(chunked.item() - want[0].item()) <= 1e-5
+    assert torch.allclose(hidden.grad.float(), 2 * want[1].float(), atol=tol, rtol=tol)
+    assert torch.allclose(weight.grad.float(), 2 * want[2].float(), atol=tol, rtol=tol)
+    with torch.no_grad():
+        assert abs(chunked_cross_entropy(hidden, weight, targets, chunk=8).item() - want[0].item()) <= 1e-5
+
+
+def test_the_chunked_loss_never_holds_the_full_logits():
+    """Torch's own tensor-memory tracker: the plain loss's peak holds [tokens x vocab] fp32 logits
+    several times over; the chunked one about one chunk's, at the same loss."""
+    from torch.distributed._tools.mem_tracker import MemTracker
+
+    torch.manual_seed(0)
+    tokens, vocab, width = 2048, 8192, 32  # 64 MiB of fp32 logits
+    hidden = torch.randn(tokens, width, requires_grad=True)
+    weight = torch.randn(vocab, width, requires_grad=True)
+    targets = torch.randint(0, vocab, (tokens,))
+    peaks, values = {}, {}
+    for name, fn in {"plain": lambda: F.cross_entropy(hidden @ weight.t(), targets),
+                     "chunked": lambda: chunked_cross_entropy(hidden, weight, targets, chunk=256)}.items():
+        hidden.grad = weight.grad = None
+        tracker = MemTracker()
+        tracker.track_external(hidden, weight)
+        with tracker:
+            loss = fn()
+            loss.backward()
+        values[name] = loss.item()
+        peaks[name] = tracker.get_tracker_snapshot("peak")[torch.device("cpu")]["Total"]
+    logits = tokens * vocab * 4
+    assert abs(values["plain"] - values["chunked"]) <= 1e-5
+    assert peaks["plain"] >= 2 * logits
+    assert peaks["chunked"] <= logits / 4  # one 256-token chunk: 8 MiB

@@ -40,7 +40,9 @@ def ddp(setup):
 
 def test_ddp_fsdp_single_process_and_accumulation_agree(setup, ddp):
     _, config = setup
-    torchrun(2, "train", "--config", config, "--set", "run.name=fsdp", "--set", "parallel.strategy=fsdp")
+    # FSDP with the plain loss (full logits) against DDP with the chunked one (the default)
+    torchrun(2, "train", "--config", config, "--set", "run.name=fsdp", "--set", "parallel.strategy=fsdp",
+             "--set", "train.chunked_loss=false")
     torchrun(2, "train", "--config", config, "--set", "run.name=ddp-mb2", "--set", "train.micro_batch_size=2")
     cli("train", "--config", config, "--set", "run.name=single", check=True)
 

@@ -20,13 +20,13 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 import torch.distributed as dist
-import torch.nn.functional as F
 
 from ..config import Config, ConfigError, UserError, dump_yaml
 from ..data.loader import Prefetcher, StepSampler, TokenStream, batch_tokens, open_prepared, pinned
 from ..metrics import MetricsWriter, SampleLog, Throughput, peak_flops, peak_memory_gib, progress_line
 from ..model.build import (flops_per_token, load_tokenizer, model_config, num_params, pretrained_dir,
                            vocab_padding)
+from ..model.loss import chunk_head, lm_loss
 from ..model.parallel import (autocast, configure_matmul_precision, grad_scaler, gradient_sync, parallelize,
                               shard_size)
 from ..rundir import Log, RunLock, hostname, provenance, write_atomic
@@ -109,6 +109,10 @@ def run(cfg: Config, world: World, watch: Watchdog, run_lock: RunLock) -> None:
     model = parallelize(cfg, config, world, watch)
     if cfg.model.name_or_path is not None:
         log.info(f"loaded pretrained weights from {pretrained_dir(cfg)}")
+    head = chunk_head(model, config) if t.chunked_loss else None
+    if t.chunked_loss and head is None:
+        log.info(f"train.chunked_loss: not for model type {config.model_type!r} (its head is not "
+                 f"a plain linear layer it applies last); the loss takes the full logits")
     optimizer = build_optimizer(model, t, world.device)
     scaler = grad_scaler(cfg, world.device)
     n_params = num_params(model)
@@ -128,7 +132,7 @@ def run(cfg: Config, world: World, watch: Watchdog, run_lock: RunLock) -> None:
     state = RunState()
     checkpointer = Checkpointer(cfg, world, log, compat_info(cfg, config, manifest),
                                 hf_files=(config, tokenizer))
-    job = Job(model, optimizer, scaler, checkpointer, sampler, state, train_data, val_data, accum,
+    job = Job(model, head, optimizer, scaler, checkpointer, sampler, state, train_data, val_data, accum,
               flops_per_token(config, n_params, seq_len) * t.global_batch_size * seq_len)
     with watch.phase("resuming"):
         resumed = checkpointer.load(model, optimizer)  # a refused resume raises here
@@ -161,6 +165,7 @@ class Job:
     """Everything the loop works with, built once by run()."""
 
     model: torch.nn.Module
+    head: torch.nn.Module | None  # the output head lm_loss applies in chunks (model/loss.py)
     optimizer: torch.optim.Optimizer
     scaler: torch.amp.GradScaler
     checkpointer: Checkpointer
@@ -212,8 +217,8 @@ def loop(cfg: Config, world: World, watch: Watchdog, log: Log, job: Job) -> None
             logs = due(step, t.log_every, t.max_steps)
             evals = val_data is not None and t.eval_every > 0 and due(step, t.eval_every, t.max_steps)
             periodic = t.checkpoint_every > 0 and due(step, t.checkpoint_every, t.max_steps)
-            loss, grad_norm = forward_backward(model, optimizer, scaler, prefetch.next(indices), cfg,
-                                               faults.loss_factor(step), norm=logs or t.grad_clip > 0)
+            loss, grad_norm = forward_backward(model, job.head, optimizer, scaler, prefetch.next(indices),
+                                               cfg, faults.loss_factor(step), norm=logs or t.grad_clip > 0)
             faults.maybe_hang(step)
             watch.at_sync()
             agreement = control.agree(step, finite(loss, grad_norm, cfg), samples=indices)
@@ -244,7 +249,7 @@ def loop(cfg: Config, world: World, watch: Watchdog, log: Log, job: Job) -> None
                          scaler, sampler)
             if evals:
                 with meter.paused():
-                    eval_loss = evaluate(model, val_data, cfg, world)
+                    eval_loss = evaluate(model, job.head, val_data, cfg, world)
                 metrics.write({"kind": "eval", "step": state.step, "eval_loss": eval_loss})
                 log.info(f"eval step {state.step}: eval_loss {eval_loss:.4f}")
             stop = next((v for v in verdicts if v.stop), None)
@@ -298,7 +303,7 @@ def due(step: int, every: int, last: int) -> bool:
     return (every > 0 and step % every == 0) or step == last
 
 
-def forward_backward(model, optimizer, scaler, micro_batches, cfg: Config, loss_factor: float = 1.0,
+def forward_backward(model, head, optimizer, scaler, micro_batches, cfg: Config, loss_factor: float = 1.0,
                      norm: bool = True) -> tuple[torch.Tensor, torch.Tensor | None]:
     """This rank's micro-batches (on the device) and their gradients, reduced across ranks (see
     gradient_sync); returns (mean loss, global gradient norm before clipping). The norm is
@@ -307,7 +312,7 @@ def forward_backward(model, optimizer, scaler, micro_batches, cfg: Config, loss_
     for i, batch in enumerate(micro_batches):
         with gradient_sync(model, i == len(micro_batches) - 1, cfg):
             with autocast(cfg, batch.device):
-                loss = lm_loss(model, batch) * loss_factor
+                loss = lm_loss(model, batch, head) * loss_factor
             scaler.scale(loss / len(micro_batches)).backward()
         total = loss.detach() if total is None else total + loss.detach()
     scaler.unscale_(optimizer)
@@ -396,14 +401,8 @@ def _injected_fault() -> None:
     time.sleep(10**6)
 
 
-def lm_loss(model, batch: torch.Tensor) -> torch.Tensor:
-    """Mean next-token cross-entropy; batch holds windows of seq_len + 1 tokens."""
-    logits = model(input_ids=batch[:, :-1]).logits
-    return F.cross_entropy(logits.float().flatten(0, 1), batch[:, 1:].flatten())
-
-
 @torch.no_grad()
-def evaluate(model, data: TokenStream, cfg: Config, world: World) -> float:
+def evaluate(model, head, data: TokenStream, cfg: Config, world: World) -> float:
     """Mean loss over the first eval_samples validation samples, whatever the world size.
 
     The count is rounded down to a multiple of the world size so that every rank runs the same
@@ -417,7 +416,7 @@ def evaluate(model, data: TokenStream, cfg: Config, world: World) -> float:
     for chunk in np.array_split(indices, -(-per_rank // mb)) if per_rank else []:
         batch = pinned(batch_tokens(data, chunk, seq_len), world.device).to(world.device, non_blocking=True)
         with autocast(cfg, world.device):
-            total += lm_loss(model, batch).double() * len(chunk)
+            total += lm_loss(model, batch, head).double() * len(chunk)
     model.train()
     sums = torch.stack([total, torch.tensor(float(per_rank), dtype=torch.float64,
                                             device=world.device)])
