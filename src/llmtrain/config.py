@@ -100,6 +100,7 @@ class TrainConfig:
     eps: float = 1e-8
     grad_clip: float = 1.0  # max global gradient norm; 0 disables clipping
     chunked_loss: bool = True  # the loss over chunks of tokens, never all logits at once (model/loss.py)
+    compile: bool = False  # torch.compile each decoder layer and the loss's chunks (compiled in the first step)
     precision: Literal["bf16", "fp16", "fp32"] = "bf16"
     tf32: bool = True  # fp32 matmuls on Ampere+ GPUs use TF32 tensor cores (about 1e-3 relative error)
     peak_tflops: Optional[float] = None  # one GPU's dense peak for MFU; None: metrics.PEAK_TFLOPS

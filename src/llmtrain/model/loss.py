@@ -1,6 +1,6 @@
 """The language-model loss without the full logits.
 
-    head = chunk_head(model)          # once, on the wrapped model: its forward now returns hidden states
+    head = chunk_head(model, config)  # once, on the wrapped model: its forward now returns hidden states
     loss = lm_loss(model, batch, head)
 
 A plain loss materialises the logits of every token at once, [tokens x vocab], and an fp32 copy
@@ -20,6 +20,10 @@ others (logit soft-capping or scaling) keep the plain loss.
 
 from __future__ import annotations
 
+import warnings
+from dataclasses import dataclass
+from typing import Callable
+
 import torch
 import torch.nn.functional as F
 
@@ -31,40 +35,52 @@ CHUNKED_TYPES = frozenset({
 })
 
 
-def chunk_head(model: torch.nn.Module, config) -> torch.nn.Linear | None:
-    """Make the model's output head pass its input through, and return the head, for
-    lm_loss to apply in chunks; None (the model unchanged) where its type is not known to
-    apply the head plainly or the head has a bias."""
+@dataclass(frozen=True)
+class ChunkedHead:
+    """The output head lm_loss applies itself, and the function that does one chunk."""
+
+    linear: torch.nn.Linear
+    chunk_fn: Callable = None  # _chunk, or its torch.compile'd twin
+
+
+def chunk_head(model: torch.nn.Module, config, compile: bool = False) -> ChunkedHead | None:
+    """Make the model's output head pass its input through, and return it for lm_loss to apply
+    in chunks (`compile`: each chunk's work compiled); None (the model unchanged) where the
+    model type is not known to apply the head plainly, or the head has a bias."""
     base = model.module if hasattr(model, "no_sync") else model  # DDP
     head = base.get_output_embeddings()
     if (getattr(config, "model_type", None) not in CHUNKED_TYPES or not isinstance(head, torch.nn.Linear)
             or head.bias is not None):
         return None
     head.forward = _passthrough
-    return head
+    # The root's output is now a view of the final hidden states (HF slices them for the head),
+    # and FSDP2 warns that an in-place op on a view would skip its pre-backward hook; lm_loss
+    # applies none.
+    warnings.filterwarnings("ignore", message=r"FSDP2-wrapped module \(.*\) returned a view tensor")
+    return ChunkedHead(head, torch.compile(_chunk) if compile else _chunk)
 
 
 def _passthrough(hidden: torch.Tensor) -> torch.Tensor:
     return hidden
 
 
-def lm_loss(model: torch.nn.Module, batch: torch.Tensor, head: torch.nn.Linear | None = None) -> torch.Tensor:
+def lm_loss(model: torch.nn.Module, batch: torch.Tensor, head: ChunkedHead | None = None) -> torch.Tensor:
     """Mean next-token cross-entropy; batch holds windows of seq_len + 1 tokens. With `head`
     (chunk_head's), the model returns hidden states and the loss is chunked."""
     out = model(input_ids=batch[:, :-1]).logits
     targets = batch[:, 1:].flatten()
     if head is None:
         return F.cross_entropy(out.float().flatten(0, 1), targets)
-    return chunked_cross_entropy(out.flatten(0, 1), head.weight, targets)
+    return chunked_cross_entropy(out.flatten(0, 1), head.linear.weight, targets, chunk_fn=head.chunk_fn)
 
 
 def chunked_cross_entropy(hidden: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor,
-                          chunk: int | None = None) -> torch.Tensor:
+                          chunk: int | None = None, chunk_fn: Callable | None = None) -> torch.Tensor:
     """mean_i CE(hidden[i] @ weight.T, targets[i]), [chunk x vocab] logits at a time (default:
     CHUNK_LOGIT_BYTES of fp32 logits). Gradients flow to hidden and weight."""
     chunk = chunk or max(1, CHUNK_LOGIT_BYTES // (4 * weight.shape[0]))
     if torch.is_grad_enabled() and (hidden.requires_grad or weight.requires_grad):
-        return _ChunkedCrossEntropy.apply(hidden, weight, targets, chunk)
+        return _ChunkedCrossEntropy.apply(hidden, weight, targets, chunk, chunk_fn or _chunk)
     total = hidden.new_zeros((), dtype=torch.float32)
     for start in range(0, hidden.shape[0], chunk):
         logits = (hidden[start:start + chunk] @ weight.t()).float()
@@ -72,29 +88,35 @@ def chunked_cross_entropy(hidden: torch.Tensor, weight: torch.Tensor, targets: t
     return total / hidden.shape[0]
 
 
+def _chunk(h: torch.Tensor, weight: torch.Tensor, t: torch.Tensor, n: int):
+    """One chunk: (its summed loss, d(mean loss)/d(logits) in h's dtype, d(mean loss)/d(h))."""
+    logits = (h @ weight.t()).float()
+    lse = torch.logsumexp(logits, dim=-1)
+    loss = (lse - logits.gather(1, t[:, None]).squeeze(1)).sum()
+    # (softmax - onehot) / n, in place of the logits
+    grad = logits.sub_(lse[:, None]).exp_()
+    grad[torch.arange(t.shape[0], device=t.device), t] -= 1
+    grad = grad.div_(n).to(h.dtype)
+    return loss, grad, grad @ weight
+
+
 class _ChunkedCrossEntropy(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, hidden, weight, targets, chunk):
+    def forward(ctx, hidden, weight, targets, chunk, chunk_fn):
         n = hidden.shape[0]
         grad_hidden = torch.empty_like(hidden)
         grad_weight = torch.zeros(weight.shape, dtype=torch.float32, device=weight.device)
         total = hidden.new_zeros((), dtype=torch.float32)
         for start in range(0, n, chunk):
-            h, t = hidden[start:start + chunk], targets[start:start + chunk]
-            logits = (h @ weight.t()).float()
-            lse = torch.logsumexp(logits, dim=-1)
-            total = total + (lse - logits.gather(1, t[:, None]).squeeze(1)).sum()
-            # d(mean loss)/d(logits) = (softmax - onehot) / n, in place of the logits
-            grad = logits.sub_(lse[:, None]).exp_()
-            grad[torch.arange(len(t), device=t.device), t] -= 1
-            grad = grad.div_(n).to(h.dtype)
-            grad_hidden[start:start + chunk] = grad @ weight
+            h = hidden[start:start + chunk]
+            loss, grad, grad_hidden[start:start + chunk] = chunk_fn(h, weight, targets[start:start + chunk], n)
+            total = total + loss
             grad_weight.addmm_(grad.t().float(), h.float())
-            del logits, grad
+            del grad
         ctx.save_for_backward(grad_hidden, grad_weight.to(weight.dtype))
         return total / n
 
     @staticmethod
     def backward(ctx, grad_out):
         grad_hidden, grad_weight = ctx.saved_tensors
-        return grad_hidden * grad_out, grad_weight * grad_out, None, None
+        return grad_hidden * grad_out, grad_weight * grad_out, None, None, None

@@ -52,6 +52,8 @@ def parallelize(cfg: Config, config, world: World, watch=None) -> torch.nn.Modul
         tied = _tied(model)  # decided on the skeleton, so every rank agrees
         if cfg.model.activation_checkpointing:
             checkpoint_layers(model, cfg.model.activation_checkpointing_every)
+        if cfg.train.compile:
+            compile_layers(model)
     with phase("sharding"):
         if cfg.parallel.strategy in SHARDED_STRATEGIES:
             apply_fsdp(model, cfg, device_mesh(cfg, world))
@@ -92,6 +94,38 @@ def causal_attention(model: torch.nn.Module) -> None:
         model.set_attn_implementation(CAUSAL_SDPA)
     else:
         model.config._attn_implementation = CAUSAL_SDPA
+
+
+def compile_layers(model: torch.nn.Module) -> list[str]:
+    """torch.compile each decoder layer's forward, in place: the layer's FSDP2 hooks and its
+    activation checkpointing wrap the call around that forward and stay eager, the parameter
+    names (so checkpoints) do not change, and the layers share one compiled graph (same code,
+    parameters as inputs). Compilation happens in the first step; its caches go to node-local
+    folders (compile_caches). Returns the cache folders."""
+    caches = compile_caches()
+    for layer in decoder_layers(model):
+        layer.forward = torch.compile(layer.forward)
+    return caches
+
+
+def compile_caches() -> list[str]:
+    """Inductor's and Triton's caches on the node's own disk ($TMPDIR, else /tmp), unless set:
+    Triton's default is ~/.triton, which on a cluster is the shared filesystem, where every rank of
+    every node would write its kernels."""
+    import getpass
+    import tempfile
+    root = Path(tempfile.gettempdir())
+    user = getpass.getuser()
+    os.environ.setdefault("TORCHINDUCTOR_CACHE_DIR", str(root / f"torchinductor_{user}"))
+    os.environ.setdefault("TRITON_CACHE_DIR", str(root / f"triton_{user}"))
+    return [os.environ["TORCHINDUCTOR_CACHE_DIR"], os.environ["TRITON_CACHE_DIR"]]
+
+
+def compile_seconds() -> float:
+    """Seconds torch.compile has spent so far in this process (tracing, forward and backward
+    graphs), by dynamo's own account."""
+    from torch._dynamo.utils import calculate_time_spent
+    return float(calculate_time_spent().get("total_wall_time", 0.0))
 
 
 def checkpoint_layers(model: torch.nn.Module, every: int = 1) -> list[bool]:

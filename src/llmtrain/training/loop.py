@@ -27,8 +27,8 @@ from ..metrics import MetricsWriter, SampleLog, Throughput, peak_flops, peak_mem
 from ..model.build import (flops_per_token, load_tokenizer, model_config, num_params, pretrained_dir,
                            vocab_padding)
 from ..model.loss import chunk_head, lm_loss
-from ..model.parallel import (autocast, configure_matmul_precision, grad_scaler, gradient_sync, parallelize,
-                              shard_size)
+from ..model.parallel import (autocast, compile_seconds, configure_matmul_precision, grad_scaler, gradient_sync,
+                              parallelize, shard_size)
 from ..rundir import Log, RunLock, hostname, provenance, write_atomic
 from . import distributed
 from .checkpoint import Checkpointer, compat_info
@@ -109,7 +109,7 @@ def run(cfg: Config, world: World, watch: Watchdog, run_lock: RunLock) -> None:
     model = parallelize(cfg, config, world, watch)
     if cfg.model.name_or_path is not None:
         log.info(f"loaded pretrained weights from {pretrained_dir(cfg)}")
-    head = chunk_head(model, config) if t.chunked_loss else None
+    head = chunk_head(model, config, compile=t.compile) if t.chunked_loss else None
     if t.chunked_loss and head is None:
         log.info(f"train.chunked_loss: not for model type {config.model_type!r} (its head is not "
                  f"a plain linear layer it applies last); the loss takes the full logits")
@@ -243,6 +243,10 @@ def loop(cfg: Config, world: World, watch: Watchdog, log: Log, job: Job) -> None
             checkpointer.poll()
             if watch.starting:
                 log.info(watch.started())
+                if t.compile:
+                    log.info(f"torch.compile: {compile_seconds():.1f}s compiling in the first step "
+                             f"(caches: {os.environ['TORCHINDUCTOR_CACHE_DIR']}, "
+                             f"{os.environ['TRITON_CACHE_DIR']})")
 
             if logs:
                 log_step(metrics, log, meter.read(state.step), state, loss, grad_norm, lr, t, world,
