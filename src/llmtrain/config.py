@@ -124,6 +124,7 @@ class ParallelConfig:
     shard_size: Optional[int] = None  # hsdp: ranks per shard group; None: the processes of one node
     backend: Literal["auto", "nccl", "gloo"] = "auto"  # auto: nccl on GPUs, gloo on CPUs
     reshard_after_forward: bool = True  # FSDP2: free gathered params after forward (ZeRO-3)
+    prefetch_layers: int = 1  # FSDP2: layers whose all-gather starts ahead of time; 0: FSDP2's implicit
     # fsdp/hsdp with accumulation: reduce-scatter gradients after every micro-batch, so a rank
     # only holds its gradient shard. false: once per step, but every rank then keeps all layers'
     # full fp32 gradients until the last micro-batch (+4 bytes per parameter per GPU: 32 GB at 8B)
@@ -508,6 +509,8 @@ def validate(cfg: Config, world_size: int | None = None, written: dict | None = 
                  "or set eval_every: 0")
     if d.num_proc is not None and d.num_proc < 1:
         p.append(f"data.num_proc: must be >= 1 (got {d.num_proc})")
+    if cfg.parallel.prefetch_layers < 0:
+        p.append(f"parallel.prefetch_layers: must be >= 0 (got {cfg.parallel.prefetch_layers})")
     if d.prefetch_steps < 0:
         p.append(f"data.prefetch_steps: must be >= 0 (got {d.prefetch_steps})")
     if s.gpus_per_node < 0:

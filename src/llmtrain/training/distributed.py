@@ -37,6 +37,11 @@ def init(cfg: Config) -> World:
     rank = int(os.environ.get("RANK", 0))
     world_size = int(os.environ.get("WORLD_SIZE", 1))
     local_rank = int(os.environ.get("LOCAL_RANK", 0))
+    # The CUDA caching allocator maps growing segments instead of carving fixed blocks: less
+    # fragmentation as tensor sizes vary (evaluation, the loss's last chunk, FSDP2's buffers).
+    # Before the first allocation; a setting of the user's wins.
+    if not (os.environ.get("PYTORCH_CUDA_ALLOC_CONF") or os.environ.get("PYTORCH_ALLOC_CONF")):
+        os.environ["PYTORCH_CUDA_ALLOC_CONF"] = "expandable_segments:True"
     device = pick_device(cfg, local_rank)
     backend = cfg.parallel.backend
     if backend == "auto":
