@@ -1,11 +1,14 @@
-"""llmtrain's training throughput against a minimal PyTorch loop, interleaved in one run.
+"""llmtrain's training throughput against a minimal PyTorch loop and the Hugging Face Trainer,
+interleaved in one run; and each one's start-up.
 
-    python bench/throughput.py [--rounds 5] [--nproc 1 2]
+    python bench/throughput.py [--rounds 5] [--nproc 1 2] [--startup 5]
 
-For each process count, alternates rounds of bench/plain_loop.py and `llmtrain train` on the
-same model (Llama, 4 layers x 256 hidden), micro batch 8, seq_len 256, fp32, AdamW, clipping,
-and compares the median tokens/s of the steady-state windows (the first window, with warm-up, is
-dropped from both). Target: ratio >= 0.97. Needs an environment from setup.sh.
+For each process count, alternates rounds of bench/plain_loop.py, bench/hf_trainer.py and
+`llmtrain train` on the same model (Llama, 4 layers x 256 hidden), micro batch 8, seq_len 256,
+fp32, fused AdamW, clipping, and compares the median tokens/s of the steady-state windows (the
+first window of each round, with warm-up, is dropped). Targets: >= 0.98x the plain loop, >= 1.0x
+the HF Trainer. --startup N: the wall time of N one-step runs of each, process start to exit
+(median). Needs an environment from setup.sh.
 """
 
 from __future__ import annotations
@@ -13,7 +16,9 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import shutil
 import statistics
+import time
 import subprocess
 import sys
 import tempfile
@@ -48,26 +53,44 @@ def launcher(nproc: int) -> list[str]:
     return [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(nproc)]
 
 
-def run_plain(nproc: int) -> list[float]:
-    out = subprocess.run(launcher(nproc) + [str(REPO / "bench" / "plain_loop.py"), "--layers", str(LAYERS),
-                         "--hidden", str(HIDDEN), "--seq-len", str(SEQ), "--micro-batch", str(MICRO),
-                         "--steps", str(STEPS), "--window", str(WINDOW)],
-                         capture_output=True, text=True, check=True).stdout
+def peer_command(script: str, nproc: int, steps: int) -> list[str]:
+    return launcher(nproc) + [str(REPO / "bench" / script), "--layers", str(LAYERS), "--hidden", str(HIDDEN),
+                              "--seq-len", str(SEQ), "--micro-batch", str(MICRO), "--steps", str(steps),
+                              "--window", str(min(WINDOW, steps))]
+
+
+def run_peer(script: str, nproc: int) -> list[float]:
+    out = subprocess.run(peer_command(script, nproc, STEPS), capture_output=True, text=True, check=True).stdout
     return json.loads(out.strip().splitlines()[-1])["tokens_per_sec"][1:]
 
 
+def llmtrain_command(config: Path, nproc: int, steps: int) -> list[str]:
+    cmd = launcher(nproc) + ["-m", "llmtrain", "train", "--config", str(config), "--set", f"train.max_steps={steps}"]
+    if steps == 1:  # as the peers' one step: no warmup to speak of, no checkpoint at the end
+        cmd += ["--set", "train.warmup_steps=0", "--set", "train.checkpoint_every=0"]
+    return cmd
+
+
 def run_llmtrain(config: Path, nproc: int) -> list[float]:
-    subprocess.run(launcher(nproc) + ["-m", "llmtrain", "train", "--config", str(config)],
-                   capture_output=True, text=True, check=True)
     run_dir = Path(yaml.safe_load(config.read_text())["run"]["dir"]) / f"bench-{nproc}"
+    shutil.rmtree(run_dir, ignore_errors=True)  # a fresh run each round, not a resume of the last
+    subprocess.run(llmtrain_command(config, nproc, STEPS), capture_output=True, text=True, check=True)
     lines = [json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().splitlines()]
     return [x["tokens_per_sec"] for x in lines if x["kind"] == "train"][1:]
+
+
+def wall(cmd: list[str], before=lambda: None) -> float:
+    before()
+    t0 = time.perf_counter()
+    subprocess.run(cmd, capture_output=True, text=True, check=True)
+    return time.perf_counter() - t0
 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--rounds", type=int, default=5)
     ap.add_argument("--nproc", type=int, nargs="+", default=[1, 2])
+    ap.add_argument("--startup", type=int, default=0, help="one-step runs of each to time (0: none)")
     args = ap.parse_args()
     if "LLMTRAIN_HOME" not in os.environ:
         sys.exit("bench: source the env.sh that setup.sh wrote first")
@@ -76,15 +99,32 @@ def main() -> None:
             config = llmtrain_config(Path(tmp), nproc)
             subprocess.run([sys.executable, "-m", "llmtrain", "prepare", "--config", str(config)],
                            capture_output=True, check=True)
-            plain, ours = [], []
-            for _ in range(args.rounds):  # interleaved: drift in machine speed hits both alike
-                plain += run_plain(nproc)
-                ours += run_llmtrain(config, nproc)
-            p, o = statistics.median(plain), statistics.median(ours)
+            runs = {"plain loop": lambda: run_peer("plain_loop.py", nproc),
+                    "HF Trainer": lambda: run_peer("hf_trainer.py", nproc),
+                    "llmtrain": lambda: run_llmtrain(config, nproc)}
+            windows = {name: [] for name in runs}
+            for _ in range(args.rounds):  # interleaved: drift in machine speed hits all alike
+                for name, run in runs.items():
+                    windows[name] += run()
+            median = {name: statistics.median(w) for name, w in windows.items()}
             label = "1 process" if nproc == 1 else f"{nproc}-process DDP"
-            print(f"{label}: plain loop {p:,.0f} tok/s, llmtrain {o:,.0f} tok/s, "
-                  f"ratio {o / p:.3f} (medians of {len(plain)} and {len(ours)} windows of {WINDOW} steps)",
-                  flush=True)
+            print(f"{label}: " + ", ".join(f"{name} {m:,.0f} tok/s" for name, m in median.items())
+                  + f"; llmtrain / plain loop {median['llmtrain'] / median['plain loop']:.3f}, "
+                  f"llmtrain / HF Trainer {median['llmtrain'] / median['HF Trainer']:.3f} "
+                  f"(medians of {len(windows['llmtrain'])} windows of {WINDOW} steps each)", flush=True)
+            if args.startup:
+                run_dir = Path(tmp) / "runs" / f"bench-{nproc}"
+                starts = {"plain loop": lambda: wall(peer_command("plain_loop.py", nproc, 1)),
+                          "HF Trainer": lambda: wall(peer_command("hf_trainer.py", nproc, 1)),
+                          "llmtrain": lambda: wall(llmtrain_command(config, nproc, 1),
+                                                   lambda: shutil.rmtree(run_dir, ignore_errors=True))}
+                times = {name: [] for name in starts}
+                for _ in range(args.startup):
+                    for name, run in starts.items():
+                        times[name].append(run())
+                print(f"{label}, one step from process start to exit: " + ", ".join(
+                    f"{name} {statistics.median(t):.2f} s" for name, t in times.items())
+                    + f" (medians of {args.startup})", flush=True)
 
 
 if __name__ == "__main__":
