@@ -5,7 +5,8 @@
 
 Same model class, fused AdamW, clipping at 1.0, precision and batch as bench/plain_loop.py, on
 random tokens generated up front; prints one JSON line with the tokens/s of each window of steps
-(timed by a callback at step ends).
+(timed by a callback at step ends) and the peak memory (on CUDA). --arch and --precision as in
+bench/plain_loop.py (bf16: the Trainer's own `bf16=True`, autocast).
 """
 
 from __future__ import annotations
@@ -17,7 +18,9 @@ import tempfile
 import time
 
 import torch
-from transformers import LlamaConfig, LlamaForCausalLM, Trainer, TrainerCallback, TrainingArguments
+from transformers import AutoModelForCausalLM, Trainer, TrainerCallback, TrainingArguments
+
+from plain_loop import model_config
 
 
 class Windows(TrainerCallback):
@@ -57,16 +60,15 @@ def main() -> None:
     ap.add_argument("--micro-batch", type=int, default=8)
     ap.add_argument("--steps", type=int, default=40)
     ap.add_argument("--window", type=int, default=10)
+    ap.add_argument("--arch", help="a JSON architecture (model_type and fields) instead of the Llama above")
+    ap.add_argument("--precision", choices=("fp32", "bf16"), default="fp32")
     args = ap.parse_args()
 
     world = int(os.environ.get("WORLD_SIZE", 1))
     torch.manual_seed(0)
-    model = LlamaForCausalLM(LlamaConfig(
-        vocab_size=args.vocab, hidden_size=args.hidden, intermediate_size=3 * args.hidden,
-        num_hidden_layers=args.layers, num_attention_heads=args.hidden // 64,
-        max_position_embeddings=args.seq_len, tie_word_embeddings=False, use_cache=False,
-    ))
-    data = Windows1D(torch.randint(0, args.vocab, (args.steps * args.micro_batch * world, args.seq_len + 1)))
+    config = model_config(args)
+    model = AutoModelForCausalLM.from_config(config)
+    data = Windows1D(torch.randint(0, config.vocab_size, (args.steps * args.micro_batch * world, args.seq_len + 1)))
     timer = Windows(args.window, args.micro_batch * args.seq_len * world)
     with tempfile.TemporaryDirectory() as out:
         training = TrainingArguments(
@@ -74,10 +76,11 @@ def main() -> None:
             learning_rate=1e-4, adam_beta2=0.95, weight_decay=0.1, max_grad_norm=1.0,
             lr_scheduler_type="cosine", warmup_steps=1, optim="adamw_torch_fused", use_cpu=not torch.cuda.is_available(),
             save_strategy="no", logging_strategy="no", report_to=[], disable_tqdm=True,
-            dataloader_num_workers=0, seed=0)
+            dataloader_num_workers=0, seed=0, bf16=args.precision == "bf16")
         Trainer(model=model, args=training, train_dataset=data, callbacks=[timer]).train()
     if int(os.environ.get("RANK", 0)) == 0:
-        print(json.dumps({"tokens_per_sec": timer.tokens_per_sec}), flush=True)
+        peak = torch.cuda.max_memory_allocated() / 2**30 if torch.cuda.is_available() else None
+        print(json.dumps({"tokens_per_sec": timer.tokens_per_sec, "peak_mem_gib": peak}), flush=True)
 
 
 if __name__ == "__main__":

@@ -103,9 +103,10 @@ def main() -> None:
                     "HF Trainer": lambda: run_peer("hf_trainer.py", nproc),
                     "llmtrain": lambda: run_llmtrain(config, nproc)}
             windows = {name: [] for name in runs}
-            for _ in range(args.rounds):  # interleaved: drift in machine speed hits all alike
-                for name, run in runs.items():
-                    windows[name] += run()
+            order = list(runs)
+            for r in range(args.rounds):  # interleaved, each side first in turn: drift hits all alike
+                for name in order[r % 3:] + order[:r % 3]:
+                    windows[name] += runs[name]()
             median = {name: statistics.median(w) for name, w in windows.items()}
             label = "1 process" if nproc == 1 else f"{nproc}-process DDP"
             print(f"{label}: " + ", ".join(f"{name} {m:,.0f} tok/s" for name, m in median.items())

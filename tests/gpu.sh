@@ -3,6 +3,7 @@
 #
 #   bash tests/gpu.sh wheels   # here, where pip reaches PyPI: the wheels that machine lacks -> .whl/
 #   bash tests/gpu.sh run      # there, in the repo root: install .whl/ into /tmp/site, run the tests
+#   bash tests/gpu.sh bench    # there: the same install, then bench/gpu.py (llmtrain vs peers)
 #
 # .whl/ is git-ignored (.git/info/exclude), so a call of the device tool names it in `carry`.
 # That machine's Python already has torch, transformers, pytest, pyarrow, xxhash and the rest;
@@ -30,6 +31,8 @@ Usage: bash tests/gpu.sh wheels|run
   run      on the GPU machine, in the repo root: install .whl/*.whl into /tmp/site and run
            python3 -m pytest -m gpu -v tests/test_gpu.py; the full log goes to
            $OUT/gpu-tests.log when OUT is set; a short summary is printed last
+  bench    on the GPU machine: the same install, then python3 bench/gpu.py (its runs' logs
+           under $OUT/bench when OUT is set); the table is printed last
 EOF_USAGE
 }
 
@@ -84,8 +87,8 @@ summary() {
     echo "pytest ended with status $status and no result line"
 }
 
-run_tests() {
-  local wheels log status=0
+install_wheels() {
+  local wheels
   shopt -s nullglob
   wheels=("$WHEELS"/*.whl)
   ((${#wheels[@]})) || die "no wheels in $WHEELS: run 'bash tests/gpu.sh wheels' where pip reaches PyPI and carry .whl"
@@ -93,6 +96,18 @@ run_tests() {
     --target "$SITE" "${wheels[@]}"
   export PYTHONPATH="$SITE:$REPO/src${PYTHONPATH:+:$PYTHONPATH}"
   export PYTHONUNBUFFERED=1
+}
+
+run_bench() {
+  install_wheels
+  versions
+  cd "$REPO"
+  python3 bench/gpu.py ${OUT:+--out "$OUT/bench"}
+}
+
+run_tests() {
+  local log status=0
+  install_wheels
   if [[ -n "${OUT:-}" ]]; then log="$OUT/gpu-tests.log"; else log="$(mktemp)"; fi
   versions | tee "$log"
   cd "$REPO"
@@ -106,6 +121,7 @@ main() {
   case "${1:-}" in
     wheels) download_wheels ;;
     run) run_tests ;;
+    bench) run_bench ;;
     -h | --help) usage ;;
     *) echo "gpu.sh: unknown mode: ${1:-(none given)}" >&2; usage; exit 2 ;;
   esac

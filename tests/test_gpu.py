@@ -13,13 +13,15 @@ from __future__ import annotations
 import json
 import math
 import re
+import subprocess
+import sys
 
 import pytest
 import torch
 import yaml
 from transformers import AutoTokenizer, LlamaConfig, LlamaForCausalLM
 
-from conftest import (DEMO, assert_same_curve, env_with, llmtrain, prepared_home, read_metrics,
+from conftest import (DEMO, REPO, assert_same_curve, env_with, llmtrain, prepared_home, read_metrics,
                       tiny_config, torchrun)
 from llmtrain.metrics import peak_tflops
 
@@ -95,6 +97,40 @@ def test_fsdp_bf16_trains_and_matches_fp32_at_the_start(setup):
     bf16 = [r["loss"] for r in assert_trains(run_dir(setup, "fsdp-bf16"))]
     fp32 = [r["loss"] for r in read_metrics(run_dir(setup, "fsdp-fp32")) if r["kind"] == "train"]
     assert len(fp32) == 3 and max(abs(a - b) for a, b in zip(bf16, fp32)) < 2e-2, (bf16[:3], fp32)
+
+
+@pytest.mark.parametrize("strategy", ["ddp", "fsdp"])
+def test_a_step_that_does_not_log_never_waits_for_the_gpu(setup, strategy):
+    """tests/sync_probe.py on CUDA (nccl, bf16, batches prefetched into pinned memory, compiled
+    off): a step that neither logs, evaluates nor saves reads nothing from the GPU but the
+    previous step's flags, from pinned memory behind an event, and makes one collective."""
+    root, config = setup
+    out = root / f"probe-{strategy}"
+    cmd = [sys.executable, "-m", "llmtrain.training.torchrun", "--standalone", "--nproc-per-node", "1",
+           str(REPO / "tests" / "sync_probe.py"), str(out), "train", "--config", str(config),
+           "--set", f"run.name=probe-{strategy}", "--set", f"parallel.strategy={strategy}",
+           "--set", "train.precision=bf16", "--set", "train.log_every=6"]
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    events = {int(k): v for k, v in json.loads((out / "rank-0.json").read_text()).items()}
+    due = {6, 12}  # logged, evaluated and saved
+    for step in sorted(set(range(1, STEPS + 1)) - due):
+        lagged = [] if step == 1 or step - 1 in due else ["read:tolist (3,)"]
+        assert events[step] == ["collective:all_reduce"] + lagged, (step, events[step])
+
+
+def test_compiled_fsdp_bf16_matches_eager(setup):
+    """train.compile on CUDA (inductor, Triton kernels) with FSDP2 and activation checkpointing:
+    the curve of the eager bf16 FSDP run within bf16's noise, and the compile time logged."""
+    _, config = setup
+    common = ("--set", "parallel.strategy=fsdp", "--set", "train.precision=bf16",
+              "--set", "model.activation_checkpointing=true")
+    torchrun(1, "train", "--config", config, *common, "--set", "run.name=eager-ac")
+    torchrun(1, "train", "--config", config, *common, "--set", "run.name=compiled-ac",
+             "--set", "train.compile=true")
+    assert_trains(run_dir(setup, "compiled-ac"))
+    assert_same_curve(run_dir(setup, "eager-ac"), run_dir(setup, "compiled-ac"), tol=3e-2)
+    assert "torch.compile: " in rank0_log(run_dir(setup, "compiled-ac"))
 
 
 def test_fp16_survives_an_overflow_with_the_loss_scaler(setup):

@@ -74,7 +74,7 @@ class DataConfig:
     add_bos: Literal["auto", True, False] = "auto"  # BOS before each document; auto: if bos != eos
     seq_len: int = 1024  # tokens per training sample
     prepared_dir: str = "${LLMTRAIN_HOME}/prepared"  # root of prepared (tokenized) datasets
-    num_proc: Optional[int] = None  # tokenizer processes; None: the CPU count, at most 16
+    num_proc: Optional[int] = None  # tokenizer processes; None: the cores this process may use, at most 64
     prefetch_steps: int = 2  # steps of batches read ahead on a background thread; 0: on the training one
 
     @property

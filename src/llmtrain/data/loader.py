@@ -259,17 +259,9 @@ class Prefetcher:
         try:
             while not self.stopping.is_set():
                 indices = ahead.next_step()
-                self._put((indices, self._read(indices)))
+                self.queue.put((indices, self._read(indices)))  # blocks, asleep, while full
         except BaseException as e:  # handed to the training thread, raised there
-            self._put((None, e))
-
-    def _put(self, item) -> None:
-        while not self.stopping.is_set():
-            try:
-                self.queue.put(item, timeout=0.1)
-                return
-            except queue.Full:
-                continue
+            self.queue.put((None, e))
 
     def next(self, indices: np.ndarray) -> list:
         """This step's micro-batches on the device; `indices` are the trainer's sampler's."""
@@ -284,6 +276,12 @@ class Prefetcher:
         return [batch.to(self.device, non_blocking=True) for batch in host]
 
     def close(self) -> None:
+        """Stop the thread: take what it has queued so that its blocked put returns."""
         self.stopping.set()
-        if self.thread is not None:
-            self.thread.join(timeout=5)
+        while self.thread is not None and self.thread.is_alive():
+            try:
+                while True:
+                    self.queue.get_nowait()
+            except queue.Empty:
+                pass
+            self.thread.join(timeout=0.05)

@@ -26,6 +26,7 @@ from .loader import FORMAT_VERSION, MANIFEST, fingerprint, prepared_path, read_m
 
 SHARD_TOKENS = 1 << 28  # 256M tokens: 512 MiB of uint16 per shard file
 PACK_DOCS = 16384  # documents per batch read back for packing
+DEFAULT_MAX_PROC = 64  # tokenizer processes by default, at most (data.num_proc: any)
 
 
 class PrepareError(UserError):
@@ -223,6 +224,16 @@ def bos_to_add(cfg: Config, tokenizer, tok_dir: Path) -> int | None:
     return bos
 
 
+def default_num_proc() -> int:
+    """The cores this process may run on (a Slurm allocation, taskset), at most DEFAULT_MAX_PROC:
+    on a shared login node, prepare should not take every core unasked."""
+    try:
+        cores = len(os.sched_getaffinity(0))
+    except AttributeError:  # not Linux
+        cores = os.cpu_count() or 1
+    return min(DEFAULT_MAX_PROC, cores)
+
+
 def tokenize(ds, tokenizer, cfg: Config):
     """Each document's token ids, in data.num_proc processes, with the backend tokenizer's batch
     encoder (no offsets, no attention masks: only the ids are kept)."""
@@ -232,7 +243,7 @@ def tokenize(ds, tokenizer, cfg: Config):
         encodings = backend.encode_batch_fast([t or "" for t in batch[field]], add_special_tokens=False)
         return {"ids": [e.ids for e in encodings]}
 
-    num_proc = cfg.data.num_proc or min(16, os.cpu_count() or 1)
+    num_proc = cfg.data.num_proc or default_num_proc()
     num_proc = max(1, min(num_proc, len(ds) // 1000 or 1))  # tiny datasets: no worker pool
     return ds.map(encode, batched=True, num_proc=num_proc if num_proc > 1 else None,
                   remove_columns=[field], desc="tokenize")

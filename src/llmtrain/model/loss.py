@@ -111,7 +111,7 @@ class _ChunkedCrossEntropy(torch.autograd.Function):
             h = hidden[start:start + chunk]
             loss, grad, grad_hidden[start:start + chunk] = chunk_fn(h, weight, targets[start:start + chunk], n)
             total = total + loss
-            grad_weight.addmm_(grad.t().float(), h.float())
+            grad_weight += grad.t() @ h  # a GEMM in the inputs' dtype (bf16 on tensor cores), summed in fp32
             del grad
         ctx.save_for_backward(grad_hidden, grad_weight.to(weight.dtype))
         return total / n
