@@ -11,7 +11,6 @@ bench/plain_loop.py (bf16: the Trainer's own `bf16=True`, autocast).
 
 from __future__ import annotations
 
-import argparse
 import json
 import os
 import tempfile
@@ -20,7 +19,7 @@ import time
 import torch
 from transformers import AutoModelForCausalLM, Trainer, TrainerCallback, TrainingArguments
 
-from plain_loop import model_config
+from plain_loop import model_config, parse_args
 
 
 class Windows(TrainerCallback):
@@ -52,17 +51,7 @@ class Windows1D(torch.utils.data.Dataset):
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser()
-    ap.add_argument("--layers", type=int, default=4)
-    ap.add_argument("--hidden", type=int, default=256)
-    ap.add_argument("--vocab", type=int, default=512)
-    ap.add_argument("--seq-len", type=int, default=256)
-    ap.add_argument("--micro-batch", type=int, default=8)
-    ap.add_argument("--steps", type=int, default=40)
-    ap.add_argument("--window", type=int, default=10)
-    ap.add_argument("--arch", help="a JSON architecture (model_type and fields) instead of the Llama above")
-    ap.add_argument("--precision", choices=("fp32", "bf16"), default="fp32")
-    args = ap.parse_args()
+    args = parse_args()
 
     world = int(os.environ.get("WORLD_SIZE", 1))
     torch.manual_seed(0)

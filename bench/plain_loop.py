@@ -23,17 +23,7 @@ from transformers import AutoConfig, AutoModelForCausalLM
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser()
-    ap.add_argument("--layers", type=int, default=4)
-    ap.add_argument("--hidden", type=int, default=256)
-    ap.add_argument("--vocab", type=int, default=512)
-    ap.add_argument("--seq-len", type=int, default=256)
-    ap.add_argument("--micro-batch", type=int, default=8)
-    ap.add_argument("--steps", type=int, default=40)
-    ap.add_argument("--window", type=int, default=10)
-    ap.add_argument("--arch", help="a JSON architecture (model_type and fields) instead of the Llama above")
-    ap.add_argument("--precision", choices=("fp32", "bf16"), default="fp32")
-    args = ap.parse_args()
+    args = parse_args()
 
     world = int(os.environ.get("WORLD_SIZE", 1))
     if world > 1:
@@ -69,6 +59,21 @@ def main() -> None:
         print(json.dumps({"tokens_per_sec": windows, "peak_mem_gib": peak}), flush=True)
     if world > 1:
         dist.destroy_process_group()
+
+
+def parse_args() -> argparse.Namespace:
+    """The workload, shared with bench/hf_trainer.py."""
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--layers", type=int, default=4)
+    ap.add_argument("--hidden", type=int, default=256)
+    ap.add_argument("--vocab", type=int, default=512)
+    ap.add_argument("--seq-len", type=int, default=256)
+    ap.add_argument("--micro-batch", type=int, default=8)
+    ap.add_argument("--steps", type=int, default=40)
+    ap.add_argument("--window", type=int, default=10)
+    ap.add_argument("--arch", help="a JSON architecture (model_type and fields) instead of the Llama above")
+    ap.add_argument("--precision", choices=("fp32", "bf16"), default="fp32")
+    return ap.parse_args()
 
 
 def model_config(args):

@@ -28,6 +28,7 @@ import torch
 import torch.nn.functional as F
 
 CHUNK_LOGIT_BYTES = 256 * 2**20  # one chunk's fp32 logits, at most
+IGNORE = -100  # a target that is not trained (F.cross_entropy's ignore_index)
 # Model types whose CausalLM forward is `logits = lm_head(hidden_states)`, nothing after it.
 CHUNKED_TYPES = frozenset({
     "llama", "mistral", "mixtral", "qwen2", "qwen2_moe", "qwen3", "qwen3_moe", "gpt2", "gpt_neox",
@@ -76,38 +77,45 @@ def lm_loss(model: torch.nn.Module, batch: torch.Tensor, head: ChunkedHead | Non
 
 def chunked_cross_entropy(hidden: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor,
                           chunk: int | None = None, chunk_fn: Callable | None = None) -> torch.Tensor:
-    """mean_i CE(hidden[i] @ weight.T, targets[i]), [chunk x vocab] logits at a time (default:
-    CHUNK_LOGIT_BYTES of fp32 logits). Gradients flow to hidden and weight."""
+    """The mean over trained tokens (targets other than IGNORE, -100 as in F.cross_entropy) of
+    CE(hidden[i] @ weight.T, targets[i]), [chunk x vocab] logits at a time (default:
+    CHUNK_LOGIT_BYTES of fp32 logits). Gradients flow to hidden and weight. The count of trained
+    tokens stays on the device."""
     chunk = chunk or max(1, CHUNK_LOGIT_BYTES // (4 * weight.shape[0]))
+    trained = (targets != IGNORE).sum().clamp(min=1)
     if torch.is_grad_enabled() and (hidden.requires_grad or weight.requires_grad):
-        return _ChunkedCrossEntropy.apply(hidden, weight, targets, chunk, chunk_fn or _chunk)
+        return _ChunkedCrossEntropy.apply(hidden, weight, targets, trained, chunk, chunk_fn or _chunk)
     total = hidden.new_zeros((), dtype=torch.float32)
     for start in range(0, hidden.shape[0], chunk):
         logits = (hidden[start:start + chunk] @ weight.t()).float()
-        total = total + F.cross_entropy(logits, targets[start:start + chunk], reduction="sum")
-    return total / hidden.shape[0]
+        total = total + F.cross_entropy(logits, targets[start:start + chunk], ignore_index=IGNORE,
+                                        reduction="sum")
+    return total / trained
 
 
-def _chunk(h: torch.Tensor, weight: torch.Tensor, t: torch.Tensor, n: int):
-    """One chunk: (its summed loss, d(mean loss)/d(logits) in h's dtype, d(mean loss)/d(h))."""
+def _chunk(h: torch.Tensor, weight: torch.Tensor, t: torch.Tensor, n: torch.Tensor):
+    """One chunk: (its summed loss, d(mean loss)/d(logits) in h's dtype, d(mean loss)/d(h)),
+    `n` the trained tokens of all chunks."""
     logits = (h @ weight.t()).float()
     lse = torch.logsumexp(logits, dim=-1)
-    loss = (lse - logits.gather(1, t[:, None]).squeeze(1)).sum()
+    trained = t != IGNORE
+    t = t.clamp(min=0)  # an ignored row gathers any class; the mask zeroes it
+    loss = ((lse - logits.gather(1, t[:, None]).squeeze(1)) * trained).sum()
+    scale = trained / n  # 1/n for a trained token, 0 for an ignored one
     # (softmax - onehot) / n, in place of the logits
     grad = logits.sub_(lse[:, None]).exp_()
     grad[torch.arange(t.shape[0], device=t.device), t] -= 1
-    grad = grad.div_(n).to(h.dtype)
+    grad = grad.mul_(scale[:, None]).to(h.dtype)
     return loss, grad, grad @ weight
 
 
 class _ChunkedCrossEntropy(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, hidden, weight, targets, chunk, chunk_fn):
-        n = hidden.shape[0]
+    def forward(ctx, hidden, weight, targets, n, chunk, chunk_fn):
         grad_hidden = torch.empty_like(hidden)
         grad_weight = torch.zeros(weight.shape, dtype=torch.float32, device=weight.device)
         total = hidden.new_zeros((), dtype=torch.float32)
-        for start in range(0, n, chunk):
+        for start in range(0, hidden.shape[0], chunk):
             h = hidden[start:start + chunk]
             loss, grad, grad_hidden[start:start + chunk] = chunk_fn(h, weight, targets[start:start + chunk], n)
             total = total + loss
@@ -119,4 +127,4 @@ class _ChunkedCrossEntropy(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad_out):
         grad_hidden, grad_weight = ctx.saved_tensors
-        return grad_hidden * grad_out, grad_weight * grad_out, None, None, None
+        return grad_hidden * grad_out, grad_weight * grad_out, None, None, None, None

@@ -222,18 +222,7 @@ def loop(cfg: Config, world: World, watch: Watchdog, log: Log, job: Job) -> None
             faults.maybe_hang(step)
             watch.at_sync()
             agreement = control.agree(step, finite(loss, grad_norm, cfg), samples=indices)
-            if not scaler.is_enabled():
-                optimizer_step(optimizer, scaler, skip=agreement.nonfinite)  # skipped on the device
-            elif agreement.read().nonfinite:  # fp16: the loss scaler decides on the host, now
-                skip_fp16_step(optimizer, scaler)
-            else:
-                optimizer_step(optimizer, scaler)
-            verdicts = [pending.read()] if pending is not None else []
-            pending = agreement
-            if (logs or evals or periodic or scaler.is_enabled()
-                    or any(v.stop or v.save for v in verdicts)):
-                verdicts.append(agreement.read())  # what is logged or saved counts this step in
-                pending = None
+            verdicts, pending = update(optimizer, scaler, agreement, pending, logs or evals or periodic)
             watch.idle()
             state.step = step
             state.tokens += tokens_per_step
@@ -328,6 +317,24 @@ def forward_backward(model, head, optimizer, scaler, micro_batches, cfg: Config,
     if hasattr(grad_norm, "full_tensor"):  # FSDP2: a DTensor holding the global norm
         grad_norm = grad_norm.full_tensor()
     return total / len(micro_batches), grad_norm
+
+
+def update(optimizer, scaler, agreement: Agreement, pending: Agreement | None,
+           read_now: bool) -> tuple[list[Verdict], Agreement | None]:
+    """The optimizer step for `agreement`'s step, skipped on the device if it was non-finite;
+    returns the verdicts the host reads now (the previous step's, `pending`, and this step's if
+    it logs, evaluates or saves, or the previous one asks to stop or save) and what stays pending.
+    fp16: the loss scaler decides on the host, so every step is read at once."""
+    if not scaler.is_enabled():
+        optimizer_step(optimizer, scaler, skip=agreement.nonfinite)
+    elif agreement.read().nonfinite:
+        skip_fp16_step(optimizer, scaler)
+    else:
+        optimizer_step(optimizer, scaler)
+    verdicts = [pending.read()] if pending is not None else []
+    if read_now or scaler.is_enabled() or any(v.stop or v.save for v in verdicts):
+        return verdicts + [agreement.read()], None
+    return verdicts, agreement
 
 
 def optimizer_step(optimizer, scaler, skip: torch.Tensor | None = None) -> None:
