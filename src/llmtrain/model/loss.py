@@ -27,12 +27,14 @@ from typing import Callable
 import torch
 import torch.nn.functional as F
 
+from .parallel import unwrap
+
 CHUNK_LOGIT_BYTES = 256 * 2**20  # one chunk's fp32 logits, at most
 IGNORE = -100  # a target that is not trained (F.cross_entropy's ignore_index)
 # Model types whose CausalLM forward is `logits = lm_head(hidden_states)`, nothing after it.
 CHUNKED_TYPES = frozenset({
     "llama", "mistral", "mixtral", "qwen2", "qwen2_moe", "qwen3", "qwen3_moe", "gpt2", "gpt_neox",
-    "phi", "phi3", "olmo", "olmo2", "starcoder2", "stablelm", "smollm3", "gemma",
+    "phi", "phi3", "olmo", "olmo2", "starcoder2", "stablelm", "smollm3",
 })
 
 
@@ -48,8 +50,7 @@ def chunk_head(model: torch.nn.Module, config, compile: bool = False) -> Chunked
     """Make the model's output head pass its input through, and return it for lm_loss to apply
     in chunks (`compile`: each chunk's work compiled); None (the model unchanged) where the
     model type is not known to apply the head plainly, or the head has a bias."""
-    base = model.module if hasattr(model, "no_sync") else model  # DDP
-    head = base.get_output_embeddings()
+    head = unwrap(model).get_output_embeddings()
     if (getattr(config, "model_type", None) not in CHUNKED_TYPES or not isinstance(head, torch.nn.Linear)
             or head.bias is not None):
         return None
