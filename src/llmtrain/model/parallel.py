@@ -24,6 +24,7 @@ from __future__ import annotations
 import contextlib
 import copy
 import hashlib
+import inspect
 import json
 import os
 from pathlib import Path
@@ -71,8 +72,11 @@ def parallelize(cfg: Config, config, world: World, watch=None) -> torch.nn.Modul
         # Gradients live in DDP's all-reduce buckets (no second copy, no copy-in per step), and
         # no buffer broadcast before every forward: the only buffers (rotary frequencies) are
         # computed alike on every rank and never change.
+        # (torch 2.13 renamed broadcast_buffers to forward_sync_buffers and warns at the old name)
+        no_sync = ("forward_sync_buffers" if "forward_sync_buffers" in inspect.signature(DDP).parameters
+                   else "broadcast_buffers")
         model = DDP(model, device_ids=[world.local_rank] if world.device.type == "cuda" else None,
-                    gradient_as_bucket_view=True, broadcast_buffers=False)
+                    gradient_as_bucket_view=True, **{no_sync: False})
     return model
 
 

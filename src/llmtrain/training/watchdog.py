@@ -117,13 +117,15 @@ class Watchdog:
             if (started is not None and self.current is None and self.diagnosis is None
                     and now - started > FIRE_AT * self.collective_timeout_s):
                 self.diagnose()
-                self._emit(f"warning: {self.diagnosis}")
 
     def diagnose(self) -> str:
-        """Name the ranks that hold up the step (once; later calls return the same line)."""
+        """Name the ranks that hold up the step, as a warning line at once (once; later calls
+        return the same line). Whichever thread comes first writes the warning, under the lock:
+        an error raised with the line (gloo's timeout) always follows its warning."""
         with self._lock:
             if self.diagnosis is None:
                 self.diagnosis = self._diagnose()
+                self._emit(f"warning: {self.diagnosis}")
             return self.diagnosis
 
     def _diagnose(self) -> str:
