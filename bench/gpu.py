@@ -80,7 +80,8 @@ def llmtrain_config(tmp: Path, name: str, spec: dict, steps: int) -> Path:
 
 
 def ours(config: Path, compiled: bool, log: Path) -> dict:
-    run_dir = Path(yaml.safe_load(config.read_text())["run"]["dir"]) / yaml.safe_load(config.read_text())["run"]["name"]
+    where = yaml.safe_load(config.read_text())["run"]
+    run_dir = Path(where["dir"]) / where["name"]
     shutil.rmtree(run_dir, ignore_errors=True)
     run([sys.executable, "-m", "llmtrain", "train", "--config", str(config),
          "--set", f"train.compile={str(compiled).lower()}"], log)

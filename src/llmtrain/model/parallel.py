@@ -100,16 +100,15 @@ def causal_attention(model: torch.nn.Module) -> None:
         model.config._attn_implementation = CAUSAL_SDPA
 
 
-def compile_layers(model: torch.nn.Module) -> list[str]:
+def compile_layers(model: torch.nn.Module) -> None:
     """torch.compile each decoder layer's forward, in place: the layer's FSDP2 hooks and its
     activation checkpointing wrap the call around that forward and stay eager, the parameter
     names (so checkpoints) do not change, and the layers share one compiled graph (same code,
     parameters as inputs). Compilation happens in the first step; its caches go to node-local
-    folders (compile_caches). Returns the cache folders."""
-    caches = compile_caches()
+    folders (compile_caches)."""
+    compile_caches()
     for layer in decoder_layers(model):
         layer.forward = torch.compile(layer.forward)
-    return caches
 
 
 def compile_caches() -> list[str]:
