@@ -31,6 +31,7 @@ from llmtrain.model.parallel import grad_scaler, parallelize
 from llmtrain.rundir import Log
 from llmtrain.training import distributed
 from llmtrain.training.checkpoint import Checkpointer
+from llmtrain.data.loader import Batch
 from llmtrain.model.loss import lm_loss
 from llmtrain.training.optim import build_optimizer
 
@@ -64,7 +65,7 @@ def main() -> None:
         model = parallelize(cfg, config, world)
         optimizer = build_optimizer(model, cfg.train, world.device)
         batch = torch.randint(0, config.vocab_size, (8, cfg.data.seq_len + 1))
-        lm_loss(model, batch).backward()
+        lm_loss(model, Batch(batch)).backward()
         optimizer.step()
         state_mb = _state_mb(model, optimizer)
 

@@ -212,6 +212,9 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--dtype", choices=["fp32", "bf16", "fp16"], default="fp32",
                    help="weights as saved; fp32 is the trained weights bit for bit, bf16 half the "
                    "size and what serving usually loads")
+    p.add_argument("--merge", action="store_true", help="LoRA runs: the adapters folded into the "
+                   "base model's weights, a plain model folder (default: the adapters alone, as "
+                   "peft loads them)")
     p.set_defaults(func=cmd_export)
 
     p = sub.add_parser("generate", help="complete a prompt with a trained model")
@@ -362,8 +365,9 @@ def cmd_train(args) -> int:
 
 def cmd_export(args) -> int:
     from .model.export import export
-    out = export(args.run_dir, args.out, args.step, args.dtype)
-    print(f"exported: {out} ({args.dtype} weights)")
+    out = export(args.run_dir, args.out, args.step, args.dtype, args.merge)
+    what = "adapter" if os.path.exists(os.path.join(out, "adapter_config.json")) else "weights"
+    print(f"exported: {out} ({args.dtype} {what})")
     return 0
 
 

@@ -51,6 +51,46 @@ class RunConfig:
     dir: str = "${LLMTRAIN_HOME}/runs"  # root folder of all run directories
 
 
+DEFAULT_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj")
+
+
+@dataclass(frozen=True)
+class LoraSpec:
+    """model.lora, parsed (model/lora.py applies it)."""
+    rank: int = 16
+    alpha: float = 32.0
+    dropout: float = 0.0
+    target_modules: tuple = DEFAULT_TARGETS
+
+    @property
+    def scaling(self) -> float:
+        return self.alpha / self.rank
+
+    @classmethod
+    def parse(cls, raw: dict | None) -> "LoraSpec | None":
+        """model.lora as written (None: no LoRA); raises UserError naming a bad key."""
+        if raw is None:
+            return None
+        if not isinstance(raw, dict):
+            raise UserError(f"model.lora: must be a mapping like {{rank: 16, alpha: 32}} (got {raw!r})")
+        known = {"rank", "alpha", "dropout", "target_modules"}
+        unknown = sorted(set(raw) - known)
+        if unknown:
+            raise UserError(f"model.lora.{unknown[0]}: unknown key; use {', '.join(sorted(known))}")
+        targets = raw.get("target_modules", DEFAULT_TARGETS)
+        if not isinstance(targets, (list, tuple)) or not targets or not all(isinstance(t, str) for t in targets):
+            raise UserError(f"model.lora.target_modules: a list of module names like [q_proj, v_proj] "
+                            f"(got {targets!r})")
+        spec = cls(**{**raw, "target_modules": tuple(targets)})
+        if not isinstance(spec.rank, int) or spec.rank < 1:
+            raise UserError(f"model.lora.rank: must be an integer >= 1 (got {spec.rank!r})")
+        if not isinstance(spec.alpha, (int, float)) or spec.alpha <= 0:
+            raise UserError(f"model.lora.alpha: must be > 0 (got {spec.alpha!r})")
+        if not isinstance(spec.dropout, (int, float)) or not 0 <= spec.dropout < 1:
+            raise UserError(f"model.lora.dropout: must be in [0, 1) (got {spec.dropout!r})")
+        return spec
+
+
 @dataclass(frozen=True)
 class ModelConfig:
     name_or_path: Optional[str] = None  # local HF folder or downloaded hub id; None: from scratch
@@ -59,6 +99,11 @@ class ModelConfig:
     attn_implementation: Literal["sdpa", "eager", "flash_attention_2"] = "sdpa"
     activation_checkpointing: bool = False  # recompute each decoder layer in backward
     activation_checkpointing_every: int = 1  # with it: every k-th decoder layer only (1: all)
+    lora: Optional[dict] = None  # {rank, alpha, dropout, target_modules}: train adapters only (model/lora.py)
+
+    @property
+    def lora_spec(self) -> "LoraSpec | None":
+        return LoraSpec.parse(self.lora)
 
 
 @dataclass(frozen=True)
@@ -66,7 +111,20 @@ class DataConfig:
     # a local file, folder (save_to_disk, hub snapshot) or glob of files (parquet, jsonl, json,
     # csv, txt, arrow; jsonl/json/csv/txt also compressed: .gz, .bz2, .xz), or a downloaded hub id
     dataset: str
+    # text: documents of plain text, one stream of tokens; chat: a conversation per record (a
+    # list of {role, content} in messages_field) rendered with the tokenizer's chat template;
+    # prompt_completion: a prompt and its completion per record
+    format: Literal["text", "chat", "prompt_completion"] = "text"
     text_field: str = "text"  # column holding the documents
+    messages_field: str = "messages"  # chat: column holding the conversations
+    prompt_field: str = "prompt"  # prompt_completion: column holding the prompts
+    completion_field: str = "completion"  # prompt_completion: column holding the completions
+    # chat/prompt_completion: the loss covers the assistant turns or the completion (with their
+    # end-of-turn/EOS token), or every token
+    train_on: Literal["completion", "all"] = "completion"
+    truncation: Literal["truncate", "drop"] = "truncate"  # samples over seq_len + 1 tokens
+    packing: bool = True  # chat/prompt_completion: several samples per sequence, never attending across
+    document_masking: bool = False  # text: attention stays within each document, positions restart
     text_unit: Literal["line", "file"] = "line"  # .txt sources: a document is a line, or a whole file
     split: str = "train"  # split of the source dataset to read
     validation: Optional[str] = None  # evaluation documents: a split of the dataset, or a file/glob
@@ -76,6 +134,20 @@ class DataConfig:
     prepared_dir: str = "${LLMTRAIN_HOME}/prepared"  # root of prepared (tokenized) datasets
     num_proc: Optional[int] = None  # tokenizer processes; None: the cores this process may use, at most 64
     prefetch_steps: int = 2  # steps of batches read ahead on a background thread; 0: on the training one
+
+    @property
+    def samples(self) -> bool:
+        """Whether the data is a set of samples (chat, prompt_completion), not one text stream."""
+        return self.format != "text"
+
+    @property
+    def columns(self) -> dict[str, str]:
+        """The columns this format reads: {config key: column name}."""
+        if self.format == "chat":
+            return {"messages_field": self.messages_field}
+        if self.format == "prompt_completion":
+            return {"prompt_field": self.prompt_field, "completion_field": self.completion_field}
+        return {"text_field": self.text_field}
 
     @property
     def holdout_fraction(self) -> float:
@@ -511,6 +583,11 @@ def validate(cfg: Config, world_size: int | None = None, written: dict | None = 
         p.append(f"data.num_proc: must be >= 1 (got {d.num_proc})")
     if cfg.parallel.prefetch_layers < 0:
         p.append(f"parallel.prefetch_layers: must be >= 0 (got {cfg.parallel.prefetch_layers})")
+    if d.document_masking and d.samples:
+        p.append(f"data.document_masking: for data.format text (got format {d.format}, whose "
+                 f"samples are always masked from each other)")
+    if d.samples and d.text_unit != "line":
+        p.append(f"data.text_unit: for data.format text only (got {d.text_unit} with format {d.format})")
     if d.prefetch_steps < 0:
         p.append(f"data.prefetch_steps: must be >= 0 (got {d.prefetch_steps})")
     if s.gpus_per_node < 0:
@@ -568,7 +645,7 @@ def _check_data(d: DataConfig, base: Path, written: dict | None = None) -> list[
         if d.text_unit != "line" and other:
             p.append(f"data.text_unit: only for .txt files (got {d.text_unit} for {other[0]})")
         if files.get(key):
-            p += _check_column(files[key][0], d.text_field)
+            p += _check_columns(files[key][0], d)
     if d.validation and is_split_name(d.validation):
         if files.get("dataset"):
             p.append(f"data.validation: a split name, but data.dataset is a file with no splits; "
@@ -579,9 +656,10 @@ def _check_data(d: DataConfig, base: Path, written: dict | None = None) -> list[
     return p
 
 
-def _check_column(path: Path, field: str) -> list[str]:
-    """The text column in the first record of a jsonl or csv file (plain or compressed): a
-    wrong data.text_field fails here, before any job is queued, not in the prepare job."""
+def _check_columns(path: Path, d: DataConfig) -> list[str]:
+    """The format's columns in the first record of a jsonl or csv file (plain or compressed): a
+    wrong data.text_field (messages_field, ...) fails here, before any job is queued, not in the
+    prepare job."""
     import bz2
     import csv
     import gzip
@@ -601,12 +679,15 @@ def _check_column(path: Path, field: str) -> list[str]:
                 columns = list(first) if isinstance(first, dict) else []
     except (OSError, ValueError, EOFError, UnicodeDecodeError, lzma.LZMAError) as e:
         return [f"data.dataset: cannot read {path} as {kind[1:]} ({type(e).__name__})"]
-    if columns and field not in columns:
-        return [f"data.text_field: no column {field!r} in {path} (columns: "
-                f"{', '.join(map(str, columns[:10]))})"]
-    if isinstance(first, dict) and field in first and not isinstance(first[field], str):
-        return [f"data.text_field: column {field!r} of {path} holds "
-                f"{type(first[field]).__name__}, not text; choose a column of strings"]
+    for key, column in d.columns.items():
+        if columns and column not in columns:
+            return [f"data.{key}: no column {column!r} in {path} (columns: "
+                    f"{', '.join(map(str, columns[:10]))})"]
+        want = list if key == "messages_field" else str
+        if isinstance(first, dict) and column in first and not isinstance(first[column], want):
+            return [f"data.{key}: column {column!r} of {path} holds {type(first[column]).__name__}, "
+                    f"not {'a list of messages' if want is list else 'text'}; choose a column of "
+                    f"{'{role, content} lists' if want is list else 'strings'}"]
     return []
 
 
@@ -658,7 +739,8 @@ def _check_resume(cfg: Config) -> list[str]:
     except (OSError, ValueError):
         return []  # no checkpoint yet (or a damaged one: the trainer falls back and says so)
     saved = meta.get("compat", {})
-    now = {"seq_len": cfg.data.seq_len, "global_batch_size": cfg.train.global_batch_size}
+    now = {"seq_len": cfg.data.seq_len, "global_batch_size": cfg.train.global_batch_size,
+           "lora": cfg.model.lora}
     fix = "use a new run.name, or set train.resume: none to start over"
     p = [f"train.resume: checkpoint {folder / pointer} does not match this config: {key} differs "
          f"({saved[key]!r} -> {value!r}); {fix}" for key, value in now.items()
@@ -673,6 +755,14 @@ def _check_resume(cfg: Config) -> list[str]:
 
 def _check_model(cfg: Config, written: dict | None = None) -> list[str]:
     m, p = cfg.model, []
+    if m.lora is not None:
+        try:
+            LoraSpec.parse(m.lora)
+        except UserError as e:
+            p.append(str(e))
+        if m.name_or_path is None:
+            p.append("model.lora: adapters train on a pretrained model: set model.name_or_path "
+                     "(got model.architecture, a model from scratch)")
     if (m.name_or_path is None) == (m.architecture is None):
         p.append("model.name_or_path: set exactly one of model.name_or_path (pretrained) "
                  "and model.architecture (from scratch)")

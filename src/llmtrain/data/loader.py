@@ -75,11 +75,14 @@ def fingerprint(cfg: Config) -> str:
         "split": d.split,
         "text_field": d.text_field,
         "text_unit": d.text_unit,
+        **({"format": d.format, "columns": d.columns, "train_on": d.train_on, "truncation": d.truncation,
+            "packing": d.packing, "seq_len": d.seq_len} if d.samples else {}),
         "add_bos": d.add_bos,  # auto decides by the tokenizer, whose files are hashed below
         "validation": validation,
         "validation_fraction": d.holdout_fraction,
         "tokenizer": _sha256(tok_dir / "tokenizer.json"),
         "tokenizer_config": _sha256(tok_dir / "tokenizer_config.json"),
+        **({"chat_template": _sha256(tok_dir / "chat_template.jinja")} if d.format == "chat" else {}),
     }
     return hashlib.sha256(json.dumps(recipe, sort_keys=True).encode()).hexdigest()[:16]
 
@@ -124,10 +127,43 @@ def open_prepared(cfg: Config) -> tuple[Path, dict]:
 # Reading
 
 
-class TokenStream:
-    """One split of a prepared dataset as a single read-only token array over its shards."""
+@dataclass
+class Batch:
+    """A micro-batch of samples, on the host (numpy) or a device (tensors).
 
-    def __init__(self, folder: Path, manifest: dict, split: str):
+    tokens: [n, seq_len + 1] token windows: inputs are [:, :-1], targets [:, 1:]
+    trained: [n, seq_len + 1] flags, 1 where the token is a target the loss covers; None: all
+    positions: [n, seq_len + 1] each token's position within its own document or sample, where
+        a sequence holds several that must not attend to each other; None: 0..seq_len, one
+    """
+
+    tokens: "np.ndarray | torch.Tensor"
+    trained: "np.ndarray | torch.Tensor | None" = None
+    positions: "np.ndarray | torch.Tensor | None" = None
+
+    def fields(self) -> dict:
+        return {k: v for k, v in vars(self).items() if v is not None}
+
+    def pinned(self, device) -> "Batch":
+        """As tensors, in pinned memory where they go to a GPU (see pinned())."""
+        return Batch(**{k: pinned(v, device) for k, v in self.fields().items()})
+
+    def to(self, device, non_blocking: bool = True) -> "Batch":
+        return Batch(**{k: v.to(device, non_blocking=non_blocking) for k, v in self.fields().items()})
+
+    def targets(self) -> int:
+        """The targets the loss covers (host arrays)."""
+        n, length = self.tokens.shape
+        return int(self.trained[:, 1:].sum()) if self.trained is not None else n * (length - 1)
+
+
+class TokenStream:
+    """One split of a prepared text dataset as a single read-only token array over its shards.
+    `document_eos`: the EOS id that ends each document, where attention must stay within one
+    (data.document_masking): batches then carry each token's position within its document."""
+
+    def __init__(self, folder: Path, manifest: dict, split: str, document_eos: int | None = None):
+        self.document_eos = document_eos
         info = manifest["splits"][split]
         self.shards = [np.memmap(folder / s["file"], dtype=manifest["dtype"], mode="r")
                        for s in info["shards"]]
@@ -150,6 +186,70 @@ class TokenStream:
 
     def sample(self, index: int, seq_len: int) -> np.ndarray:
         return self.read(index * seq_len, seq_len + 1)
+
+    def batch(self, indices: np.ndarray, seq_len: int) -> Batch:
+        tokens = batch_tokens(self, indices, seq_len)
+        if self.document_eos is None:
+            return Batch(tokens)
+        return Batch(tokens, positions=document_positions(tokens, self.document_eos))
+
+    def targets(self, indices: np.ndarray, seq_len: int) -> int:
+        """The targets the loss covers in these samples: every one."""
+        return len(indices) * seq_len
+
+
+def document_positions(tokens: np.ndarray, eos: int) -> np.ndarray:
+    """Each token's position within its document: a document starts at a window's first token
+    and after every EOS."""
+    index = np.arange(tokens.shape[1])
+    starts = np.zeros(tokens.shape, dtype=bool)
+    starts[:, 0] = True
+    starts[:, 1:] = tokens[:, :-1] == eos
+    return index - np.maximum.accumulate(np.where(starts, index, 0), axis=1)
+
+
+class SampleRows:
+    """One split of prepared fine-tuning data (data/samples.py): rows of seq_len + 1 tokens, each
+    holding one or several samples, with their trained flags and positions."""
+
+    def __init__(self, folder: Path, manifest: dict, split: str):
+        info = manifest["splits"][split]
+        width = info["row_tokens"]
+        self.row_tokens = width
+        self.shards = []
+        for s in info["shards"]:
+            self.shards.append({key: np.memmap(folder / s[name], dtype=dtype, mode="r").reshape(-1, width)
+                                for key, name, dtype in (("tokens", "file", manifest["dtype"]),
+                                                         ("trained", "trained", np.uint8),
+                                                         ("positions", "positions", info["positions_dtype"]))})
+        self.starts = np.cumsum([0] + [s["rows"] for s in info["shards"]])
+        self.row_targets = np.load(folder / info["targets"])
+        self.num_tokens = int(info["tokens"])
+
+    def num_samples(self, seq_len: int) -> int:
+        if seq_len + 1 != self.row_tokens:  # the fingerprint includes seq_len: cannot happen
+            raise ValueError(f"rows of {self.row_tokens} tokens read with seq_len {seq_len}")
+        return int(self.starts[-1])
+
+    def batch(self, indices: np.ndarray, seq_len: int) -> Batch:
+        rows = {key: [] for key in ("tokens", "trained", "positions")}
+        for i in indices:
+            shard = int(np.searchsorted(self.starts, i, side="right")) - 1
+            for key, out in rows.items():
+                out.append(self.shards[shard][key][int(i) - self.starts[shard]])
+        return Batch(np.stack(rows["tokens"]).astype(np.int64), np.stack(rows["trained"]).astype(bool),
+                     np.stack(rows["positions"]).astype(np.int64))
+
+    def targets(self, indices: np.ndarray, seq_len: int) -> int:
+        return int(self.row_targets[np.asarray(indices, dtype=np.int64)].sum())
+
+
+def open_split(folder: Path, manifest: dict, split: str, cfg: Config) -> "TokenStream | SampleRows":
+    """A split of prepared data, as the trainer reads it."""
+    if "samples" in manifest:
+        return SampleRows(folder, manifest, split)
+    eos = manifest["tokenizer"]["eos_token_id"] if cfg.data.document_masking else None
+    return TokenStream(folder, manifest, split, document_eos=eos)
 
 
 @dataclass
@@ -200,15 +300,23 @@ class StepSampler:
             self._perm_epoch = epoch
         return self._perm
 
-    def next_step(self) -> np.ndarray:
-        """This rank's sample indices for the next optimizer step (advances the position)."""
+    def next_global(self) -> np.ndarray:
+        """All ranks' sample indices for the next optimizer step (advances the position)."""
         if self.state.consumed + self.global_batch > self.num_samples:
             self.state.epoch, self.state.consumed = self.state.epoch + 1, 0  # drop the remainder
         start = self.state.consumed
         step = self.permutation(self.state.epoch)[start:start + self.global_batch]
         self.state.consumed += self.global_batch
+        return step
+
+    def share(self, step: np.ndarray) -> np.ndarray:
+        """This rank's contiguous slice of a step's indices."""
         per_rank = self.global_batch // self.world_size
         return step[self.rank * per_rank:(self.rank + 1) * per_rank]
+
+    def next_step(self) -> np.ndarray:
+        """This rank's sample indices for the next optimizer step (advances the position)."""
+        return self.share(self.next_global())
 
 
 def batch_tokens(stream: TokenStream, indices: np.ndarray, seq_len: int) -> np.ndarray:
@@ -228,18 +336,20 @@ class Prefetcher:
     """Each step's micro-batches, read ahead on a background thread.
 
         prefetch = Prefetcher(stream, sampler, accum, seq_len, device, depth=2)
-        batches = prefetch.next(sampler.next_step())   # on the device, copies under way
+        batches, targets = prefetch.next(sampler.next_global())   # on the device, copies under way
 
     The thread follows a fork of the sampler (the trainer's own stays where a checkpoint must
     find it) and keeps up to `depth` steps ready, pinned on CUDA; next() hands the step over and
     starts its copies to the device without waiting for them. It checks the thread's indices
     against the trainer's, so reading ahead can never change what trains. depth 0 reads on the
-    training thread.
+    training thread. `targets` counts the targets the loss covers in the whole step, all ranks'
+    samples (read from the host, never a collective): the loss is normalised by it.
     """
 
-    def __init__(self, stream: TokenStream, sampler: StepSampler, accum: int, seq_len: int, device,
-                 depth: int = 2):
+    def __init__(self, stream: "TokenStream | SampleRows", sampler: StepSampler, accum: int, seq_len: int,
+                 device, depth: int = 2):
         self.stream, self.accum, self.seq_len, self.device = stream, accum, seq_len, device
+        self.sampler = sampler
         self.queue: queue.Queue = queue.Queue(maxsize=max(depth, 1))
         self.stopping = threading.Event()
         self.thread = None
@@ -248,9 +358,10 @@ class Prefetcher:
                                            name="llmtrain-prefetch")
             self.thread.start()
 
-    def _read(self, indices: np.ndarray) -> list:
-        return [pinned(batch_tokens(self.stream, part, self.seq_len), self.device)
-                for part in np.split(indices, self.accum)]
+    def _read(self, step: np.ndarray) -> tuple[list[Batch], int]:
+        mine = self.sampler.share(step)
+        return ([self.stream.batch(part, self.seq_len).pinned(self.device) for part in np.split(mine, self.accum)],
+                self.stream.targets(step, self.seq_len))
 
     def _run(self, ahead: StepSampler) -> None:
         if self.device.type == "cuda":  # pinning from a new thread must not touch GPU 0
@@ -258,22 +369,24 @@ class Prefetcher:
             torch.cuda.set_device(self.device)
         try:
             while not self.stopping.is_set():
-                indices = ahead.next_step()
-                self.queue.put((indices, self._read(indices)))  # blocks, asleep, while full
+                step = ahead.next_global()
+                self.queue.put((step, self._read(step)))  # blocks, asleep, while full
         except BaseException as e:  # handed to the training thread, raised there
             self.queue.put((None, e))
 
-    def next(self, indices: np.ndarray) -> list:
-        """This step's micro-batches on the device; `indices` are the trainer's sampler's."""
+    def next(self, step: np.ndarray) -> tuple[list[Batch], int]:
+        """This rank's micro-batches of the step on the device, and the step's count of trained
+        targets over all ranks; `step` holds the trainer's sampler's indices for all ranks."""
         if self.thread is None:
-            host = self._read(indices)
+            host, targets = self._read(step)
         else:
             ahead, host = self.queue.get()
             if ahead is None:
                 raise host
-            if not np.array_equal(ahead, indices):
+            if not np.array_equal(ahead, step):
                 raise RuntimeError("the prefetch thread is out of step with the sampler")
-        return [batch.to(self.device, non_blocking=True) for batch in host]
+            host, targets = host
+        return [batch.to(self.device) for batch in host], targets
 
     def close(self) -> None:
         """Stop the thread: take what it has queued so that its blocked put returns."""

@@ -22,6 +22,7 @@ import numpy as np
 
 from ..config import (FILE_BUILDERS, Config, UserError, file_suffix, is_glob, is_split_name,
                       local_path, source_files, tokenizer_source)
+from . import samples
 from .loader import FORMAT_VERSION, MANIFEST, fingerprint, prepared_path, read_manifest
 
 SHARD_TOKENS = 1 << 28  # 256M tokens: 512 MiB of uint16 per shard file
@@ -50,10 +51,10 @@ def prepare(cfg: Config, log=print) -> Path:
         raise PrepareError(f"model.tokenizer: {tok_dir} defines no eos_token")
 
     bos = bos_to_add(cfg, tokenizer, tok_dir)
+    encode = samples.encoder(cfg, tokenizer, bos) if cfg.data.samples else None
     t0 = time.time()
     splits = load_splits(cfg)
-    log(f"each document is tokenized as: {tokenizer.bos_token + ' ' if bos is not None else ''}"
-        f"text {tokenizer.eos_token} (data.add_bos: {str(cfg.data.add_bos).lower()})")
+    log(describe_layout(cfg, tokenizer, bos))
     tmp = final.with_name(f"{final.name}.tmp-{os.getpid()}")
     shutil.rmtree(tmp, ignore_errors=True)
     try:
@@ -65,8 +66,8 @@ def prepare(cfg: Config, log=print) -> Path:
     manifest = {
         "format": FORMAT_VERSION,
         "fingerprint": fp,
-        "source": {"dataset": cfg.data.dataset, "split": cfg.data.split,
-                   "text_field": cfg.data.text_field, "text_unit": cfg.data.text_unit,
+        "source": {"dataset": cfg.data.dataset, "split": cfg.data.split, "format": cfg.data.format,
+                   **cfg.data.columns, "text_unit": cfg.data.text_unit,
                    "validation": cfg.data.validation,
                    "validation_fraction": cfg.data.holdout_fraction},
         "tokenizer": {"path": str(tok_dir), "vocab_size": len(tokenizer),
@@ -75,9 +76,19 @@ def prepare(cfg: Config, log=print) -> Path:
         "splits": {},
     }
     try:
+        if cfg.data.samples:
+            manifest["samples"] = {"train_on": cfg.data.train_on, "truncation": cfg.data.truncation,
+                                   "packing": cfg.data.packing, "seq_len": cfg.data.seq_len}
         for split, ds in splits.items():
-            tokens = tokenize(ds, tokenizer, cfg)
-            manifest["splits"][split] = pack(tokens, tmp, split, dtype, tokenizer.eos_token_id, bos)
+            if cfg.data.samples:
+                ids, trained, offsets = samples.flatten(tokenize(ds, tokenizer, cfg, encode))
+                part = samples.write_rows(ids, trained, offsets, tmp, split, dtype, cfg.data.seq_len + 1,
+                                          pad_id(tokenizer), cfg.data.packing, cfg.data.truncation,
+                                          SHARD_TOKENS)
+                log(samples.summary(split, part, cfg.data.seq_len, cfg.data.truncation))
+            else:
+                part = pack(tokenize(ds, tokenizer, cfg), tmp, split, dtype, tokenizer.eos_token_id, bos)
+            manifest["splits"][split] = part
             manifest["splits"][split]["dataset_fingerprint"] = ds._fingerprint
         manifest["seconds"] = round(time.time() - t0, 1)
         (tmp / MANIFEST).write_text(json.dumps(manifest, indent=2) + "\n")
@@ -92,6 +103,9 @@ def prepare(cfg: Config, log=print) -> Path:
         raise
     if manifest["splits"]["train"]["tokens"] == 0:
         shutil.rmtree(final, ignore_errors=True)
+        if cfg.data.samples:
+            raise PrepareError(f"data.dataset: {cfg.data.dataset} has no sample with a token to train "
+                               f"(data.train_on: {cfg.data.train_on}, data.truncation: {cfg.data.truncation})")
         raise PrepareError(f"data.dataset: {cfg.data.dataset} has no text in column "
                            f"{cfg.data.text_field!r}")
     counts = ", ".join(f"{s} {m['tokens']:,} tokens" for s, m in manifest["splits"].items())
@@ -151,16 +165,29 @@ def _read(src: Path, split: str, key: str, cfg: Config, datasets):
                            f"({type(cause).__name__}: {str(cause).splitlines()[0][:200]})") from None
     if len(ds) == 0:
         raise PrepareError(f"data.{key}: {src} holds no documents (split {split!r})")
-    field = cfg.data.text_field
-    if field not in ds.column_names:
-        raise PrepareError(f"data.text_field: no column {field!r} in "
-                           f"{src} (columns: {', '.join(ds.column_names)})")
-    feature = ds.features[field]
-    if not (isinstance(feature, datasets.Value) and feature.dtype in ("string", "large_string")):
-        raise PrepareError(f"data.text_field: column {field!r} of {src} holds "
-                           f"{describe(feature, datasets)}, not text; choose a column of strings "
-                           f"(columns: {', '.join(ds.column_names)})")
-    return ds.select_columns([field])
+    for key, field in cfg.data.columns.items():
+        if field not in ds.column_names:
+            raise PrepareError(f"data.{key}: no column {field!r} in "
+                               f"{src} (columns: {', '.join(ds.column_names)})")
+        feature = ds.features[field]
+        if key == "messages_field":
+            if not _is_message_list(feature, datasets):
+                raise PrepareError(f"data.messages_field: column {field!r} of {src} holds "
+                                   f"{describe(feature, datasets)}, not conversations; choose a column "
+                                   f"of lists of {{role: string, content: string}} "
+                                   f"(columns: {', '.join(ds.column_names)})")
+        elif not (isinstance(feature, datasets.Value) and feature.dtype in ("string", "large_string")):
+            raise PrepareError(f"data.{key}: column {field!r} of {src} holds "
+                               f"{describe(feature, datasets)}, not text; choose a column of strings "
+                               f"(columns: {', '.join(ds.column_names)})")
+    return ds.select_columns(list(cfg.data.columns.values()))
+
+
+def _is_message_list(feature, datasets) -> bool:
+    """A column of conversations: a list of {role: string, content: ...}."""
+    inner = getattr(feature, "feature", None)
+    return (isinstance(feature, (datasets.List, datasets.LargeList)) and isinstance(inner, dict)
+            and {"role", "content"} <= set(inner))
 
 
 def _load(src: Path, split: str, key: str, cfg: Config, datasets):
@@ -234,19 +261,44 @@ def default_num_proc() -> int:
     return min(DEFAULT_MAX_PROC, cores)
 
 
-def tokenize(ds, tokenizer, cfg: Config):
+def tokenize(ds, tokenizer, cfg: Config, encode=None):
     """Each document's token ids, in data.num_proc processes, with the backend tokenizer's batch
-    encoder (no offsets, no attention masks: only the ids are kept)."""
+    encoder (no offsets, no attention masks: only the ids are kept); or `encode`'s columns
+    (samples.encoder: ids and trained flags)."""
     field, backend = cfg.data.text_field, tokenizer.backend_tokenizer
 
-    def encode(batch):
-        encodings = backend.encode_batch_fast([t or "" for t in batch[field]], add_special_tokens=False)
-        return {"ids": [e.ids for e in encodings]}
+    if encode is None:
+        def encode(batch):
+            encodings = backend.encode_batch_fast([t or "" for t in batch[field]], add_special_tokens=False)
+            return {"ids": [e.ids for e in encodings]}
 
     num_proc = cfg.data.num_proc or default_num_proc()
     num_proc = max(1, min(num_proc, len(ds) // 1000 or 1))  # tiny datasets: no worker pool
     return ds.map(encode, batched=True, num_proc=num_proc if num_proc > 1 else None,
-                  remove_columns=[field], desc="tokenize")
+                  remove_columns=ds.column_names, desc="tokenize")
+
+
+def pad_id(tokenizer) -> int:
+    """The token that fills the end of a row of samples (never trained, never attended to)."""
+    return tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
+
+
+def describe_layout(cfg: Config, tokenizer, bos: int | None) -> str:
+    """prepare's line saying how each document or sample becomes tokens."""
+    d = cfg.data
+    if d.format == "text":
+        return (f"each document is tokenized as: {tokenizer.bos_token + ' ' if bos is not None else ''}"
+                f"text {tokenizer.eos_token} (data.add_bos: {str(d.add_bos).lower()})")
+    if d.format == "chat":
+        how = "each conversation is rendered with the tokenizer's chat template"
+        trained = "the assistant turns with their end-of-turn tokens"
+    else:
+        how = (f"each sample is tokenized as: {tokenizer.bos_token + ' ' if bos is not None else ''}"
+               f"prompt completion {tokenizer.eos_token}")
+        trained = f"the completion and {tokenizer.eos_token}"
+    return (f"{how}; the loss covers {trained if d.train_on == 'completion' else 'every token'} "
+            f"(data.train_on: {d.train_on}); "
+            f"{'several samples per row' if d.packing else 'one sample per row'} (data.packing)")
 
 
 def pack(ds, folder: Path, split: str, dtype, eos: int, bos: int | None = None) -> dict:

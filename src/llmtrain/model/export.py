@@ -1,6 +1,6 @@
 """`llmtrain export` and `llmtrain generate`: a checkpoint as a plain Hugging Face model.
 
-    llmtrain export --run-dir DIR [--step N] --out DIR [--dtype fp32|bf16|fp16]
+    llmtrain export --run-dir DIR [--step N] --out DIR [--dtype fp32|bf16|fp16] [--merge]
     llmtrain generate --model DIR | --run-dir DIR [--step N] --prompt TEXT [--max-new-tokens N]
                       [--temperature T] [--seed S]
 
@@ -12,10 +12,15 @@ tokenizer's special tokens), and every file is readable by the group (a shared f
 
 dtype: fp32 by default, the trained weights bit for bit (training keeps fp32 master weights;
 bf16/fp16 are compute precisions); bf16 halves the folder and is what serving usually loads.
+
+A LoRA run exports its adapters as peft writes them (adapter_config.json naming the base's
+folder, adapter_model.safetensors): `PeftModel.from_pretrained(base, out)` loads them; with
+--merge, the adapters folded into the base's weights, a plain model folder.
 """
 
 from __future__ import annotations
 
+import json
 import os
 import shutil
 import stat
@@ -26,8 +31,11 @@ import torch
 import torch.distributed.checkpoint as dcp
 from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, GenerationConfig
 
-from ..config import UserError
+from ..config import LoraSpec, UserError
+from ..rundir import META
 from ..training.checkpoint import BUFFERS, resolve
+from .lora import apply_lora, is_adapter, peft_config
+from .lora import merge as merge_adapters
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 # What `model.generate(**inputs)` on an export does when asked nothing else (and what
@@ -38,22 +46,30 @@ SAMPLING = {"do_sample": True, "temperature": 0.8, "top_k": 0, "max_new_tokens":
 
 def load_checkpoint_model(run_dir: Path, step: int | None = None):
     """(model, tokenizer) of a run's checkpoint, full fp32 weights on CPU, in eval mode, set up
-    for generation (KV cache on, the export's generation config)."""
+    for generation (KV cache on, the export's generation config). A LoRA run's: its base model
+    from the base's folder with the checkpoint's adapters on it (lora.py)."""
     ckpt = resolve(Path(run_dir), step)
-    config = AutoConfig.from_pretrained(ckpt)
-    with torch.device("meta"):
-        model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
-    tied = model.get_output_embeddings().weight is model.get_input_embeddings().weight
-    model.to_empty(device="cpu")
-    if tied:
-        model.tie_weights()
-    state = {"model": model.state_dict()}
+    spec, base = lora_of(ckpt)
+    if spec is not None:
+        model = AutoModelForCausalLM.from_pretrained(base, dtype=torch.float32)
+        apply_lora(model, spec)
+        state = {"model": {k: v for k, v in model.state_dict().items() if is_adapter(k)}}
+    else:
+        config = AutoConfig.from_pretrained(ckpt)
+        with torch.device("meta"):
+            model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+        tied = model.get_output_embeddings().weight is model.get_input_embeddings().weight
+        model.to_empty(device="cpu")
+        if tied:
+            model.tie_weights()
+        state = {"model": model.state_dict()}
     with warnings.catch_warnings():  # "assuming the intent is to load in a single process": it is
         warnings.filterwarnings("ignore", message="torch.distributed is disabled")
         dcp.load(state, checkpoint_id=ckpt, no_dist=True)  # in place, into the model's tensors
-    buffers = torch.load(ckpt / BUFFERS, weights_only=True)
-    for name, buf in model.named_buffers():
-        buf.copy_(buffers[name])
+    if spec is None:
+        buffers = torch.load(ckpt / BUFFERS, weights_only=True)
+        for name, buf in model.named_buffers():
+            buf.copy_(buffers[name])
     tokenizer = AutoTokenizer.from_pretrained(ckpt)
     # Checkpoints carry the training config, where model/build.py turns the KV cache off; without it
     # generate recomputes the whole sequence for every token (56x slower for 200 tokens).
@@ -74,16 +90,41 @@ def generation_config(tokenizer, config) -> GenerationConfig:
                             eos_token_id=eos, pad_token_id=pad if pad is not None else eos)
 
 
-def export(run_dir: Path, out: Path, step: int | None = None, dtype: str = "fp32") -> Path:
+def lora_of(ckpt: Path) -> tuple[LoraSpec | None, Path | None]:
+    """A checkpoint's LoRA settings and its base model's folder (None, None: full training)."""
+    meta = json.loads((ckpt / META).read_text())
+    raw = meta.get("compat", {}).get("lora")
+    if raw is None:
+        return None, None
+    return LoraSpec.parse(raw), Path(meta["base_model"])
+
+
+def export(run_dir: Path, out: Path, step: int | None = None, dtype: str = "fp32", merge: bool = False) -> Path:
+    """The checkpoint as a model folder; a LoRA run's as a peft adapter folder, or with `merge`
+    as a model folder with the adapters folded into the weights."""
     out = Path(out)
     if out.exists() and any(out.iterdir()):
         raise UserError(f"--out: {out} exists and is not empty; choose a new folder")
     model, tokenizer = load_checkpoint_model(run_dir, step)
+    spec, base = lora_of(resolve(Path(run_dir), step))
+    if merge and spec is None:
+        raise UserError(f"--merge: {run_dir} is not a LoRA run (its checkpoints hold the whole model); "
+                        f"export it without --merge")
+    if spec is not None and merge:
+        merge_adapters(model)
     model.to(DTYPES[dtype])  # config.json's dtype follows: from_pretrained loads it as saved
     new_parents = [p for p in out.parents if not p.exists()]
     tmp = out.with_name(f".{out.name}.tmp")
     shutil.rmtree(tmp, ignore_errors=True)
-    model.save_pretrained(tmp)
+    if spec is not None and not merge:
+        from safetensors.torch import save_file
+        tmp.mkdir(parents=True)
+        adapters = {f"base_model.model.{k}": v.contiguous() for k, v in model.state_dict().items()
+                    if is_adapter(k)}
+        save_file(adapters, tmp / "adapter_model.safetensors", metadata={"format": "pt"})
+        (tmp / "adapter_config.json").write_text(json.dumps(peft_config(spec, str(base)), indent=2) + "\n")
+    else:
+        model.save_pretrained(tmp)
     tokenizer.save_pretrained(tmp)
     _share_with_group(tmp)
     for parent in new_parents:

@@ -1,7 +1,7 @@
 """The language-model loss without the full logits.
 
     head = chunk_head(model, config)  # once, on the wrapped model: its forward now returns hidden states
-    loss = lm_loss(model, batch, head)
+    loss = lm_loss(model, batch, head, normaliser)  # batch: a data.loader.Batch on the device
 
 A plain loss materialises the logits of every token at once, [tokens x vocab], and an fp32 copy
 and its gradient: at a 128k vocabulary and 8192 tokens, ~4 GB each. Here the output head is
@@ -27,6 +27,7 @@ from typing import Callable
 import torch
 import torch.nn.functional as F
 
+from .attention import document_mask
 from .parallel import unwrap
 
 CHUNK_LOGIT_BYTES = 256 * 2**20  # one chunk's fp32 logits, at most
@@ -66,24 +67,39 @@ def _passthrough(hidden: torch.Tensor) -> torch.Tensor:
     return hidden
 
 
-def lm_loss(model: torch.nn.Module, batch: torch.Tensor, head: ChunkedHead | None = None) -> torch.Tensor:
-    """Mean next-token cross-entropy; batch holds windows of seq_len + 1 tokens. With `head`
-    (chunk_head's), the model returns hidden states and the loss is chunked."""
-    out = model(input_ids=batch[:, :-1]).logits
-    targets = batch[:, 1:].flatten()
+def lm_loss(model: torch.nn.Module, batch, head: ChunkedHead | None = None,
+            normaliser: float | None = None) -> torch.Tensor:
+    """Next-token cross-entropy summed over the batch's trained targets and divided by
+    `normaliser` (None: by their count, the mean). batch: a data.loader.Batch on the device:
+    windows of seq_len + 1 tokens, with trained flags (others are not targets) and positions
+    within each document (attention then stays within one: attention.document_mask). With
+    `head` (chunk_head's), the model returns hidden states and the loss is chunked."""
+    tokens = batch.tokens
+    targets = tokens[:, 1:]
+    if batch.trained is not None:
+        targets = targets.masked_fill(~batch.trained[:, 1:], IGNORE)
+    extra = {}
+    if batch.positions is not None:
+        positions = batch.positions[:, :-1]
+        extra = {"position_ids": positions, "attention_mask": document_mask(unwrap(model), positions)}
+    out = model(input_ids=tokens[:, :-1], **extra).logits
+    targets = targets.flatten()
     if head is None:
-        return F.cross_entropy(out.float().flatten(0, 1), targets)
-    return chunked_cross_entropy(out.flatten(0, 1), head.linear.weight, targets, chunk_fn=head.chunk_fn)
+        total = F.cross_entropy(out.float().flatten(0, 1), targets, ignore_index=IGNORE, reduction="sum")
+        return total / (normaliser if normaliser is not None else (targets != IGNORE).sum().clamp(min=1))
+    return chunked_cross_entropy(out.flatten(0, 1), head.linear.weight, targets, chunk_fn=head.chunk_fn,
+                                 normaliser=normaliser)
 
 
 def chunked_cross_entropy(hidden: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor,
-                          chunk: int | None = None, chunk_fn: Callable | None = None) -> torch.Tensor:
-    """The mean over trained tokens (targets other than IGNORE, -100 as in F.cross_entropy) of
-    CE(hidden[i] @ weight.T, targets[i]), [chunk x vocab] logits at a time (default:
-    CHUNK_LOGIT_BYTES of fp32 logits). Gradients flow to hidden and weight. The count of trained
-    tokens stays on the device."""
+                          chunk: int | None = None, chunk_fn: Callable | None = None,
+                          normaliser: float | None = None) -> torch.Tensor:
+    """The sum over trained tokens (targets other than IGNORE, -100 as in F.cross_entropy) of
+    CE(hidden[i] @ weight.T, targets[i]) divided by `normaliser` (None: their count, which stays
+    on the device: the mean), [chunk x vocab] logits at a time (default: CHUNK_LOGIT_BYTES of
+    fp32 logits). Gradients flow to hidden and weight."""
     chunk = chunk or max(1, CHUNK_LOGIT_BYTES // (4 * weight.shape[0]))
-    trained = (targets != IGNORE).sum().clamp(min=1)
+    trained = normaliser if normaliser is not None else (targets != IGNORE).sum().clamp(min=1)
     if torch.is_grad_enabled() and (hidden.requires_grad or weight.requires_grad):
         return _ChunkedCrossEntropy.apply(hidden, weight, targets, trained, chunk, chunk_fn or _chunk)
     total = hidden.new_zeros((), dtype=torch.float32)
@@ -95,8 +111,8 @@ def chunked_cross_entropy(hidden: torch.Tensor, weight: torch.Tensor, targets: t
 
 
 def _chunk(h: torch.Tensor, weight: torch.Tensor, t: torch.Tensor, n: torch.Tensor):
-    """One chunk: (its summed loss, d(mean loss)/d(logits) in h's dtype, d(mean loss)/d(h)),
-    `n` the trained tokens of all chunks."""
+    """One chunk: (its summed loss, d(loss)/d(logits) in h's dtype, d(loss)/d(h)), the loss being
+    the sum over all chunks' trained tokens divided by `n`."""
     logits = (h @ weight.t()).float()
     lse = torch.logsumexp(logits, dim=-1)
     trained = t != IGNORE

@@ -35,7 +35,9 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 
 from ..config import Config, UserError
 from ..training.distributed import World
+from .attention import causal_attention
 from .build import build_model, decoder_layers, pretrained_dir
+from .lora import apply_lora, init_adapters, is_adapter
 
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 SHARDED_STRATEGIES = ("fsdp", "hsdp")
@@ -50,6 +52,9 @@ def parallelize(cfg: Config, config, world: World, watch=None) -> torch.nn.Modul
         reference = build_model(config, cfg, "meta", buffers="cpu")  # full shapes, real buffers
         if cfg.model.attn_implementation == "sdpa":
             causal_attention(model)
+        lora = cfg.model.lora_spec
+        if lora is not None:
+            apply_lora(model, lora)
         tied = _tied(model)  # decided on the skeleton, so every rank agrees
         if cfg.model.activation_checkpointing:
             checkpoint_layers(model, cfg.model.activation_checkpointing_every)
@@ -66,6 +71,8 @@ def parallelize(cfg: Config, config, world: World, watch=None) -> torch.nn.Modul
             load_pretrained(model, pretrained_dir(cfg))
         else:
             init_from_scratch(model, reference, cfg.train.seed, world.device)
+        if lora is not None:
+            init_adapters(model, cfg.train.seed, local_slices)
         copy_buffers(model, reference)
     del reference
     if cfg.parallel.strategy == "ddp" and world.world_size > 1:
@@ -78,26 +85,6 @@ def parallelize(cfg: Config, config, world: World, watch=None) -> torch.nn.Modul
         model = DDP(model, device_ids=[world.local_rank] if world.device.type == "cuda" else None,
                     gradient_as_bucket_view=True, **{no_sync: False})
     return model
-
-
-CAUSAL_SDPA = "llmtrain_causal_sdpa"
-
-
-def causal_attention(model: torch.nn.Module) -> None:
-    """Training attends causally within each window, and windows are never padded: SDPA with
-    is_causal and no mask at all. HF's own "sdpa" path builds its mask from position_ids and
-    checks them for packed sequences, which reads a device value on the host (a stall) in every
-    forward. An attention function HF has no mask builder for gets no mask: that one."""
-    from transformers import AttentionInterface
-    from transformers.integrations.sdpa_attention import sdpa_attention_forward
-
-    def causal_sdpa(module, query, key, value, attention_mask, **kwargs):
-        return sdpa_attention_forward(module, query, key, value, None, **kwargs)
-    AttentionInterface.register(CAUSAL_SDPA, causal_sdpa)
-    if hasattr(model, "set_attn_implementation"):
-        model.set_attn_implementation(CAUSAL_SDPA)
-    else:
-        model.config._attn_implementation = CAUSAL_SDPA
 
 
 def compile_layers(model: torch.nn.Module) -> None:
@@ -237,7 +224,7 @@ def init_from_scratch(model: torch.nn.Module, reference: torch.nn.Module, seed: 
     the device, initialised under a seed made of `seed` and its name, and each rank copies its
     slice. Tied parameters are initialised once, under their first name.
     """
-    params = dict(model.named_parameters())  # duplicates (ties) removed: first name wins
+    params = {n: p for n, p in model.named_parameters() if not is_adapter(n)}  # ties: first name wins
     done: set[str] = set()
     largest = 0
     for name in params:
@@ -277,7 +264,7 @@ def load_pretrained(model: torch.nn.Module, folder: Path) -> None:
     are found too, as from_pretrained finds them.
     """
     files = _weight_files(folder)
-    params = dict(model.named_parameters())
+    params = {n: p for n, p in model.named_parameters() if not is_adapter(n)}  # adapters: lora.py
     prefix = f"{getattr(model, 'base_model_prefix', '')}."
     keys = {name: name if name in files else name.removeprefix(prefix) for name in params}
     missing = [name for name, key in keys.items() if key not in files]

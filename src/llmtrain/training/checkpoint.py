@@ -32,9 +32,10 @@ import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
-from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict, set_state_dict
 
 from ..config import Config, UserError, read_json
+from ..model.build import pretrained_dir
 from ..model.parallel import unwrap
 from ..rundir import (CHECKPOINT_FORMAT, CHECKPOINTS, LATEST, META, Log, complete_checkpoints,
                       latest_checkpoint, step_name, write_atomic)
@@ -42,7 +43,7 @@ from .distributed import World
 
 BUFFERS = "buffers.pt"
 # Keys that must be equal to continue a run, and keys whose change is only logged.
-MUST_MATCH = ("model", "tokenizer_vocab", "data_fingerprint", "seq_len", "global_batch_size")
+MUST_MATCH = ("model", "lora", "tokenizer_vocab", "data_fingerprint", "seq_len", "global_batch_size")
 MAY_CHANGE = ("lr", "min_lr", "warmup_steps", "max_steps", "eval_every", "checkpoint_every",
               "weight_decay", "grad_clip")
 
@@ -71,6 +72,10 @@ class Checkpointer:
         self.cfg, self.world, self.log, self.compat = cfg, world, log, compat
         self.hf_files = hf_files
         self.folder = cfg.run_dir / CHECKPOINTS
+        # LoRA: only what trains (the adapters, their optimizer state) is saved and loaded; the
+        # frozen base comes from its source at every start.
+        self.options = (StateDictOptions(ignore_frozen_params=True, strict=False)
+                        if cfg.model.lora is not None else None)
         self.pending = None  # (future, tmp, final, meta) of the async save in flight
         # Async saves upload on their own gloo group: sharing the training group crashed when
         # training collectives overlapped the upload (torch-stack-facts.md).
@@ -101,9 +106,11 @@ class Checkpointer:
         if self.world.is_main:
             tmp.mkdir(parents=True, exist_ok=True)
         dist.barrier()
-        model_sd, optim_sd = get_state_dict(model, optimizer)
+        model_sd, optim_sd = get_state_dict(model, optimizer, options=self.options)
         meta = {"format": CHECKPOINT_FORMAT, "step": step, "world_size": self.world.world_size, **extra,
                 "compat": self.compat, "settings": _settings(self.cfg)}
+        if self.options is not None:  # LoRA: where the frozen base comes from (export, generate)
+            meta["base_model"] = str(pretrained_dir(self.cfg))
         state = {"model": model_sd, "optim": optim_sd}
         with self._failing_save(tmp, final):
             torch.save(_rng_state(), tmp / f"rng-rank-{self.world.rank}.pt")
@@ -192,7 +199,7 @@ class Checkpointer:
                 continue
             self._check_compatible(ckpt, meta)
             try:
-                model_sd, optim_sd = get_state_dict(model, optimizer)
+                model_sd, optim_sd = get_state_dict(model, optimizer, options=self.options)
                 state = {"model": model_sd, "optim": optim_sd}
                 dcp.load(state, checkpoint_id=ckpt)
             # A damaged shard: fall back to the previous checkpoint, which then overwrites every
@@ -202,7 +209,7 @@ class Checkpointer:
                               f"({type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''})")
                 continue
             set_state_dict(model, optimizer, model_state_dict=state["model"],
-                           optim_state_dict=state["optim"])
+                           optim_state_dict=state["optim"], options=self.options)
             rng = ckpt / f"rng-rank-{self.world.rank}.pt"
             if rng.exists():  # a new rank (larger world) keeps its fresh seed
                 _set_rng_state(torch.load(rng, weights_only=False))
@@ -245,7 +252,7 @@ def compat_info(cfg: Config, model_config, manifest: dict) -> dict:
     arch = {k: v for k, v in model_config.to_diff_dict().items()
             if not k.startswith("_") and k not in ("transformers_version", "use_cache", "dtype",
                                                     "torch_dtype", "architectures")}
-    return {"model": arch, "tokenizer_vocab": manifest["tokenizer"]["vocab_size"],
+    return {"model": arch, "lora": cfg.model.lora, "tokenizer_vocab": manifest["tokenizer"]["vocab_size"],
             "data_fingerprint": manifest["fingerprint"], "seq_len": cfg.data.seq_len,
             "global_batch_size": cfg.train.global_batch_size}
 

@@ -22,7 +22,7 @@ import torch
 import torch.distributed as dist
 
 from ..config import Config, ConfigError, UserError, dump_yaml
-from ..data.loader import Prefetcher, StepSampler, TokenStream, batch_tokens, open_prepared, pinned
+from ..data.loader import Prefetcher, SampleRows, StepSampler, TokenStream, open_prepared, open_split
 from ..metrics import MetricsWriter, SampleLog, Throughput, peak_flops, peak_memory_gib, progress_line
 from ..model.build import (flops_per_token, load_tokenizer, model_config, num_params, pretrained_dir,
                            vocab_padding)
@@ -118,9 +118,14 @@ def run(cfg: Config, world: World, watch: Watchdog, run_lock: RunLock) -> None:
     n_params = num_params(model)
     log.info(f"model: {n_params:,} parameters, {describe_parallel(cfg, world)} on "
              f"{world.device.type}, {t.precision}")
+    if cfg.model.lora is not None:
+        lora = cfg.model.lora_spec
+        trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)
+        log.info(f"LoRA: {trainable:,} trainable parameters ({trainable / n_params:.2%}), rank {lora.rank}, "
+                 f"alpha {lora.alpha:g} on {', '.join(lora.target_modules)}; the base is frozen")
 
-    train_data = TokenStream(folder, manifest, "train")
-    val_data = TokenStream(folder, manifest, "validation") if "validation" in manifest["splits"] else None
+    train_data = open_split(folder, manifest, "train", cfg)
+    val_data = open_split(folder, manifest, "validation", cfg) if "validation" in manifest["splits"] else None
     check_eval_split(cfg, val_data, world, log)
     sampler = StepSampler(train_data.num_samples(seq_len), t.global_batch_size, t.seed,
                           world.rank, world.world_size)
@@ -171,8 +176,8 @@ class Job:
     checkpointer: Checkpointer
     sampler: StepSampler
     state: RunState
-    train_data: TokenStream
-    val_data: TokenStream | None
+    train_data: TokenStream | SampleRows
+    val_data: TokenStream | SampleRows | None
     accum: int  # micro-batches per rank per step
     flops_per_step: float
     reason: str = "done"  # why the loop ended (control.py's reasons)
@@ -212,13 +217,16 @@ def loop(cfg: Config, world: World, watch: Watchdog, log: Log, job: Job) -> None
             watch.step(step)
             lr = lr_at(state.step, t)
             set_lr(optimizer, lr)
-            indices = sampler.next_step()
+            step_indices = sampler.next_global()
+            indices = sampler.share(step_indices)
             samples.write(step, indices)
             logs = due(step, t.log_every, t.max_steps)
             evals = val_data is not None and t.eval_every > 0 and due(step, t.eval_every, t.max_steps)
             periodic = t.checkpoint_every > 0 and due(step, t.checkpoint_every, t.max_steps)
-            loss, grad_norm = forward_backward(model, job.head, optimizer, scaler, prefetch.next(indices),
-                                               cfg, faults.loss_factor(step), norm=logs or t.grad_clip > 0)
+            micro_batches, targets = prefetch.next(step_indices)
+            loss, grad_norm = forward_backward(model, job.head, optimizer, scaler, micro_batches,
+                                               targets / world.world_size, cfg, faults.loss_factor(step),
+                                               norm=logs or t.grad_clip > 0)
             faults.maybe_hang(step)
             watch.at_sync()
             agreement = control.agree(step, finite(loss, grad_norm, cfg), samples=indices)
@@ -296,17 +304,23 @@ def due(step: int, every: int, last: int) -> bool:
     return (every > 0 and step % every == 0) or step == last
 
 
-def forward_backward(model, head, optimizer, scaler, micro_batches, cfg: Config, loss_factor: float = 1.0,
-                     norm: bool = True) -> tuple[torch.Tensor, torch.Tensor | None]:
+def forward_backward(model, head, optimizer, scaler, micro_batches, normaliser: float, cfg: Config,
+                     loss_factor: float = 1.0, norm: bool = True) -> tuple[torch.Tensor, torch.Tensor | None]:
     """This rank's micro-batches (on the device) and their gradients, reduced across ranks (see
-    gradient_sync); returns (mean loss, global gradient norm before clipping). The norm is
-    computed where it is used: to clip, or to log (`norm`); else None."""
+    gradient_sync); returns (this rank's part of the step's loss, global gradient norm before
+    clipping). The norm is computed where it is used: to clip, or to log (`norm`); else None.
+
+    The step's loss is the mean over all its trained targets, every rank's and micro-batch's:
+    each micro-batch's summed loss is divided by `normaliser`, the step's count of trained
+    targets over the world size (the gradient reduction averages over ranks). So neither the
+    micro-batch size, the accumulation nor the world size changes it, however unevenly the
+    trained tokens fall; the mean over ranks of what this returns is that loss."""
     total = None
     for i, batch in enumerate(micro_batches):
         with gradient_sync(model, i == len(micro_batches) - 1, cfg):
-            with autocast(cfg, batch.device):
-                loss = lm_loss(model, batch, head) * loss_factor
-            scaler.scale(loss / len(micro_batches)).backward()
+            with autocast(cfg, batch.tokens.device):
+                loss = lm_loss(model, batch, head, max(normaliser, 1e-9)) * loss_factor
+            scaler.scale(loss).backward()
         total = loss.detach() if total is None else total + loss.detach()
     scaler.unscale_(optimizer)
     grad_norm = None
@@ -316,7 +330,7 @@ def forward_backward(model, head, optimizer, scaler, micro_batches, cfg: Config,
         grad_norm = torch.nn.utils.get_total_norm([p.grad for p in model.parameters() if p.grad is not None])
     if hasattr(grad_norm, "full_tensor"):  # FSDP2: a DTensor holding the global norm
         grad_norm = grad_norm.full_tensor()
-    return total / len(micro_batches), grad_norm
+    return total, grad_norm
 
 
 def update(optimizer, scaler, agreement: Agreement, pending: Agreement | None,
@@ -413,8 +427,9 @@ def _injected_fault() -> None:
 
 
 @torch.no_grad()
-def evaluate(model, head, data: TokenStream, cfg: Config, world: World) -> float:
-    """Mean loss over the first eval_samples validation samples, whatever the world size.
+def evaluate(model, head, data: TokenStream | SampleRows, cfg: Config, world: World) -> float:
+    """Mean loss over the trained targets of the first eval_samples validation samples, whatever
+    the world size.
 
     The count is rounded down to a multiple of the world size so that every rank runs the same
     number of forwards: FSDP2 gathers parameters collectively.
@@ -423,14 +438,15 @@ def evaluate(model, head, data: TokenStream, cfg: Config, world: World) -> float
     per_rank = min(data.num_samples(seq_len), cfg.train.eval_samples) // world.world_size
     indices = np.arange(per_rank) * world.world_size + world.rank
     total = torch.zeros((), dtype=torch.float64, device=world.device)
+    targets = 0
     model.eval()
     for chunk in np.array_split(indices, -(-per_rank // mb)) if per_rank else []:
-        batch = pinned(batch_tokens(data, chunk, seq_len), world.device).to(world.device, non_blocking=True)
+        batch = data.batch(chunk, seq_len)
+        targets += batch.targets()
         with autocast(cfg, world.device):
-            total += lm_loss(model, batch, head).double() * len(chunk)
+            total += lm_loss(model, batch.pinned(world.device).to(world.device), head, normaliser=1.0).double()
     model.train()
-    sums = torch.stack([total, torch.tensor(float(per_rank), dtype=torch.float64,
-                                            device=world.device)])
+    sums = torch.stack([total, torch.tensor(float(targets), dtype=torch.float64, device=world.device)])
     dist.all_reduce(sums)
     return (sums[0] / sums[1]).item() if sums[1] > 0 else float("nan")
 
@@ -457,7 +473,7 @@ def steps_from_epochs(cfg: Config, folder, manifest: dict, log: Log) -> Config:
     t = cfg.train
     if t.epochs is None:
         return cfg
-    samples = TokenStream(folder, manifest, "train").num_samples(cfg.data.seq_len)
+    samples = open_split(folder, manifest, "train", cfg).num_samples(cfg.data.seq_len)
     per_epoch = StepSampler(samples, t.global_batch_size, t.seed, 0, 1).steps_per_epoch
     steps = t.epochs * per_epoch
     log.info(f"train.epochs: {t.epochs} x {per_epoch} steps per epoch ({samples:,} samples // "

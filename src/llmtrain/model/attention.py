@@ -1,0 +1,69 @@
+"""How training attends: causal within a window, or within each document of it.
+
+A window of text, or a row of samples, either is one sequence (causal attention, no mask at
+all) or holds several documents that must not see each other (data.document_masking, packed
+fine-tuning samples). Then the batch carries each token's position within its document; the
+positions restart at 0 where a document starts, so they are the model's position ids as they
+are and give the documents:
+
+    positions  0 1 2 3 0 1 2 0 1
+    document   1 1 1 1 2 2 2 3 3    (a new one at every 0)
+
+and a token attends to the earlier tokens of its own document only: a block-diagonal causal
+mask, built on the device from the positions (no host read), in the form the model's attention
+implementation takes. With sdpa (the default): on GPUs a flex-attention BlockMask (the kernel
+skips the blocks no token of a document needs: packed rows cost what their documents cost, not
+what a full window costs), elsewhere SDPA's boolean mask; with eager attention an additive mask;
+flash attention finds the documents from the position ids itself (its varlen kernel).
+"""
+
+from __future__ import annotations
+
+import torch
+
+CAUSAL_SDPA = "llmtrain_causal_sdpa"
+
+
+def causal_attention(model: torch.nn.Module) -> None:
+    """Training attends causally within each window, and windows are never padded: SDPA with
+    is_causal and no mask at all. HF's own "sdpa" path builds its mask from position_ids and
+    checks them for packed sequences, which reads a device value on the host (a stall) in every
+    forward. An attention function HF has no mask builder for gets no mask, unless the caller
+    passes a ready 4-D one (document_mask): that one."""
+    from transformers import AttentionInterface
+    from transformers.integrations.sdpa_attention import sdpa_attention_forward
+
+    def attend(module, query, key, value, attention_mask, **kwargs):
+        if attention_mask is not None and not isinstance(attention_mask, torch.Tensor):  # a BlockMask
+            from transformers.integrations.flex_attention import flex_attention_forward
+            return flex_attention_forward(module, query, key, value, attention_mask, **kwargs)
+        return sdpa_attention_forward(module, query, key, value, attention_mask, **kwargs)
+    AttentionInterface.register(CAUSAL_SDPA, attend)
+    if hasattr(model, "set_attn_implementation"):
+        model.set_attn_implementation(CAUSAL_SDPA)
+    else:
+        model.config._attn_implementation = CAUSAL_SDPA
+
+
+def document_mask(model: torch.nn.Module, positions: torch.Tensor, flex: bool | None = None):
+    """The [batch, 1, seq, seq] mask that keeps attention causal within each document, for the
+    model's attention implementation (None for flash attention: the position ids suffice).
+    `flex`: a BlockMask for flex attention (sdpa only); None: on GPUs."""
+    implementation = model.config._attn_implementation
+    if implementation.startswith("flash_attention"):
+        return None
+    document = (positions == 0).cumsum(dim=1)
+    batch, seq = positions.shape
+    if implementation == CAUSAL_SDPA and (positions.is_cuda if flex is None else flex):
+        from torch.nn.attention.flex_attention import create_block_mask
+
+        def same_document(b, h, q, kv):
+            return (document[b, q] == document[b, kv]) & (kv <= q)
+        return create_block_mask(same_document, batch, None, seq, seq, device=positions.device)
+    causal = torch.ones(seq, seq, dtype=torch.bool, device=positions.device).tril()
+    allowed = (document[:, :, None] == document[:, None, :]) & causal
+    allowed = allowed[:, None]
+    if implementation == "eager":  # added to the attention scores
+        return torch.zeros(allowed.shape, device=positions.device).masked_fill_(
+            ~allowed, torch.finfo(torch.float32).min)
+    return allowed

@@ -1,0 +1,264 @@
+"""Fine-tuning data: chat and prompt/completion masks, rows of packed samples that never see each
+other, and a loss that is the mean over every trained token of the step however it is split."""
+
+from __future__ import annotations
+
+import json
+import random
+
+import numpy as np
+import pytest
+import torch
+import torch.nn.functional as F
+import yaml
+from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
+
+from conftest import DEMO, assert_same_curve, cli, read_metrics, tiny_config, torchrun
+from llmtrain.config import load_config
+from llmtrain.data.loader import Batch, document_positions, open_prepared, open_split
+from llmtrain.data.samples import chat_sample, plan_rows, prompt_completion_sample
+from llmtrain.model.attention import causal_attention, document_mask
+from llmtrain.model.loss import IGNORE, lm_loss
+
+CHATML = ("{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
+          "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
+# No generation prompt, no end-of-turn token: a turn ends with its newline.
+PLAIN = "{% for m in messages %}{{ m['role'] }}: {{ m['content'] }}\n{% endfor %}"
+# Closes the whole conversation only: a prefix rendered alone ends with an EOS the whole lacks there.
+CLOSED = "{{ bos_token }}{% for m in messages %}{{ m['role'] }}: {{ m['content'] }}\n{% endfor %}{{ eos_token }}"
+
+CONVERSATION = [
+    {"role": "system", "content": "Answer in one sentence."},
+    {"role": "user", "content": "Where is Anna?"},
+    {"role": "assistant", "content": "In the park."},
+    {"role": "user", "content": "And Tom?"},
+    {"role": "assistant", "content": "At school."},
+]
+
+
+def chat_tokenizer(folder, template=CHATML):
+    """The demo tokenizer with ChatML's turn markers and a chat template."""
+    tok = AutoTokenizer.from_pretrained(DEMO / "tokenizer")
+    tok.add_special_tokens({"additional_special_tokens": ["<|im_start|>", "<|im_end|>"]})
+    tok.chat_template = template
+    tok.save_pretrained(folder)
+    return tok
+
+
+def trained_spans(tok, ids, trained) -> list[str]:
+    """The trained tokens, decoded run by run."""
+    spans, run = [], []
+    for i, t in zip(ids, trained):
+        if t:
+            run.append(i)
+        elif run:
+            spans.append(tok.decode(run))
+            run = []
+    return spans + ([tok.decode(run)] if run else [])
+
+
+@pytest.mark.parametrize("template,expected", [
+    (CHATML, ["In the park.<|im_end|>\n", "At school.<|im_end|>\n"]),
+    (PLAIN, ["In the park.\n", " At school.\n"]),  # " At": the token holds the header's space
+    (CLOSED, ["In the park.\n", " At school.\n<|endoftext|>"]),
+])
+def test_chat_masks_cover_exactly_the_assistant_turns(tmp_path, template, expected):
+    tok = chat_tokenizer(tmp_path, template)
+    ids, trained = chat_sample(tok, CONVERSATION, "completion")
+    assert ids == tok(tok.apply_chat_template(CONVERSATION, tokenize=False), add_special_tokens=False)["input_ids"]
+    assert trained_spans(tok, ids, trained) == expected
+    assert chat_sample(tok, CONVERSATION, "all")[1] == [1] * len(ids)
+
+
+def test_prompt_completion_trains_the_completion_and_eos(tmp_path):
+    tok = chat_tokenizer(tmp_path)
+    eos = tok.eos_token_id
+    ids, trained = prompt_completion_sample(tok, "What is 2 plus 3?", " 5.", bos=None, eos=eos,
+                                            train_on="completion")
+    assert tok.decode(ids) == "What is 2 plus 3? 5.<|endoftext|>"
+    assert trained_spans(tok, ids, trained) == [" 5.<|endoftext|>"]
+    ids, trained = prompt_completion_sample(tok, "Hi", " there", bos=7, eos=eos, train_on="all")
+    assert ids[0] == 7 and trained == [1] * len(ids)
+
+
+def test_best_fit_packing_fills_rows_and_keeps_every_sample_once():
+    lengths = np.array([60, 10, 30, 65, 5, 40, 25, 1, 64, 35])
+    rows = plan_rows(lengths, 65, packing=True)
+    assert sorted(i for r in rows for i in r) == list(range(10))
+    assert all(lengths[r].sum() <= 65 for r in rows)
+    assert len(rows) == -(-lengths.sum() // 65)  # as few rows as the tokens need, here
+    assert plan_rows(lengths, 65, packing=False) == [[i] for i in range(10)]
+
+
+# ---------------------------------------------------------------------------------------------
+# Prepared rows
+
+
+def write_chat(path, n, seed=0):
+    """n conversations of one or two exchanges: uneven lengths and uneven trained shares."""
+    rng = random.Random(seed)
+    names, things = ["Tom", "Anna", "Ben", "Lily", "Max"], ["ball", "kite", "box", "book", "hat"]
+    colors = ["red", "blue", "green", "yellow"]
+    with open(path, "w") as f:
+        for i in range(n):
+            who, what, color = rng.choice(names), rng.choice(things), rng.choice(colors)
+            msgs = [{"role": "user", "content": f"{who} has a {color} {what}. What color is the {what}?"},
+                    {"role": "assistant", "content": f"The {what} is {color}."}]
+            if i % 3 == 0:
+                msgs = ([{"role": "system", "content": "Answer in one short sentence, please."}] + msgs +
+                        [{"role": "user", "content": "Who has it?"},
+                         {"role": "assistant", "content": f"{who} has the {what}, and it is {color}."}])
+            f.write(json.dumps({"messages": msgs}) + "\n")
+
+
+def sft_config(root, **data) -> dict:
+    tok = root / "tok"
+    if not tok.exists():
+        chat_tokenizer(tok)
+    if not (root / "chat.jsonl").exists():
+        write_chat(root / "chat.jsonl", 120)
+    cfg = tiny_config(data={"dataset": str(root / "chat.jsonl"), "format": "chat", "seq_len": 96,
+                            "validation_fraction": 0.1, **data},
+                      train={"eval_samples": 8, "max_steps": 4, "checkpoint_every": 0, "eval_every": 2})
+    cfg["model"]["tokenizer"] = str(tok)
+    return cfg
+
+
+def prepared_rows(root, monkeypatch, name, **data):
+    monkeypatch.setenv("LLMTRAIN_HOME", str(root / "home"))
+    path = root / f"{name}.yaml"
+    path.write_text(yaml.safe_dump(sft_config(root, **data)))
+    proc = cli("prepare", "--config", path, check=True)
+    cfg = load_config(path)
+    folder, manifest = open_prepared(cfg)
+    return cfg, manifest, open_split(folder, manifest, "train", cfg), proc.stdout + proc.stderr
+
+
+def test_prepare_lays_samples_out_in_rows_with_their_flags(tmp_path, monkeypatch):
+    cfg, manifest, rows, out = prepared_rows(tmp_path, monkeypatch, "packed")
+    part = manifest["splits"]["train"]
+    tok = AutoTokenizer.from_pretrained(tmp_path / "tok")
+    assert manifest["source"]["format"] == "chat" and manifest["samples"]["packing"] is True
+    assert f"train: {part['samples']} samples in {part['rows']} rows of 97 tokens" in out
+    assert part["samples"] == 108 and part["rows"] < 0.7 * part["samples"]  # rows shared
+    batch = rows.batch(np.arange(part["rows"]), 96)
+    assert batch.targets() == part["trained_tokens"] == rows.targets(np.arange(part["rows"]), 96)
+    # Each row: samples one after another, positions restarting at each, then padding.
+    samples = []
+    for tokens, trained, positions in zip(batch.tokens, batch.trained, batch.positions):
+        starts = list(np.flatnonzero(positions == 0)) + [len(tokens)]
+        for a, b in zip(starts, starts[1:]):
+            assert list(positions[a:b]) == list(range(b - a)) and not trained[a]
+            if tokens[a] != tok.pad_token_id:  # not the row's padding
+                samples.append(tokens[a:b])
+    conversations = [json.loads(line)["messages"] for line in open(tmp_path / "chat.jsonl")]
+    rendered = {tok.apply_chat_template(c, tokenize=False) for c in conversations}
+    whole = [tok.decode(s) for s in samples if len(s) < 97]
+    cut = [tok.decode(s) for s in samples if len(s) == 97]
+    assert len(samples) == part["samples"] and len(cut) == part["truncated"] > 0
+    assert set(whole) <= rendered and all(any(r.startswith(c) for r in rendered) for c in cut)
+
+
+def test_truncation_cuts_or_leaves_out_long_samples_and_says_so(tmp_path, monkeypatch):
+    *_, cut = prepared_rows(tmp_path, monkeypatch, "cut", seq_len=64)
+    _, manifest, _, dropped = prepared_rows(tmp_path, monkeypatch, "drop", seq_len=64, truncation="drop")
+    n_long = manifest["splits"]["train"]["dropped_long"]
+    assert n_long > 0
+    assert f"{n_long} truncated to 65 tokens" in cut
+    assert f"{n_long} left out as longer than 65 tokens (data.truncation: drop)" in dropped
+    assert manifest["splits"]["train"]["samples"] == 108 - n_long
+
+
+# ---------------------------------------------------------------------------------------------
+# Attention within a sample, loss over the trained tokens
+
+
+def tiny_llama(attn="sdpa", seed=0):
+    config = AutoConfig.for_model("llama", vocab_size=512, hidden_size=32, intermediate_size=64,
+                                  num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+                                  max_position_embeddings=256)
+    torch.manual_seed(seed)
+    model = AutoModelForCausalLM.from_config(config, attn_implementation=attn, dtype=torch.float32)
+    if attn == "sdpa":
+        causal_attention(model)
+    return model
+
+
+def token_losses(model, batch: Batch, flex: bool = False) -> torch.Tensor:
+    """Each target's loss (IGNORE targets: 0)."""
+    b = batch_to_torch(batch)
+    extra = {}
+    if b.positions is not None:
+        positions = b.positions[:, :-1]
+        extra = {"position_ids": positions, "attention_mask": document_mask(model, positions, flex=flex)}
+    logits = model(input_ids=b.tokens[:, :-1], **extra).logits
+    targets = b.tokens[:, 1:]
+    if b.trained is not None:
+        targets = targets.masked_fill(~b.trained[:, 1:], IGNORE)
+    return F.cross_entropy(logits.transpose(1, 2), targets, ignore_index=IGNORE, reduction="none")
+
+
+@pytest.mark.parametrize("attn", ["sdpa", "eager", "flex"])
+def test_a_sample_loses_the_same_alone_or_packed_with_others(attn):
+    """sdpa's boolean mask, eager's additive one, and flex attention's BlockMask (what sdpa uses
+    on GPUs; compiled, also on this CPU)."""
+    flex = attn == "flex"
+    model = tiny_llama("sdpa" if flex else attn)
+    rng = np.random.default_rng(0)
+    a, b, c = (rng.integers(1, 512, n) for n in (20, 30, 14))
+    packed = np.concatenate([b, a, c])[None]
+    alone = np.concatenate([a, np.zeros(64 - 20, dtype=a.dtype)])[None]
+    pos = lambda *ns: np.concatenate([np.arange(n) for n in ns])[None]  # noqa: E731
+    with torch.no_grad():
+        in_row = token_losses(model, Batch(packed, positions=pos(30, 20, 14)), flex)[0, 30:49]
+        by_itself = token_losses(model, Batch(alone, positions=pos(20, 44)), flex)[0, :19]
+        unmasked = token_losses(model, Batch(packed))[0, 30:49]
+    assert torch.allclose(in_row, by_itself, atol=1e-5, rtol=0)
+    assert not torch.allclose(unmasked, by_itself, atol=1e-3)  # without the mask, b leaks into a
+
+
+def test_text_document_masking_restarts_at_every_eos():
+    tokens = np.array([[5, 6, 0, 7, 8, 9, 0, 4]])
+    assert document_positions(tokens, eos=0).tolist() == [[0, 1, 2, 0, 1, 2, 3, 0]]
+
+
+def test_packed_and_unpacked_rows_give_the_same_loss_and_gradients(tmp_path, monkeypatch):
+    results = {}
+    for packing in (True, False):
+        _, manifest, rows, _ = prepared_rows(tmp_path, monkeypatch, f"p{packing}", packing=packing)
+        n = manifest["splits"]["train"]["rows"]
+        model = tiny_llama()
+        batch = rows.batch(np.arange(n), 96)
+        loss = lm_loss(model, batch_to_torch(batch), normaliser=batch.targets())
+        loss.backward()
+        results[packing] = (n, loss.item(), model.model.layers[0].self_attn.q_proj.weight.grad.clone())
+    assert results[True][0] < 0.7 * results[False][0]
+    assert abs(results[True][1] - results[False][1]) < 1e-5
+    assert torch.allclose(results[True][2], results[False][2], atol=1e-6, rtol=1e-4)
+
+
+def batch_to_torch(batch: Batch) -> Batch:
+    return Batch(**{k: torch.as_tensor(v) for k, v in batch.fields().items()})
+
+
+# ---------------------------------------------------------------------------------------------
+# The loss of a step: the mean over all its trained tokens, however the step is split
+
+
+@pytest.mark.slow
+def test_loss_does_not_depend_on_micro_batch_accumulation_or_world_size(tmp_path, monkeypatch):
+    monkeypatch.setenv("LLMTRAIN_HOME", str(tmp_path / "home"))
+    cfg = sft_config(tmp_path, packing=False)  # one sample per row: the most uneven masks
+    cfg["train"].update(max_steps=3, log_every=1, eval_every=3, eval_samples=4)
+    path = tmp_path / "c.yaml"
+    path.write_text(yaml.safe_dump(cfg))
+    cli("prepare", "--config", path, check=True)
+    runs = {"mb8": ["--set", "train.micro_batch_size=8"], "mb2x4": ["--set", "train.micro_batch_size=2"]}
+    for name, extra in runs.items():
+        cli("train", "--config", path, "--set", f"run.name={name}", *extra, check=True)
+    torchrun(2, "train", "--config", path, "--set", "run.name=w2", "--set", "train.micro_batch_size=1")
+    home = tmp_path / "home" / "runs"
+    for name in ("mb2x4", "w2"):
+        assert_same_curve(home / name, home / "mb8", tol=1e-5)
+    first = read_metrics(home / "mb8")[0]
+    assert first["step"] == 1 and 5.0 < first["loss"] < 7.0  # ~ln(vocab): the trained tokens' mean
