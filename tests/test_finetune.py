@@ -262,3 +262,105 @@ def test_loss_does_not_depend_on_micro_batch_accumulation_or_world_size(tmp_path
         assert_same_curve(home / name, home / "mb8", tol=1e-5)
     first = read_metrics(home / "mb8")[0]
     assert first["step"] == 1 and 5.0 < first["loss"] < 7.0  # ~ln(vocab): the trained tokens' mean
+
+
+# ---------------------------------------------------------------------------------------------
+# LoRA
+
+
+@pytest.fixture(scope="module")
+def lora(tmp_path_factory):
+    """A pretrained base (a tiny Llama with the chat tokenizer, saved as HF saves models), chat
+    data prepared for it, and two LoRA runs of 6 steps: one process (DDP's path) and FSDP2 over
+    two ranks with activation checkpointing."""
+    root = tmp_path_factory.mktemp("lora")
+    mp = pytest.MonkeyPatch()
+    mp.setenv("LLMTRAIN_HOME", str(root / "home"))
+    try:
+        tok = chat_tokenizer(root / "base")
+        base = tiny_llama(seed=1)
+        base.config.update({"bos_token_id": tok.bos_token_id, "eos_token_id": tok.eos_token_id,
+                            "pad_token_id": tok.pad_token_id})
+        base.save_pretrained(root / "base")
+        write_chat(root / "chat.jsonl", 120)
+        cfg = sft_config(root)
+        cfg["model"] = {"name_or_path": str(root / "base"), "lora": {"rank": 4, "alpha": 8}}
+        cfg["train"].update(max_steps=6, checkpoint_every=3, eval_every=3, lr=1e-2, min_lr=1e-3, warmup_steps=1)
+        config = root / "lora.yaml"
+        config.write_text(yaml.safe_dump(cfg))
+        cli("prepare", "--config", config, check=True)
+        cli("train", "--config", config, "--set", "run.name=one", check=True)
+        torchrun(2, "train", "--config", config, "--set", "run.name=fsdp", "--set", "parallel.strategy=fsdp",
+                 "--set", "model.activation_checkpointing=true")
+        yield root, config
+    finally:
+        mp.undo()
+
+
+@pytest.mark.slow
+def test_lora_trains_the_adapters_alone_the_same_on_ddp_and_fsdp(lora):
+    root, _ = lora
+    runs = root / "home" / "runs"
+    # rank x (in + out) of q, k, v, o (32 -> 32, 32 -> 16, 32 -> 16, 32 -> 32) in each of 2 layers
+    analytic = 2 * 4 * ((32 + 32) + (32 + 16) + (32 + 16) + (32 + 32))
+    for run in ("one", "fsdp"):
+        log = (runs / run / "logs" / "rank-0.log").read_text()
+        assert f"LoRA: {analytic:,} trainable parameters" in log
+    assert_same_curve(runs / "fsdp", runs / "one", tol=1e-5)
+    train = [r["loss"] for r in read_metrics(runs / "one") if r["kind"] == "train"]
+    assert train[-1] < train[0] - 0.05
+    # The checkpoint holds the adapters and their optimizer state, nothing of the frozen base.
+    import torch.distributed.checkpoint as dcp
+    keys = dcp.FileSystemReader(runs / "fsdp" / "checkpoints" / "step-00000006").read_metadata().state_dict_metadata
+    weights = [k for k in keys if k.startswith("model.")]
+    assert len(weights) == 2 * 4 * 2 and all(".lora_A." in k or ".lora_B." in k for k in weights)
+
+
+@pytest.mark.slow
+def test_lora_killed_and_restarted_resumes_bit_identically(lora):
+    """Killed while its last rank hangs at step 5 (after the step-3 checkpoint), restarted: every
+    loss equals the uninterrupted FSDP run's, bit for bit."""
+    from test_checkpoint import kill_when, logged_step
+    from conftest import torchrun_popen, env_with, losses
+
+    root, config = lora
+    run_dir = root / "home" / "runs" / "killed"
+    sets = ["--set", "run.name=killed", "--set", "parallel.strategy=fsdp"]
+    proc = torchrun_popen(2, "train", "--config", config, *sets, env=env_with(LLMTRAIN_INJECT_HANG_STEP="5"))
+    kill_when(proc, lambda: (run_dir / "checkpoints" / "latest").exists() and logged_step(run_dir) >= 4)
+    assert logged_step(run_dir) < 6
+    torchrun(2, "train", "--config", config, *sets)
+    assert losses(run_dir) == losses(root / "home" / "runs" / "fsdp")
+    assert "resumed from" in (run_dir / "logs" / "rank-0.log").read_text()
+
+
+@pytest.mark.slow
+def test_lora_exports_load_in_peft_and_plain_transformers_with_the_trained_logits(lora):
+    from peft import PeftModel
+
+    from llmtrain.model.export import load_checkpoint_model
+
+    root, _ = lora
+    run = root / "home" / "runs" / "fsdp"
+    cli("export", "--run-dir", run, "--out", root / "adapter", check=True)
+    merged = cli("export", "--run-dir", run, "--out", root / "merged", "--merge", check=True)
+    assert "(fp32 weights)" in merged.stdout
+    assert sorted(p.name for p in (root / "adapter").glob("adapter_*")) == ["adapter_config.json",
+                                                                          "adapter_model.safetensors"]
+    trained, tok = load_checkpoint_model(run)
+    ids = torch.tensor([tok("<|im_start|>user\nTom has a red ball.<|im_end|>\n").input_ids])
+    with torch.no_grad():
+        want = trained(ids).logits
+        base = AutoModelForCausalLM.from_pretrained(root / "base", dtype=torch.float32)
+        plain = base(ids).logits
+        peft = PeftModel.from_pretrained(base, root / "adapter").eval()(ids).logits
+        folded = AutoModelForCausalLM.from_pretrained(root / "merged", dtype=torch.float32)(ids).logits
+    assert (want - plain).abs().max() > 1e-3  # the adapters changed something
+    assert torch.allclose(peft, want, atol=1e-5, rtol=0)
+    assert torch.allclose(folded, want, atol=1e-5, rtol=0)
+
+    # Generation from the run itself, no export first; --chat renders the template.
+    chat = cli("generate", "--run-dir", run, "--prompt", "What color is the ball?", "--chat",
+               "--max-new-tokens", "5", "--temperature", "0", check=True)
+    plain_out = cli("generate", "--run-dir", run, "--prompt", "Tom", "--max-new-tokens", "3", check=True)
+    assert chat.stdout.strip() and "user" not in chat.stdout and plain_out.stdout.startswith("Tom")

@@ -4,7 +4,7 @@
     llmtrain prepare --config FILE [--set ...]
     llmtrain train --config FILE [--set ...]          # usually under torchrun
     llmtrain export --run-dir DIR [--step N] --out DIR [--dtype fp32|bf16|fp16]
-    llmtrain generate (--model DIR | --run-dir DIR [--step N]) --prompt TEXT
+    llmtrain generate (--model DIR | --run-dir DIR [--step N]) --prompt TEXT [--chat]
     llmtrain status RUN_DIR|JOB_ID [--follow]
     llmtrain control RUN_DIR save|stop
     llmtrain download [--config FILE] [--model ID] [--dataset ID] [--force] ...
@@ -224,7 +224,10 @@ def parser() -> argparse.ArgumentParser:
     src.add_argument("--run-dir", help="a run directory (required: this or --model)")
     p.add_argument("--step", type=int, help="with --run-dir: the checkpoint step (default: the "
                    "newest complete one)")
-    p.add_argument("--prompt", required=True, help="the text to complete (required)")
+    p.add_argument("--prompt", required=True, help="the text to complete (required); with --chat, "
+                   "the user's message")
+    p.add_argument("--chat", action="store_true", help="send the prompt as a user message through the "
+                   "tokenizer's chat template and print the assistant's reply alone")
     p.add_argument("--max-new-tokens", type=int, help="tokens to generate at most (default: the "
                    "model's generation_config.json)")
     p.add_argument("--temperature", type=float, help="sampling temperature; 0: greedy (default: "
@@ -377,7 +380,8 @@ def cmd_generate(args) -> int:
         model, tokenizer = load_folder(args.model)
     else:
         model, tokenizer = load_checkpoint_model(args.run_dir, args.step)
-    print(generate(model, tokenizer, args.prompt, args.max_new_tokens, args.temperature, args.seed))
+    print(generate(model, tokenizer, args.prompt, args.max_new_tokens, args.temperature, args.seed,
+                   chat=args.chat))
     return 0
 
 

@@ -152,13 +152,23 @@ def _share_with_group(path: Path, tree: bool = True) -> None:
 
 
 def generate(model, tokenizer, prompt: str, max_new_tokens: int | None = None,
-             temperature: float | None = None, seed: int = 0) -> str:
+             temperature: float | None = None, seed: int = 0, chat: bool = False) -> str:
     """Complete `prompt`; what is not given comes from the model's generation config (for a
-    folder without one: SAMPLING)."""
+    folder without one: SAMPLING). chat: the prompt is a user message rendered with the chat
+    template (and its generation prompt); the reply alone comes back, up to its end of turn."""
     torch.manual_seed(seed)
-    ids = tokenizer(prompt, return_tensors="pt").input_ids
-    gen = model.generation_config
     kwargs = {}
+    if chat:
+        if not tokenizer.chat_template:
+            raise UserError(f"--chat: the tokenizer ({tokenizer.name_or_path}) has no chat template; "
+                            f"generate without --chat")
+        text = tokenizer.apply_chat_template([{"role": "user", "content": prompt}], tokenize=False,
+                                             add_generation_prompt=True)
+        ids = tokenizer(text, add_special_tokens=False, return_tensors="pt").input_ids
+        kwargs["eos_token_id"] = turn_end_ids(tokenizer)
+    else:
+        ids = tokenizer(prompt, return_tensors="pt").input_ids
+    gen = model.generation_config
     if max_new_tokens is None and gen.max_new_tokens is None and gen.max_length is None:
         max_new_tokens = SAMPLING["max_new_tokens"]
     if max_new_tokens is not None:
@@ -171,7 +181,20 @@ def generate(model, tokenizer, prompt: str, max_new_tokens: int | None = None,
         kwargs["pad_token_id"] = tokenizer.eos_token_id
     with torch.no_grad():
         out = model.generate(ids, attention_mask=torch.ones_like(ids), **kwargs)
+    if chat:
+        return tokenizer.decode(out[0, ids.shape[1]:], skip_special_tokens=True).strip()
     return tokenizer.decode(out[0], skip_special_tokens=True)
+
+
+def turn_end_ids(tokenizer) -> list[int]:
+    """The tokens that end an assistant turn: the special tokens the chat template puts in the
+    part of a reply that trains (<|im_end|>, <|eot_id|>, ...), and EOS."""
+    from ..data.samples import chat_sample
+    ids, trained = chat_sample(tokenizer, [{"role": "user", "content": "Hi"},
+                                           {"role": "assistant", "content": "Hello"}], "completion")
+    special = set(tokenizer.all_special_ids)
+    ends = [i for i, t in zip(ids, trained) if t and i in special]
+    return list(dict.fromkeys(ends + [tokenizer.eos_token_id]))
 
 
 def load_folder(folder: Path):

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import os
 import socket
+import sys
 import time
 from dataclasses import dataclass
 from datetime import timedelta
@@ -18,6 +19,26 @@ import torch
 import torch.distributed as dist
 
 from ..config import Config, UserError
+
+
+def die_with_launcher() -> None:
+    """Under torchrun, end this worker when its agent ends. torchrun starts each worker in a
+    session of its own, so when the agent is killed (kill -9, the OOM killer) nothing reaches
+    the workers: they trained on with no launcher, held the run directory's lock and the GPU, and
+    a restart found the run "in use by a live run". Linux: the kernel sends SIGKILL at the
+    parent's death (prctl PR_SET_PDEATHSIG), as a lost node would; the restart resumes from the
+    last checkpoint. (Under Slurm the job step's cgroup ends them anyway.)"""
+    if "TORCHELASTIC_RUN_ID" not in os.environ or not sys.platform.startswith("linux"):
+        return
+    import ctypes
+    import signal
+    parent = os.getppid()
+    try:
+        ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGKILL)  # 1: PR_SET_PDEATHSIG
+    except (OSError, AttributeError):
+        return
+    if os.getppid() != parent:  # the agent died before the call
+        os._exit(1)
 
 
 @dataclass(frozen=True)
@@ -34,6 +55,7 @@ class World:
 
 
 def init(cfg: Config) -> World:
+    die_with_launcher()
     rank = int(os.environ.get("RANK", 0))
     world_size = int(os.environ.get("WORLD_SIZE", 1))
     local_rank = int(os.environ.get("LOCAL_RANK", 0))
