@@ -364,3 +364,36 @@ def test_lora_exports_load_in_peft_and_plain_transformers_with_the_trained_logit
                "--max-new-tokens", "5", "--temperature", "0", check=True)
     plain_out = cli("generate", "--run-dir", run, "--prompt", "Tom", "--max-new-tokens", "3", check=True)
     assert chat.stdout.strip() and "user" not in chat.stdout and plain_out.stdout.startswith("Tom")
+
+
+def test_text_with_document_masking_trains_each_document_as_if_alone(tmp_path, monkeypatch):
+    """data.document_masking: the first step's loss equals the loss of the same windows with
+    every document run through the model on its own (positions from 0, nothing before it)."""
+    monkeypatch.setenv("LLMTRAIN_HOME", str(tmp_path / "home"))
+    model = tiny_llama(seed=3)
+    tok = AutoTokenizer.from_pretrained(DEMO / "tokenizer")
+    model.config.update({"eos_token_id": tok.eos_token_id, "bos_token_id": tok.bos_token_id})
+    model.save_pretrained(tmp_path / "model")
+    tok.save_pretrained(tmp_path / "model")
+    cfg = tiny_config(data={"document_masking": True},
+                      train={"max_steps": 1, "warmup_steps": 0, "eval_every": 0, "micro_batch_size": 8})
+    cfg["model"] = {"name_or_path": str(tmp_path / "model")}
+    path = tmp_path / "c.yaml"
+    path.write_text(yaml.safe_dump(cfg))
+    cli("prepare", "--config", path, check=True)
+    cli("train", "--config", path, check=True)
+
+    from llmtrain.data.loader import StepSampler
+    c = load_config(path, world_size=1)
+    folder, manifest = open_prepared(c)
+    data = open_split(folder, manifest, "train", c)
+    batch = data.batch(StepSampler(data.num_samples(64), 8, c.train.seed, 0, 1).next_step(), 64)
+    assert (batch.positions[:, :-1] == 0).sum() > 8  # documents start inside the windows
+    total = 0.0
+    with torch.no_grad():
+        for tokens, positions in zip(torch.as_tensor(batch.tokens), torch.as_tensor(batch.positions)):
+            starts = [int(i) for i in torch.nonzero(positions[:-1] == 0)] + [64]
+            logits = torch.cat([model(input_ids=tokens[None, a:b]).logits[0] for a, b in zip(starts, starts[1:])])
+            total += F.cross_entropy(logits, tokens[1:], reduction="sum").item()
+    first = read_metrics(c.run_dir)[0]
+    assert first["step"] == 1 and abs(first["loss"] - total / (8 * 64)) < 1e-5

@@ -71,6 +71,7 @@ def exit_process(code: int) -> NoReturn:
 
 
 RANK0_GRACE_S = 3.0
+RANK0_WAIT_S = 20.0
 
 
 def entry() -> NoReturn:
@@ -78,9 +79,25 @@ def entry() -> NoReturn:
     code = main()
     if code in (EXIT_USER, EXIT_CONFIG) and os.environ.get("RANK", "0") != "0":
         # Rank 0 prints a user error (error_lines); this rank, which failed the same way, leaves
-        # a moment later, or torchrun would stop rank 0 before it prints when this one is first.
-        time.sleep(RANK0_GRACE_S)
+        # once rank 0 has recorded it, or torchrun would stop rank 0 before it prints when this
+        # one is first (rank 0 may still be importing torch on a loaded node).
+        wait_for_rank0(_train_error_file)
     exit_process(code)
+
+
+_train_error_file = None  # the run's logs/error.txt, once cmd_train knows the run directory
+
+
+def wait_for_rank0(error_file) -> None:
+    """Until rank 0 has written the run's error file (then a moment for its line to print), at
+    most RANK0_WAIT_S; RANK0_GRACE_S where there is no run directory to watch."""
+    if error_file is None:
+        time.sleep(RANK0_GRACE_S)
+        return
+    deadline = time.monotonic() + RANK0_WAIT_S
+    while not os.path.exists(error_file) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    time.sleep(0.5)
 
 
 def error_lines(lines: list[str]) -> None:
@@ -356,12 +373,15 @@ def cmd_train(args) -> int:
         train(cfg)
     except UserError as e:  # for train.slurm, submit.sh --local and status: the line to show last
         from .rundir import ERROR_FILE, write_atomic
-        try:
-            (cfg.run_dir / "logs").mkdir(parents=True, exist_ok=True)
-            write_atomic(cfg.run_dir / "logs" / ERROR_FILE, "".join(
-                f"{line}\n" for line in (e.problems if isinstance(e, ConfigError) else [f"error: {e}"])))
-        except OSError:
-            pass
+        global _train_error_file
+        _train_error_file = cfg.run_dir / "logs" / ERROR_FILE
+        if os.environ.get("RANK", "0") == "0":  # every rank fails alike; the others wait for it
+            try:
+                _train_error_file.parent.mkdir(parents=True, exist_ok=True)
+                write_atomic(_train_error_file, "".join(
+                    f"{line}\n" for line in (e.problems if isinstance(e, ConfigError) else [f"error: {e}"])))
+            except OSError:
+                pass
         raise
     return 0
 

@@ -6,7 +6,8 @@ decides its contents (source files, split, text field and unit, BOS, validation 
 share, tokenizer), so the trainer finds it without loading the source dataset, and a changed
 source, option or tokenizer gets a new folder instead of stale tokens.
 
-Sampling: sample i is the window tokens[i*seq_len : (i+1)*seq_len + 1] of the train stream.
+Sampling: sample i is the window tokens[i*seq_len : (i+1)*seq_len + 1] of the train stream
+(fine-tuning data, data/samples.py: row i, seq_len + 1 tokens holding one or more samples).
 Each epoch draws a seeded permutation of all samples; an optimizer step takes the next
 global_batch_size of it, and rank r reads its own contiguous slice of that step's samples. The
 position (epoch, samples consumed) is global, so the set of samples in a step does not depend
@@ -224,7 +225,6 @@ class SampleRows:
                                                          ("positions", "positions", info["positions_dtype"]))})
         self.starts = np.cumsum([0] + [s["rows"] for s in info["shards"]])
         self.row_targets = np.load(folder / info["targets"])
-        self.num_tokens = int(info["tokens"])
 
     def num_samples(self, seq_len: int) -> int:
         if seq_len + 1 != self.row_tokens:  # the fingerprint includes seq_len: cannot happen

@@ -130,7 +130,11 @@ def run(cfg: Config, world: World, watch: Watchdog, run_lock: RunLock) -> None:
     sampler = StepSampler(train_data.num_samples(seq_len), t.global_batch_size, t.seed,
                           world.rank, world.world_size)
     accum = t.global_batch_size // (t.micro_batch_size * world.world_size)
-    log.info(f"data: {sampler.num_samples:,} samples of {seq_len} tokens; global batch "
+    unit = "samples"
+    if isinstance(train_data, SampleRows):  # fine-tuning: a training sample is a row of samples
+        info = manifest["splits"]["train"]
+        unit = f"rows ({info['samples']:,} {cfg.data.format} samples, {info['trained_tokens']:,} trained tokens)"
+    log.info(f"data: {sampler.num_samples:,} {unit} of {seq_len} tokens; global batch "
              f"{t.global_batch_size} = {t.micro_batch_size} x {world.world_size} ranks x {accum} "
              f"accumulation steps")
 
