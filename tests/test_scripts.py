@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import shlex
 import shutil
 import subprocess
@@ -77,6 +78,23 @@ def test_setup_in_a_path_with_spaces_then_demo_through_submit(tmp_path):
     assert demo.stdout.splitlines().count(f"run_dir: {run_dir}") == 2  # before and after training
     train = [r["loss"] for r in read_metrics(run_dir) if r["kind"] == "train"]
     assert train[0] > 4.5 and train[-1] < 1.5
+
+    # The fine-tuning demo on that model, with the README's commands: LoRA on shipped chats.
+    user = f'source "{home}/env.sh" && '
+    base = bash("-c", user + f'llmtrain export --run-dir "{run_dir}" --out "$LLMTRAIN_HOME/models/demo-base"',
+                env=env)
+    assert base.returncode == 0, base.stderr
+    sft = bash(clone / "submit.sh", "--local", "--config", clone / "configs" / "sft-demo.yaml",
+               "--set", "train.max_steps=150", "--set", "train.log_every=1", env=env)
+    assert sft.returncode == 0, sft.stderr[-3000:]
+    tuned = read_metrics(home / "runs" / "sft-demo")
+    train = [r["loss"] for r in tuned if r["kind"] == "train"]
+    evals = [r["eval_loss"] for r in tuned if r["kind"] == "eval"]
+    assert train[0] > 2.5 and train[-1] < 1.2 and evals[-1] < evals[0]
+    reply = bash("-c", user + f'llmtrain generate --run-dir "{home}/runs/sft-demo" --chat --temperature 0 '
+                 '--prompt "Ben had a red box. Who had the box?"', env=env)
+    assert reply.returncode == 0, reply.stderr
+    assert re.fullmatch(r"(The \w+ was \w+|\w+ went to the \w+|\w+ had (a|the) \w+)\.", reply.stdout.strip())
 
     # The Slurm path from the same spaced paths: the exact command, every path one argument.
     if shutil.which("sbatch"):

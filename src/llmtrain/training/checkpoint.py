@@ -58,10 +58,10 @@ def resolve(run_dir: Path, step: int | None = None) -> Path:
     every = complete_checkpoints(folder)
     found = [p for p in every if step is None or p.name == step_name(step)]
     if not found:
-        what = f"step {step}" if step is not None else "any complete checkpoint"
+        what = f"no step {step}" if step is not None else "no complete checkpoint"
         steps = ", ".join(str(int(p.name.removeprefix("step-"))) for p in reversed(every))
-        raise UserError(f"no {what} in {folder}" + (f"; its complete checkpoints are at steps {steps}"
-                                                     if steps else ""))
+        raise UserError(f"{what} in {folder}" + (f"; its complete checkpoints are at steps {steps}"
+                                                  if steps else "; has the run saved one yet?"))
     return found[0]
 
 
