@@ -54,7 +54,7 @@ def pytest_sessionfinish(session):
 # runs out of tests takes half of the other's queue. (A fixture that both workers share, like
 # test_slurm's preemption trials, runs once under a file lock.)
 LONGEST_FIRST = ("test_slurm.py", "test_bigmodel.py", "test_scripts.py::test_setup_",
-                 "test_control.py", "test_checkpoint.py", "test_train.py")
+                 "test_control.py", "test_checkpoint.py", "test_train.py", "test_finetune.py")
 
 
 def pytest_collection_modifyitems(items):
