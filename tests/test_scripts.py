@@ -85,7 +85,8 @@ def test_setup_in_a_path_with_spaces_then_demo_through_submit(tmp_path):
                 env=env)
     assert base.returncode == 0, base.stderr
     sft = bash(clone / "submit.sh", "--local", "--config", clone / "configs" / "sft-demo.yaml",
-               "--set", "train.max_steps=100", "--set", "train.log_every=1", env=env)
+               "--set", "train.max_steps=100", "--set", "train.log_every=1", "--set", "train.eval_every=50",
+               env=env)
     assert sft.returncode == 0, sft.stderr[-3000:]
     tuned = read_metrics(home / "runs" / "sft-demo")
     train = [r["loss"] for r in tuned if r["kind"] == "train"]
