@@ -60,8 +60,9 @@ def resolve(run_dir: Path, step: int | None = None) -> Path:
     if not found:
         what = f"no step {step}" if step is not None else "no complete checkpoint"
         steps = ", ".join(str(int(p.name.removeprefix("step-"))) for p in reversed(every))
-        raise UserError(f"{what} in {folder}" + (f"; its complete checkpoints are at steps {steps}"
-                                                  if steps else "; has the run saved one yet?"))
+        hint = (f"; its complete checkpoints are at steps {steps}" if steps else
+                "" if step is not None else "; a run saves one every train.checkpoint_every steps and at its end")
+        raise UserError(f"{what} in {folder}{hint}")
     return found[0]
 
 
