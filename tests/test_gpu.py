@@ -228,3 +228,37 @@ def test_sharded_bf16_pretrained_folder_starts_as_on_cpu(tmp_path, monkeypatch):
     gpu, cpu = read_metrics(runs / "gpu")[0], read_metrics(runs / "cpu")[0]
     assert gpu["step"] == cpu["step"] == 1
     assert abs(gpu["loss"] - cpu["loss"]) < 1e-3, (gpu["loss"], cpu["loss"])
+
+
+def test_packed_samples_attend_within_themselves_with_flex_attention_on_cuda():
+    """On a GPU, packed rows attend through flex attention's block mask (model/attention.py):
+    a sample loses the same alone or packed with others, forward and backward, in bf16."""
+    import numpy as np
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    from llmtrain.model.attention import causal_attention, document_mask
+
+    config = AutoConfig.for_model("llama", vocab_size=512, hidden_size=256, intermediate_size=512,
+                                  num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+                                  max_position_embeddings=512)
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(config, attn_implementation="sdpa").cuda()
+    causal_attention(model)
+    rng = np.random.default_rng(0)
+    a, b, c = (torch.as_tensor(rng.integers(1, 512, n)) for n in (100, 300, 112))
+    packed = torch.cat([b, a, c])[None].cuda()
+    alone = torch.cat([a, torch.zeros(412, dtype=a.dtype)])[None].cuda()
+    pos = lambda *ns: torch.cat([torch.arange(n) for n in ns])[None].cuda()  # noqa: E731
+
+    def losses(tokens, positions):
+        mask = document_mask(model, positions[:, :-1])
+        assert not isinstance(mask, torch.Tensor)  # a BlockMask: the flex path
+        with torch.autocast("cuda", dtype=torch.bfloat16):
+            logits = model(input_ids=tokens[:, :-1], position_ids=positions[:, :-1], attention_mask=mask).logits
+        return torch.nn.functional.cross_entropy(logits.float().transpose(1, 2), tokens[:, 1:], reduction="none")
+
+    in_row = losses(packed, pos(300, 100, 112))[0, 300:399]
+    by_itself = losses(alone, pos(100, 412))[0, :99]
+    assert torch.allclose(in_row, by_itself, atol=2e-2, rtol=0)  # bf16 matmuls in other block orders
+    in_row.sum().backward()  # flex attention's backward runs
+    assert all(p.grad is not None for p in model.parameters() if p.requires_grad)
