@@ -49,11 +49,11 @@ def pytest_sessionfinish(session):
         marker.unlink()
 
 
-# pytest-xdist runs the suite on three workers (pyproject's addopts: worksteal), each starting
+# pytest-xdist runs the suite on two workers (pyproject's addopts: worksteal), each starting
 # with its share of this order. The longest work comes first, the fresh-clone test (setup.sh's
 # pip install, then two demos) before all, so that no worker is left alone with a long test at
-# the end, and a worker that runs out of tests takes half of another's queue. (A fixture that
-# several workers share, like test_slurm's preemption trials, runs once under a file lock.)
+# the end, and a worker that runs out of tests takes half of the other's queue. (A fixture that
+# both workers share, like test_slurm's preemption trials, runs once under a file lock.)
 LONGEST_FIRST = ("test_scripts.py::test_setup_", "test_slurm.py", "test_bigmodel.py",
                  "test_control.py", "test_checkpoint.py", "test_train.py", "test_finetune.py")
 

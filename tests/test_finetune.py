@@ -271,8 +271,8 @@ def test_loss_does_not_depend_on_micro_batch_accumulation_or_world_size(tmp_path
 @pytest.fixture(scope="module")
 def lora(tmp_path_factory):
     """A pretrained base (a tiny Llama with the chat tokenizer, saved as HF saves models), chat
-    data prepared for it, and three LoRA runs of 6 steps: one process (DDP's path), FSDP2 over
-    two ranks with activation checkpointing, and HSDP over two replicas."""
+    data prepared for it, and three LoRA runs of 6 steps on two ranks: DDP, FSDP2 with activation
+    checkpointing, and HSDP over two replicas."""
     root = tmp_path_factory.mktemp("lora")
     mp = pytest.MonkeyPatch()
     mp.setenv("LLMTRAIN_HOME", str(root / "home"))
@@ -289,7 +289,7 @@ def lora(tmp_path_factory):
         config = root / "lora.yaml"
         config.write_text(yaml.safe_dump(cfg))
         cli("prepare", "--config", config, check=True)
-        cli("train", "--config", config, "--set", "run.name=one", check=True)
+        torchrun(2, "train", "--config", config, "--set", "run.name=ddp")
         torchrun(2, "train", "--config", config, "--set", "run.name=fsdp", "--set", "parallel.strategy=fsdp",
                  "--set", "model.activation_checkpointing=true")
         torchrun(2, "train", "--config", config, "--set", "run.name=hsdp", "--set", "parallel.strategy=hsdp",
@@ -305,12 +305,12 @@ def test_lora_trains_the_adapters_alone_the_same_on_ddp_fsdp_and_hsdp(lora):
     runs = root / "home" / "runs"
     # rank x (in + out) of q, k, v, o (32 -> 32, 32 -> 16, 32 -> 16, 32 -> 32) in each of 2 layers
     analytic = 2 * 4 * ((32 + 32) + (32 + 16) + (32 + 16) + (32 + 32))
-    for run in ("one", "fsdp", "hsdp"):
+    for run in ("ddp", "fsdp", "hsdp"):
         log = (runs / run / "logs" / "rank-0.log").read_text()
         assert f"LoRA: {analytic:,} trainable parameters" in log
-    assert_same_curve(runs / "fsdp", runs / "one", tol=1e-5)
-    assert_same_curve(runs / "hsdp", runs / "one", tol=1e-5)
-    train = [r["loss"] for r in read_metrics(runs / "one") if r["kind"] == "train"]
+    assert_same_curve(runs / "fsdp", runs / "ddp", tol=1e-5)
+    assert_same_curve(runs / "hsdp", runs / "ddp", tol=1e-5)
+    train = [r["loss"] for r in read_metrics(runs / "ddp") if r["kind"] == "train"]
     assert train[-1] < train[0] - 0.05
     # The checkpoint holds the adapters and their optimizer state, nothing of the frozen base.
     import torch.distributed.checkpoint as dcp
