@@ -49,7 +49,10 @@ def load_checkpoint_model(run_dir: Path, step: int | None = None):
     for generation (KV cache on, the export's generation config). A LoRA run's: its base model
     from the base's folder with the checkpoint's adapters on it (lora.py)."""
     ckpt = resolve(Path(run_dir), step)
-    spec, base = lora_of(ckpt)
+    return _load(ckpt, *lora_of(ckpt))
+
+
+def _load(ckpt: Path, spec: LoraSpec | None, base: Path | None):
     if spec is not None:
         model = AutoModelForCausalLM.from_pretrained(base, dtype=torch.float32)
         apply_lora(model, spec)
@@ -105,11 +108,12 @@ def export(run_dir: Path, out: Path, step: int | None = None, dtype: str = "fp32
     out = Path(out)
     if out.exists() and any(out.iterdir()):
         raise UserError(f"--out: {out} exists and is not empty; choose a new folder")
-    model, tokenizer = load_checkpoint_model(run_dir, step)
-    spec, base = lora_of(resolve(Path(run_dir), step))
+    ckpt = resolve(Path(run_dir), step)
+    spec, base = lora_of(ckpt)
     if merge and spec is None:
         raise UserError(f"--merge: {run_dir} is not a LoRA run (its checkpoints hold the whole model); "
                         f"export it without --merge")
+    model, tokenizer = _load(ckpt, spec, base)
     if spec is not None and merge:
         merge_adapters(model)
     model.to(DTYPES[dtype])  # config.json's dtype follows: from_pretrained loads it as saved
