@@ -112,6 +112,8 @@ def tiny_config(**sections) -> dict:
                   "eval_every": 4, "eval_samples": 16, "checkpoint_every": 4},
         "parallel": {"strategy": "ddp"},
         "slurm": {"nodes": 1, "procs_per_node": 2},
+        # A plot process per evaluation would load the 2 cores: test_observe turns it on.
+        "metrics": {"plot_every_eval": False},
     }
     for name, values in sections.items():
         cfg[name] = {**cfg.get(name, {}), **values}

@@ -261,12 +261,22 @@ def parser() -> argparse.ArgumentParser:
                    "(default: 10)")
     p.set_defaults(func=cmd_status)
 
-    p = sub.add_parser("control", help="ask a running job to save now, or to save and stop "
-                       "(refused, exit 1, for a run that is not running)")
+    p = sub.add_parser("control", help="ask a running job to save now, to save and stop, or to "
+                       "profile a few steps (refused, exit 1, for a run that is not running)")
     p.add_argument("run_dir", help="the run's directory, <run.dir>/<run.name>")
-    p.add_argument("action", choices=["save", "stop"], help="save: checkpoint now and go on; "
-                   "stop: checkpoint and end (not requeued)")
+    p.add_argument("action", choices=["save", "stop", "profile"], help="save: checkpoint now and go "
+                   "on; stop: checkpoint and end (not requeued); profile: a torch.profiler trace of "
+                   "the next steps on every rank, into RUN_DIR/profile")
+    p.add_argument("--steps", type=int, default=3, help="profile: how many steps (default: 3)")
     p.set_defaults(func=cmd_control)
+
+    p = sub.add_parser("plot", help="draw runs' loss, eval loss, learning rate, tokens/s, MFU, "
+                       "memory and gradient norm into one PNG")
+    p.add_argument("run_dirs", nargs="+", metavar="RUN_DIR", help="run directories (several: "
+                   "compared on one figure)")
+    p.add_argument("--out", metavar="FILE.png", help="the image (default: RUN_DIR/plot.png for one "
+                   "run, runs.png in the current folder for several)")
+    p.set_defaults(func=cmd_plot)
 
     p = sub.add_parser("download", help="fetch hub models/datasets into $LLMTRAIN_HOME (login node)")
     p.add_argument("--config", metavar="FILE", help="download the hub ids this config names "
@@ -449,8 +459,18 @@ def cmd_download(args) -> int:
 
 def cmd_control(args) -> int:
     from .training.control import request
-    path = request(args.run_dir, args.action)  # a run that is not running: one line, exit 1
+    if args.action == "profile" and args.steps < 1:
+        raise UserError(f"--steps: must be >= 1 (got {args.steps})")
+    # a run that is not running: one line, exit 1
+    path = request(args.run_dir, args.action, str(args.steps) if args.action == "profile" else "user")
     print(f"{args.action} requested: {path} (acted on within seconds, at a step boundary)")
+    return 0
+
+
+def cmd_plot(args) -> int:
+    from .plot import plot
+    out = plot(args.run_dirs, args.out)
+    print(f"plot: {out}")
     return 0
 
 

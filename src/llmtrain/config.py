@@ -223,6 +223,65 @@ class SlurmConfig:
     max_restarts: int = 0  # torchrun restarts of failed workers within a job (they resume)
 
 
+WANDB_MODES = ("offline", "online")
+
+
+@dataclass(frozen=True)
+class WandbSpec:
+    """metrics.wandb, parsed (tracking.py uses it)."""
+    project: str = "llmtrain"
+    entity: Optional[str] = None  # a W&B user or team; None: the API key's default entity
+    mode: str = "offline"  # compute nodes are usually offline: sync from the login node
+    name: Optional[str] = None  # the W&B run's display name; None: run.name
+    tags: tuple = ()
+
+    @classmethod
+    def parse(cls, raw: dict | None) -> "WandbSpec | None":
+        """metrics.wandb as written (None: no W&B; {}: the defaults); raises UserError."""
+        if raw is None:
+            return None
+        if not isinstance(raw, dict):
+            raise UserError(f"metrics.wandb: must be a mapping like {{project: my-project, mode: offline}} "
+                            f"(got {raw!r})")
+        known = {f.name for f in dataclasses.fields(cls)}
+        unknown = sorted(set(raw) - known)
+        if unknown:
+            raise UserError(f"metrics.wandb.{unknown[0]}: unknown key{_did_you_mean(unknown[0], known)}; "
+                            f"use {', '.join(sorted(known))}")
+        for key in ("project", "entity", "name"):
+            value = raw.get(key)
+            if value is not None and (not isinstance(value, str) or not value.strip()):
+                raise UserError(f"metrics.wandb.{key}: must be a non-empty string (got {value!r})")
+        if raw.get("mode", "offline") not in WANDB_MODES:
+            raise UserError(f"metrics.wandb.mode: must be one of {', '.join(WANDB_MODES)} "
+                            f"(got {raw.get('mode')!r})")
+        tags = raw.get("tags", ())
+        if not isinstance(tags, (list, tuple)) or not all(isinstance(t, str) for t in tags):
+            raise UserError(f"metrics.wandb.tags: a list of strings (got {tags!r})")
+        return cls(**{**raw, "tags": tuple(tags)})
+
+
+@dataclass(frozen=True)
+class MetricsConfig:
+    """Where metrics go besides <run_dir>/metrics.jsonl (tracking.py)."""
+    tensorboard: bool = False  # event files in <run_dir>/tensorboard, continued across resumes
+    wandb: Optional[dict] = None  # {project, entity, mode, name, tags}: one W&B run across requeues
+    plot_every_eval: bool = True  # redraw <run_dir>/plot.png at each evaluation (llmtrain plot)
+
+    @property
+    def wandb_spec(self) -> "WandbSpec | None":
+        return WandbSpec.parse(self.wandb)
+
+
+@dataclass(frozen=True)
+class ProfileConfig:
+    """torch.profiler traces of a few steps (training/profiling.py); also on request:
+    llmtrain control RUN_DIR profile."""
+    start_step: Optional[int] = None  # the first profiled step; None: only on request
+    steps: int = 3  # steps per trace
+    memory_history: bool = False  # CUDA: record every allocation's stack, for the out-of-memory snapshot
+
+
 @dataclass(frozen=True)
 class Config:
     run: RunConfig
@@ -231,6 +290,8 @@ class Config:
     train: TrainConfig
     parallel: ParallelConfig = ParallelConfig()
     slurm: SlurmConfig = SlurmConfig()
+    metrics: MetricsConfig = MetricsConfig()
+    profile: ProfileConfig = ProfileConfig()
     path: str = ""  # the file this was read from (not a key in it)
 
     @property
@@ -606,6 +667,7 @@ def validate(cfg: Config, world_size: int | None = None, written: dict | None = 
             f"= {t.micro_batch_size} x {world} = {micro} (got {t.global_batch_size})"
         )
 
+    p += _check_tracking(cfg)
     p += _check_model(cfg, written)
     p += _check_attention(cfg)
     p += _check_resume(cfg)
@@ -725,6 +787,30 @@ def _check_attention(cfg: Config) -> list[str]:
         return ["model.attn_implementation: flash_attention_2 needs the flash-attn package, which is "
                 "not installed in this environment; install it (pip install flash-attn) or use sdpa"]
     return []
+
+
+def _check_tracking(cfg: Config) -> list[str]:
+    """Tracking packages are optional extras: a config that asks for one must find it installed
+    (here, on the login node, rather than an hour into the queue)."""
+    import importlib.util
+
+    p, mc, pc = [], cfg.metrics, cfg.profile
+    try:
+        wandb = mc.wandb_spec
+    except UserError as e:
+        p.append(str(e))
+        wandb = None
+    for key, wanted, package in (("tensorboard", mc.tensorboard, "tensorboard"),
+                                 ("wandb", wandb is not None, "wandb")):
+        if wanted and importlib.util.find_spec(package) is None:
+            p.append(f"metrics.{key}: the {package} package is not installed in this environment; "
+                     f"install it with: pip install 'llmtrain[{package}]' (or bash setup.sh --extras "
+                     f"{package}), or turn metrics.{key} off")
+    if pc.start_step is not None and pc.start_step < 1:
+        p.append(f"profile.start_step: must be >= 1 (got {pc.start_step})")
+    if pc.steps < 1:
+        p.append(f"profile.steps: must be >= 1 (got {pc.steps})")
+    return p
 
 
 def _check_resume(cfg: Config) -> list[str]:

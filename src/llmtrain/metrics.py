@@ -120,15 +120,31 @@ def format_duration(seconds: float) -> str:
     return f"{h}h{m:02d}m" if h else f"{m}m{s:02d}s"
 
 
+METRICS = "metrics.jsonl"
+
+
+def read_metrics(run_dir: Path) -> list[dict]:
+    """A run's metrics.jsonl records ([] before the first log step)."""
+    path = run_dir / METRICS
+    records = []
+    for line in path.read_text().splitlines() if path.exists() else []:
+        try:
+            records.append(json.loads(line))
+        except ValueError:  # a line cut short by a kill
+            continue
+    return records
+
+
 class MetricsWriter:
-    """Appends metrics.jsonl lines (rank 0 only); each line is flushed as it is written.
+    """Appends metrics.jsonl lines (rank 0 only), each flushed as it is written, and hands each
+    record to the trackers (`sinks`).
 
     Opening at step S first drops the lines past S: a run killed after its last checkpoint
     logged steps that the resumed run does again.
     """
 
-    def __init__(self, path: Path | None, step: int = 0):
-        self.file = None
+    def __init__(self, path: Path | None, step: int = 0, sinks: list = ()):
+        self.file, self.sinks = None, list(sinks)  # sinks: tracking.py's TensorBoard, WandB
         if path is not None:
             if path.exists():
                 write_atomic(path, "".join(_lines_up_to(path, step)))
@@ -137,10 +153,16 @@ class MetricsWriter:
     def write(self, record: dict) -> None:
         if self.file:
             self.file.write(json.dumps(record) + "\n")
+        for sink in self.sinks:
+            sink.log(record)
 
-    def close(self) -> None:
+    def close(self, failed: bool = False) -> None:
         if self.file:
             self.file.close()
+            self.file = None
+        for sink in self.sinks:
+            sink.close(failed)
+        self.sinks = []
 
 
 class SampleLog:

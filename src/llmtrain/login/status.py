@@ -16,7 +16,6 @@ heartbeat (`logs/heartbeat-rank-0.json`, every 2 s while it trains); metrics.jso
 
 from __future__ import annotations
 
-import json
 import re
 import shutil
 import socket
@@ -28,7 +27,7 @@ from pathlib import Path
 import yaml
 
 from ..config import UserError, read_json
-from ..metrics import format_duration
+from ..metrics import format_duration, read_metrics
 from ..rundir import CHECKPOINTS, complete_checkpoints, latest_checkpoint, pid_alive
 
 LOG_LINES = 10
@@ -245,7 +244,7 @@ def render(run_dir: Path, job_id: str | None) -> str:
 
 def _progress(run_dir: Path, max_steps: int | None, running: bool) -> list[str]:
     train, evals = None, None
-    for record in _metrics(run_dir):
+    for record in read_metrics(run_dir):
         if record.get("kind") == "train":
             train = record
         elif record.get("kind") == "eval":
@@ -262,19 +261,8 @@ def _progress(run_dir: Path, max_steps: int | None, running: bool) -> list[str]:
     return out
 
 
-def _metrics(run_dir: Path) -> list[dict]:
-    path = run_dir / "metrics.jsonl"
-    records = []
-    for line in path.read_text().splitlines() if path.exists() else []:
-        try:
-            records.append(json.loads(line))
-        except ValueError:  # a line cut short by a kill
-            continue
-    return records
-
-
 def _last_step(run_dir: Path) -> int:
-    return max((r.get("step", 0) for r in _metrics(run_dir)), default=0)
+    return max((r.get("step", 0) for r in read_metrics(run_dir)), default=0)
 
 
 def _beating(run_dir: Path) -> bool:

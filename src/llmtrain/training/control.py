@@ -9,17 +9,19 @@ Requests come from:
   reaches job steps), and SIGINT: Ctrl-C on a local run reaches torchrun, which forwards it to its
   workers (they run in their own sessions, so only torchrun's copy arrives). The handler only sets
   a flag; SIGINT's reason is "user" (not requeued), the others' "signal".
-- switch files in `<run_dir>/control/`: `stop` (save and stop) and `save` (save, go on), written by
-  `llmtrain control RUN_DIR stop|save` or by train.slurm's trap when Slurm sends the batch shell
-  its warning signal (`--signal=B:USR1@lead`). A file's text is the reason ("preempt", "user").
+- switch files in `<run_dir>/control/`: `stop` (save and stop), `save` (save, go on) and
+  `profile` (trace the next N steps, training/profiling.py), written by
+  `llmtrain control RUN_DIR stop|save|profile` or by train.slurm's trap when Slurm sends the batch
+  shell its warning signal (`--signal=B:USR1@lead`). A file's text is the reason ("preempt",
+  "user"), or profile's step count.
   A switch older than this launch was meant for an earlier one: rank 0 removes it at start.
 - the job's end time: rank 0 reads it from Slurm once, and asks to stop `slurm.signal_lead_s`
   seconds before it, signal or not.
 
 Rank 0 stats the switch files at most every second; the agreement is a MAX all-reduce of
-[stop, save, non-finite] so every rank takes the same decision at the same step. The all-reduce
-stays on the device: the optimizer skips a non-finite step there (fused AdamW's `found_inf`), and
-the host reads the flags from a pinned copy one step later, unless the step logs, evaluates or
+[stop, save, non-finite, profile steps] so every rank takes the same decision at the same step.
+The all-reduce stays on the device: the optimizer skips a non-finite step there (fused AdamW's
+`found_inf`), and the host reads the flags from a pinned copy one step later, unless the step logs, evaluates or
 saves (then at once). So a step that does nothing else never waits for the device, and a stop
 or save request lands one step after the one that saw it, on every rank alike.
 `<run_dir>/control/exit.json` tells train.slurm why the trainer stopped: "preempt", "deadline"
@@ -46,7 +48,8 @@ SWITCH_POLL_S = 1.0
 HEARTBEAT_S = 2.0
 ARM_S = 1.0  # the stack-dump timer's re-arming interval
 REQUEUE_REASONS = ("preempt", "deadline", "signal")
-SWITCHES = ("stop", "save")
+SWITCHES = ("stop", "save", "profile")
+PROFILE_STEPS = 3  # `llmtrain control RUN_DIR profile` without --steps
 IMPORTED = time.time()  # launch_start_time()'s fallback
 # Ctrl-C is a person asking to stop (not requeued); the others come from the cluster or torchrun.
 SIGNAL_REASONS = {signal.SIGUSR1: "signal", signal.SIGTERM: "signal", signal.SIGINT: "user"}
@@ -60,10 +63,11 @@ class Verdict:
     nonfinite: bool
     reason: str
     samples: object = None  # this rank's sample indices in that step (named if it is skipped)
+    profile: int = 0  # steps to profile from the next one (a request through control/profile)
 
 
 class Agreement:
-    """One step's flags [stop, save, non-finite], all-reduced on the device; `read()` gives the
+    """One step's flags [stop, save, non-finite, profile steps], all-reduced on the device; `read()` gives the
     Verdict. On CUDA the flags are copied into pinned memory behind the step's work, so reading
     them a step later waits for nothing that is still running."""
 
@@ -86,11 +90,12 @@ class Agreement:
         if self._verdict is None:
             if self.event is not None:
                 self.event.synchronize()
-            stop, save, bad = (bool(x) for x in self.host.tolist())
+            stop, save, bad, profile = self.host.tolist()
             control = self.control
             if stop and not control.reason:
                 control.reason = "signal"  # another rank's request; rank 0 writes the reason it saw
-            self._verdict = Verdict(self.step, stop, save, bad, control.reason, self.samples)
+            self._verdict = Verdict(self.step, bool(stop), bool(save), bool(bad), control.reason,
+                                    self.samples, int(profile))
         return self._verdict
 
 
@@ -161,7 +166,7 @@ class Control:
         import torch
         import torch.distributed as dist
 
-        stop, save = 0.0, 0.0
+        stop, save, profile = 0.0, 0.0, 0.0
         if self.signal_reason:
             stop, self.reason = 1.0, self.signal_reason
         if self.world.is_main:
@@ -173,11 +178,12 @@ class Control:
                     stop, self.reason = 1.0, reason
                 if self._take("save"):
                     save = 1.0
+                profile = float(self._take_profile())
             if self.end_time and now > self.end_time - self.lead_s and not stop:
                 stop, self.reason = 1.0, "deadline"
         device = finite.device  # torch.full fills on the device; torch.tensor would copy and wait
         flags = torch.stack([torch.full((), stop, device=device), torch.full((), save, device=device),
-                             (~finite).float()])
+                             (~finite).float(), torch.full((), profile, device=device)])
         dist.all_reduce(flags, op=dist.ReduceOp.MAX)  # NCCL: queued on the device, no host wait
         return Agreement(self, step, flags, samples)
 
@@ -191,6 +197,16 @@ class Control:
         self.log.info(f"{name} requested ({reason}) through {path}")
         return reason
 
+    def _take_profile(self) -> int:
+        """Steps to profile that `llmtrain control RUN_DIR profile` asked for (0: none)."""
+        text = self._take("profile")
+        if text is None:
+            return 0
+        try:
+            return max(1, int(text))
+        except ValueError:
+            return PROFILE_STEPS
+
     def exit(self, reason: str, step: int) -> None:
         """Record why training ended, for train.slurm (rank 0). The Slurm job id says which job
         stopped: train.slurm requeues only for a stop of its own job (null outside Slurm)."""
@@ -203,7 +219,8 @@ class Control:
 
 
 def request(run_dir: Path, what: str, reason: str = "user") -> Path:
-    """`llmtrain control RUN_DIR stop|save`: ask a running trainer to stop or save. A run that is
+    """`llmtrain control RUN_DIR stop|save|profile`: ask a running trainer to stop, save or
+    profile (`reason`: profile's step count). A run that is
     not running is refused (UserError), and nothing is written: a switch must not wait in the
     run directory for a later launch."""
     from ..login.status import assess, latest_job

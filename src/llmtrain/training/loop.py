@@ -23,18 +23,20 @@ import torch.distributed as dist
 
 from ..config import Config, ConfigError, UserError, dump_yaml
 from ..data.loader import Prefetcher, SampleRows, StepSampler, TokenStream, open_prepared, open_split
-from ..metrics import MetricsWriter, SampleLog, Throughput, peak_flops, peak_memory_gib, progress_line
+from ..metrics import METRICS, MetricsWriter, SampleLog, Throughput, peak_flops, peak_memory_gib, progress_line
 from ..model.build import (flops_per_token, load_tokenizer, model_config, num_params, pretrained_dir,
                            vocab_padding)
 from ..model.loss import chunk_head, lm_loss
 from ..model.parallel import (autocast, compile_seconds, configure_matmul_precision, grad_scaler, gradient_sync,
                               parallelize, shard_size)
 from ..rundir import Log, RunLock, hostname, provenance, write_atomic
+from ..tracking import PlotRefresher, logged_through, open_sinks
 from . import distributed
 from .checkpoint import Checkpointer, compat_info
 from .control import Agreement, Control, Verdict
 from .distributed import World
 from .optim import apply_settings, build_optimizer, lr_at, set_lr
+from .profiling import Profiler, out_of_memory, record_memory_history
 from .watchdog import Watchdog
 
 
@@ -73,6 +75,8 @@ def train(cfg: Config) -> None:
     try:
         run(cfg, world, watch, run_lock)
         finished = True
+    except torch.OutOfMemoryError as e:
+        raise out_of_memory(cfg, world.rank, world.device, e) from None
     except RuntimeError as e:  # gloo: "Timed out waiting"; NCCL's watchdog: "...timeout"
         if "timed out" not in str(e).lower() and "timeout" not in str(e).lower():
             raise
@@ -105,6 +109,7 @@ def run(cfg: Config, world: World, watch: Watchdog, run_lock: RunLock) -> None:
     if padding := vocab_padding(cfg, config, tokenizer):
         log.info(padding)
     configure_matmul_precision(cfg, world.device)
+    record_memory_history(cfg, world.device)
     before_model = peak_memory_gib(world.device)  # the runtime's own: imports, process group
     model = parallelize(cfg, config, world, watch)
     if cfg.model.name_or_path is not None:
@@ -148,7 +153,7 @@ def run(cfg: Config, world: World, watch: Watchdog, run_lock: RunLock) -> None:
     if resumed:
         job.restore(resumed)
         apply_settings(optimizer, t)  # the config's weight decay, betas and eps win
-    record_start(written, world, hosts)  # only a start that goes ahead replaces config/provenance
+    job.provenance = record_start(written, world, hosts)  # only a start that goes ahead replaces them
     log.info(f"model ready: peak memory {peak_memory_gib(world.device):.2f} GiB on this rank "
              f"({before_model:.2f} GiB before the model)")
     if t.max_steps is not None and state.step >= t.max_steps:
@@ -185,6 +190,7 @@ class Job:
     accum: int  # micro-batches per rank per step
     flops_per_step: float
     reason: str = "done"  # why the loop ended (control.py's reasons)
+    provenance: dict | None = None  # this start's provenance.json (rank 0), for the W&B run
 
     def carried(self) -> dict:
         """What a checkpoint carries besides the model and optimizer (into meta.json)."""
@@ -201,7 +207,10 @@ def loop(cfg: Config, world: World, watch: Watchdog, log: Log, job: Job) -> None
     t, seq_len = cfg.train, cfg.data.seq_len
     model, optimizer, scaler, checkpointer = job.model, job.optimizer, job.scaler, job.checkpointer
     sampler, state, val_data = job.sampler, job.state, job.val_data
-    metrics = MetricsWriter(cfg.run_dir / "metrics.jsonl" if world.is_main else None, state.step)
+    sinks = open_sinks(cfg, state.step, logged_through(cfg.run_dir), log, job.provenance) if world.is_main else []
+    metrics = MetricsWriter(cfg.run_dir / METRICS if world.is_main else None, state.step, sinks)
+    plots = PlotRefresher(cfg.run_dir, log) if world.is_main and cfg.metrics.plot_every_eval else None
+    profiler = Profiler(cfg, world.rank, world.device, log)
     samples = SampleLog(cfg.run_dir / "logs" / f"samples-rank-{world.rank}.jsonl"
                         if t.log_samples else None, state.step)
     tokens_per_step = t.global_batch_size * seq_len
@@ -212,11 +221,13 @@ def loop(cfg: Config, world: World, watch: Watchdog, log: Log, job: Job) -> None
     control = Control(cfg, world, log)
     prefetch = Prefetcher(job.train_data, sampler, job.accum, seq_len, world.device,
                           cfg.data.prefetch_steps)
+    failed = True
     try:
         pending: Agreement | None = None  # the previous step's, when nothing made the host read it
         reason = "done"
         while state.step < t.max_steps:
             step = state.step + 1
+            profiler.begin(step)
             control.beat(state.step)
             watch.step(step)
             lr = lr_at(state.step, t)
@@ -227,19 +238,24 @@ def loop(cfg: Config, world: World, watch: Watchdog, log: Log, job: Job) -> None
             logs = due(step, t.log_every, t.max_steps)
             evals = val_data is not None and t.eval_every > 0 and due(step, t.eval_every, t.max_steps)
             periodic = t.checkpoint_every > 0 and due(step, t.checkpoint_every, t.max_steps)
-            micro_batches, targets = prefetch.next(step_indices)
+            with profiler.phase("data"):
+                micro_batches, targets = prefetch.next(step_indices)
             loss, grad_norm = forward_backward(model, job.head, optimizer, scaler, micro_batches,
                                                targets / world.world_size, cfg, faults.loss_factor(step),
-                                               norm=logs or t.grad_clip > 0)
+                                               norm=logs or t.grad_clip > 0, phase=profiler.phase)
             faults.maybe_hang(step)
             watch.at_sync()
-            agreement = control.agree(step, finite(loss, grad_norm, cfg), samples=indices)
-            verdicts, pending = update(optimizer, scaler, agreement, pending, logs or evals or periodic)
+            with profiler.phase("communication"):
+                agreement = control.agree(step, finite(loss, grad_norm, cfg), samples=indices)
+            with profiler.phase("optimizer"):
+                verdicts, pending = update(optimizer, scaler, agreement, pending, logs or evals or periodic)
             watch.idle()
             state.step = step
             state.tokens += tokens_per_step
             for verdict in verdicts:
                 account(verdict, state, t, log)
+                if verdict.profile:
+                    profiler.request(state.step, verdict.profile)
             meter.step()
             checkpointer.poll()
             if watch.starting:
@@ -250,27 +266,36 @@ def loop(cfg: Config, world: World, watch: Watchdog, log: Log, job: Job) -> None
                              f"{os.environ['TRITON_CACHE_DIR']})")
 
             if logs:
-                log_step(metrics, log, meter.read(state.step), state, loss, grad_norm, lr, t, world,
-                         scaler, sampler)
+                with profiler.phase("log"):
+                    log_step(metrics, log, meter.read(state.step), state, loss, grad_norm, lr, t, world,
+                             scaler, sampler)
             if evals:
-                with meter.paused():
+                with meter.paused(), profiler.phase("eval"):
                     eval_loss = evaluate(model, job.head, val_data, cfg, world)
                 metrics.write({"kind": "eval", "step": state.step, "eval_loss": eval_loss})
                 log.info(f"eval step {state.step}: eval_loss {eval_loss:.4f}")
+                if plots:
+                    plots.refresh(state.step)
             stop = next((v for v in verdicts if v.stop), None)
             if periodic or stop or any(v.save for v in verdicts):
-                with meter.paused():
+                with meter.paused(), profiler.phase("checkpoint"):
                     checkpointer.save(state.step, model, optimizer, job.carried())
+            profiler.after_step(state.step)
             if stop:
                 reason = stop.reason
                 log.info(f"stopping at step {state.step} ({reason}); the checkpoint is saved")
                 break
+        failed = False
     finally:
         prefetch.close()
+        profiler.close(state.step)
+        samples.close()
+        metrics.close(failed)
     control.exit(reason, state.step)
     job.reason = reason
-    for f in (metrics, samples):
-        f.close()
+    if plots:
+        plots.refresh(state.step)  # a run without evaluation is drawn at its end
+        plots.close()
 
 
 def ending(reason: str, step: int) -> str:
@@ -309,7 +334,8 @@ def due(step: int, every: int, last: int) -> bool:
 
 
 def forward_backward(model, head, optimizer, scaler, micro_batches, normaliser: float, cfg: Config,
-                     loss_factor: float = 1.0, norm: bool = True) -> tuple[torch.Tensor, torch.Tensor | None]:
+                     loss_factor: float = 1.0, norm: bool = True,
+                     phase=lambda name: contextlib.nullcontext()) -> tuple[torch.Tensor, torch.Tensor | None]:
     """This rank's micro-batches (on the device) and their gradients, reduced across ranks (see
     gradient_sync); returns (this rank's part of the step's loss, global gradient norm before
     clipping). The norm is computed where it is used: to clip, or to log (`norm`); else None.
@@ -318,22 +344,25 @@ def forward_backward(model, head, optimizer, scaler, micro_batches, normaliser: 
     each micro-batch's summed loss is divided by `normaliser`, the step's count of trained
     targets over the world size (the gradient reduction averages over ranks). So neither the
     micro-batch size, the accumulation nor the world size changes it, however unevenly the
-    trained tokens fall; the mean over ranks of what this returns is that loss."""
+    trained tokens fall; the mean over ranks of what this returns is that loss.
+    `phase`: the profiler's labels (training/profiling.py)."""
     total = None
     for i, batch in enumerate(micro_batches):
         with gradient_sync(model, i == len(micro_batches) - 1, cfg):
-            with autocast(cfg, batch.tokens.device):
+            with phase("forward"), autocast(cfg, batch.tokens.device):
                 loss = lm_loss(model, batch, head, max(normaliser, 1e-9)) * loss_factor
-            scaler.scale(loss).backward()
+            with phase("backward"):
+                scaler.scale(loss).backward()
         total = loss.detach() if total is None else total + loss.detach()
-    scaler.unscale_(optimizer)
-    grad_norm = None
-    if cfg.train.grad_clip > 0:
-        grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.train.grad_clip)
-    elif norm:
-        grad_norm = torch.nn.utils.get_total_norm([p.grad for p in model.parameters() if p.grad is not None])
-    if hasattr(grad_norm, "full_tensor"):  # FSDP2: a DTensor holding the global norm
-        grad_norm = grad_norm.full_tensor()
+    with phase("optimizer"):
+        scaler.unscale_(optimizer)
+        grad_norm = None
+        if cfg.train.grad_clip > 0:
+            grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.train.grad_clip)
+        elif norm:
+            grad_norm = torch.nn.utils.get_total_norm([p.grad for p in model.parameters() if p.grad is not None])
+        if hasattr(grad_norm, "full_tensor"):  # FSDP2: a DTensor holding the global norm
+            grad_norm = grad_norm.full_tensor()
     return total, grad_norm
 
 
@@ -527,12 +556,15 @@ def open_run_dir(cfg: Config, world: World, run_lock: RunLock) -> tuple[Log, lis
     return log, hosts
 
 
-def record_start(cfg: Config, world: World, hosts: list[str]) -> None:
-    """The resolved config and provenance of this start, once it is accepted (rank 0)."""
-    if world.is_main:
-        write_atomic(cfg.run_dir / "config.yaml", dump_yaml(cfg))
-        write_atomic(cfg.run_dir / "provenance.json",
-                     json.dumps(provenance(world.world_size, hosts), indent=2) + "\n")
+def record_start(cfg: Config, world: World, hosts: list[str]) -> dict | None:
+    """The resolved config and provenance of this start, once it is accepted (rank 0); returns
+    the provenance."""
+    if not world.is_main:
+        return None
+    prov = provenance(world.world_size, hosts)
+    write_atomic(cfg.run_dir / "config.yaml", dump_yaml(cfg))
+    write_atomic(cfg.run_dir / "provenance.json", json.dumps(prov, indent=2) + "\n")
+    return prov
 
 
 def describe_parallel(cfg: Config, world: World) -> str:

@@ -1,0 +1,176 @@
+"""Metrics beyond metrics.jsonl: TensorBoard event files and one Weights & Biases run, each
+continued across resumes and Slurm requeues (rank 0 writes them); and the run's plot, redrawn
+by a child process at each evaluation.
+
+    sinks = open_sinks(cfg, step, logged_through(run_dir), log, provenance)
+    metrics = MetricsWriter(metrics_path, step, sinks)   # each record reaches every sink
+
+A launch resuming at step S redoes the steps that the previous one logged after its checkpoint
+at S. metrics.jsonl is cut back to S. TensorBoard gets a purge marker (purge_step = S + 1): its
+reader drops earlier files' events from S + 1 on. W&B history cannot be rewritten, so the steps
+the previous launch logged already (metrics.jsonl's last step before it was cut back) are not
+sent again: each W&B step is logged once, with its first launch's values (a resumed run repeats
+the same losses bit for bit; only timings differ).
+
+The packages are optional extras (`pip install 'llmtrain[tensorboard,wandb]'`), imported only
+when the config asks for them; check-config refuses a config that asks for a missing one.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import secrets
+import string
+import subprocess
+import sys
+from pathlib import Path
+
+from .config import Config, read_json
+from .metrics import read_metrics
+from .rundir import Log, write_atomic
+
+TENSORBOARD_DIR = "tensorboard"
+WANDB_STATE = "wandb-run.json"  # the W&B run id and the Slurm jobs that wrote to it
+PLOT = "plot.png"
+NOT_SCALARS = ("kind", "step")
+
+
+def scalars(record: dict) -> dict[str, float]:
+    """A metrics.jsonl record as tagged scalars: train/loss, train/lr, ..., eval/loss."""
+    kind = record.get("kind", "train")
+    return {f"{kind}/{key.removeprefix(kind + '_')}": float(value) for key, value in record.items()
+            if key not in NOT_SCALARS and isinstance(value, (int, float)) and not isinstance(value, bool)}
+
+
+def logged_through(run_dir: Path) -> int:
+    """The last step a previous launch wrote to metrics.jsonl (0: none)."""
+    return max((int(r.get("step", 0)) for r in read_metrics(run_dir)), default=0)
+
+
+class TensorBoard:
+    """<run_dir>/tensorboard: one event file per launch; flushed at every record, like
+    metrics.jsonl, so a killed run's file holds every step up to its last checkpoint."""
+
+    def __init__(self, run_dir: Path, step: int):
+        from torch.utils.tensorboard import SummaryWriter
+
+        self.folder = run_dir / TENSORBOARD_DIR
+        self.writer = SummaryWriter(str(self.folder), purge_step=step + 1)
+
+    def log(self, record: dict) -> None:
+        for tag, value in scalars(record).items():
+            self.writer.add_scalar(tag, value, record["step"])
+        self.writer.flush()
+
+    def close(self, failed: bool = False) -> None:
+        self.writer.close()
+
+
+class WandB:
+    """One W&B run per run directory: its id is kept in <run_dir>/wandb-run.json, so every
+    requeue, restart and resubmission continues it; its files are under <run_dir>/wandb."""
+
+    def __init__(self, cfg: Config, step: int, logged: int, log: Log, provenance: dict):
+        import wandb
+
+        spec = cfg.metrics.wandb_spec
+        state_path = cfg.run_dir / WANDB_STATE
+        state = read_json(state_path) or {}
+        if "id" not in state or step == 0 and logged > 0:  # a run started over: a new W&B run
+            state = {"id": new_run_id(), "slurm_job_ids": []}
+            logged = 0
+        job = os.environ.get("SLURM_JOB_ID")
+        if job and job not in state["slurm_job_ids"]:
+            state["slurm_job_ids"].append(job)
+        write_atomic(state_path, json.dumps(state, indent=2) + "\n")
+        self.logged = logged
+        self.run = wandb.init(
+            id=state["id"], resume="allow", project=spec.project, entity=spec.entity,
+            name=spec.name or cfg.run.name, tags=list(spec.tags), mode=spec.mode, dir=str(cfg.run_dir),
+            settings=wandb.Settings(console="off", silent=True, init_timeout=120))
+        self.run.config.update({**cfg.to_dict(), "provenance": provenance,
+                                "slurm_job_ids": state["slurm_job_ids"]}, allow_val_change=True)
+        where = (f"offline in {cfg.run_dir / 'wandb'}; sync it from the login node with: "
+                 f"{sync_command(cfg.run_dir, spec.project, spec.entity, state['id'])}"
+                 if spec.mode == "offline" else self.run.url)
+        log.info(f"W&B: run {state['id']} ({spec.name or cfg.run.name}), {where}")
+
+    def log(self, record: dict) -> None:
+        if record["step"] > self.logged:
+            self.run.log(scalars(record), step=record["step"])
+
+    def close(self, failed: bool = False) -> None:
+        self.run.finish(exit_code=1 if failed else 0)
+
+
+def new_run_id() -> str:
+    """8 lowercase letters and digits, as W&B's own ids."""
+    alphabet = string.ascii_lowercase + string.digits
+    return "".join(secrets.choice(alphabet) for _ in range(8))
+
+
+def sync_command(run_dir: Path, project: str, entity: str | None, run_id: str) -> str:
+    """The one command that uploads every launch's offline files into the one W&B run."""
+    return (f"wandb sync --id {run_id} -p {project}" + (f" -e {entity}" if entity else "")
+            + f" {run_dir / 'wandb'}/offline-run-*")
+
+
+def open_sinks(cfg: Config, step: int, logged: int, log: Log, provenance: dict) -> list:
+    """The trackers the config asks for (rank 0), resuming at `step`; a W&B run that cannot
+    start (online, no network) is a warning, not a stopped job."""
+    sinks: list = []
+    if cfg.metrics.tensorboard:
+        sinks.append(TensorBoard(cfg.run_dir, step))
+        log.info(f"TensorBoard: {cfg.run_dir / TENSORBOARD_DIR} (view: tensorboard --logdir {cfg.run_dir})")
+    if cfg.metrics.wandb_spec is not None:
+        try:
+            sinks.append(WandB(cfg, step, logged, log, provenance))
+        except Exception as e:  # wandb raises its own errors (CommError, UsageError, ...)
+            log.info(f"warning: W&B did not start ({type(e).__name__}: {e}); training goes on "
+                     f"without it (metrics.jsonl has every step)")
+    return sinks
+
+
+class PlotRefresher:
+    """Redraws <run_dir>/plot.png in a child process (`llmtrain plot`), so training never waits
+    for matplotlib: one drawing at a time; one asked for meanwhile is drawn after it; the last
+    one is waited for at the end (a Slurm job step's end would kill it)."""
+
+    def __init__(self, run_dir: Path, log: Log):
+        self.run_dir, self.log = run_dir, log
+        self.proc: subprocess.Popen | None = None
+        self.drawn = -1  # the step of the newest drawing started
+        self.wanted = -1
+        self.warned = False
+
+    def refresh(self, step: int) -> None:
+        self.wanted = max(self.wanted, step)
+        if self.wanted > self.drawn and not self._busy():
+            self.drawn = self.wanted
+            with open(self.run_dir / "logs" / "plot.log", "w") as out:
+                self.proc = subprocess.Popen(
+                    [sys.executable, "-m", "llmtrain", "plot", str(self.run_dir), "--out", str(self.run_dir / PLOT)],
+                    stdin=subprocess.DEVNULL, stdout=out, stderr=subprocess.STDOUT)
+
+    def _busy(self) -> bool:
+        if self.proc is None:
+            return False
+        if self.proc.poll() is None:
+            return True
+        if self.proc.returncode != 0 and not self.warned:
+            self.warned = True
+            self.log.info(f"warning: the plot was not redrawn (see {self.run_dir / 'logs' / 'plot.log'})")
+        return False
+
+    def close(self, timeout_s: float = 60.0) -> None:
+        while self.proc is not None:
+            try:
+                self.proc.wait(timeout=timeout_s)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()
+            self._busy()
+            if self.wanted <= self.drawn:
+                break
+            self.refresh(self.wanted)

@@ -1,0 +1,120 @@
+"""torch.profiler traces of chosen steps on every rank, and the CUDA memory snapshot of an
+out-of-memory error.
+
+Steps are profiled from the config (`profile: {start_step, steps}`) or on request
+(`llmtrain control RUN_DIR profile --steps N`): rank 0 reads the request and the step's agreement
+all-reduce carries it to every rank, which all read it at the same step (control.py), so every
+rank profiles the same steps. Each step is labelled `step N` and its phases `data`, `forward`,
+`backward`, `optimizer` and `communication` (the step's agreement and the metrics gather; the
+gradient reduction runs inside `backward`, where DDP and FSDP2 launch it). One trace per rank:
+<run_dir>/profile/steps-<first>-<last>-rank-<r>.json, for https://ui.perfetto.dev or TensorBoard.
+
+Outside the profiled steps a phase is a null context: no record_function overhead.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+from pathlib import Path
+
+import torch
+
+from ..config import Config, UserError
+from ..rundir import Log
+
+PROFILE_DIR = "profile"
+PHASES = ("data", "forward", "backward", "optimizer", "communication")
+
+
+class Profiler:
+    def __init__(self, cfg: Config, rank: int, device: torch.device, log: Log):
+        self.folder = cfg.run_dir / PROFILE_DIR
+        self.rank, self.device, self.log = rank, device, log
+        p = cfg.profile
+        self.plans: list[tuple[int, int]] = [(p.start_step, p.steps)] if p.start_step else []
+        self.prof = None
+        self.first = self.last = 0
+        self.step_range = None
+
+    def request(self, step: int, steps: int) -> None:
+        """Profile `steps` steps from the one after `step` (a request every rank read at `step`)."""
+        if self.prof is None:
+            self.plans.append((step + 1, steps))
+
+    def begin(self, step: int) -> None:
+        if self.prof is None:
+            plan = next((p for p in self.plans if p[0] <= step), None)
+            if plan is None:
+                return
+            self.plans.remove(plan)
+            activities = [torch.profiler.ProfilerActivity.CPU]
+            if self.device.type == "cuda":
+                activities.append(torch.profiler.ProfilerActivity.CUDA)
+            self.prof = torch.profiler.profile(activities=activities)
+            self.prof.start()
+            self.first, self.last = step, step + plan[1] - 1
+        self.step_range = torch.profiler.record_function(f"step {step}")
+        self.step_range.__enter__()
+
+    def phase(self, name: str):
+        return torch.profiler.record_function(name) if self.prof is not None else contextlib.nullcontext()
+
+    def close(self, step: int) -> None:
+        """At the loop's end: a trace cut short (the run stopped) is still written."""
+        if self.prof is not None:
+            self._finish(max(step, self.first))
+
+    def _finish(self, step: int) -> None:
+        if self.step_range is not None:
+            self.step_range.__exit__(None, None, None)
+            self.step_range = None
+        prof, self.prof = self.prof, None
+        prof.stop()
+        self.folder.mkdir(parents=True, exist_ok=True)
+        path = self.folder / f"steps-{self.first}-{step}-rank-{self.rank}.json"
+        tmp = path.with_name(f".{path.name}.tmp")
+        prof.export_chrome_trace(str(tmp))
+        os.replace(tmp, path)
+        if self.rank == 0:
+            self.log.info(f"profile of steps {self.first}-{step}: {self.folder}/steps-{self.first}-{step}-rank-*.json "
+                          f"(open in https://ui.perfetto.dev)")
+
+    def after_step(self, step: int) -> None:
+        """The step's range ends here; the trace ends at the plan's last step."""
+        if self.step_range is not None:
+            self.step_range.__exit__(None, None, None)
+            self.step_range = None
+        if self.prof is not None and step >= self.last:
+            self._finish(step)
+
+
+def record_memory_history(cfg: Config, device: torch.device) -> None:
+    """profile.memory_history on CUDA: every allocation's stack, for the out-of-memory snapshot."""
+    if cfg.profile.memory_history and device.type == "cuda":
+        torch.cuda.memory._record_memory_history(max_entries=200_000)
+
+
+def out_of_memory(cfg: Config, rank: int, device: torch.device, error: BaseException) -> UserError:
+    """The allocator's state at an out-of-memory error, saved for https://pytorch.org/memory_viz,
+    and the one line that says so (returned, for the caller to raise)."""
+    path: Path | str = "not saved"
+    if device.type == "cuda":
+        folder = cfg.run_dir / "logs"
+        path = folder / f"oom-snapshot-rank-{rank}.pickle"
+        tmp = folder / f".{path.name}.tmp"
+        try:
+            folder.mkdir(parents=True, exist_ok=True)
+            torch.cuda.memory._dump_snapshot(str(tmp))
+            os.replace(tmp, path)
+        except Exception as e:  # the snapshot is a help, not a reason to hide the error
+            path = f"not saved ({e})"
+        total = torch.cuda.get_device_properties(device).total_memory / 2**30
+        held = torch.cuda.memory_reserved(device) / 2**30
+        where = f"{held:.1f} of {total:.1f} GiB held by torch"
+    else:
+        where = "host memory"
+    first = str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
+    return UserError(f"out of memory on rank {rank} ({where}): {first[:200]}; memory snapshot: {path} "
+                     f"(drop it on https://pytorch.org/memory_viz); lower train.micro_batch_size, turn on "
+                     f"model.activation_checkpointing, or shard with parallel.strategy: fsdp")
