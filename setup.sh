@@ -2,7 +2,7 @@
 # Provision llmtrain on the login node: a Python venv with the package and its dependencies, and
 # the directory layout on the shared filesystem. Idempotent: a second run changes nothing.
 #
-#   bash setup.sh [--shared-dir DIR] [--project-name NAME]
+#   bash setup.sh [--shared-dir DIR] [--project-name NAME] [--extras wandb,tensorboard]
 #   then:  source "$SHARED_DIR/$PROJECT_NAME/env.sh"
 set -euo pipefail
 
@@ -12,7 +12,7 @@ readonly REPO
 usage() {
   cat >&2 <<EOF
 Usage: bash setup.sh [--shared-dir DIR] [--project-name NAME] [--torch-spec SPEC]
-                     [--torch-index-url URL] [--python PY]
+                     [--torch-index-url URL] [--python PY] [--extras LIST]
 
 Creates, under DIR/NAME (the "llmtrain home"):
   venv/      Python environment with llmtrain, torch, transformers, datasets, ...
@@ -27,6 +27,9 @@ Options (each also read from the environment variable in brackets):
                         pin gets the CUDA build on GPU clusters)
   --torch-index-url URL extra index for torch wheels [TORCH_INDEX_URL], e.g. a CUDA wheel index
   --python PY           interpreter for the venv [PYTHON] (default: python3)
+  --extras LIST         optional parts, comma-separated [LLMTRAIN_EXTRAS]: tensorboard, wandb
+                        (metrics.tensorboard / metrics.wandb), test (the test suite's needs,
+                        which include both) (default: test)
 EOF
 }
 
@@ -35,7 +38,7 @@ die() { echo "setup.sh: $*" >&2; exit 1; }
 main() {
   local shared_dir="${SHARED_DIR:-$REPO/workspace}" project="${PROJECT_NAME:-llmtrain}"
   local torch_spec="${TORCH_SPEC:-torch==2.13.0}" torch_index="${TORCH_INDEX_URL:-}"
-  local python="${PYTHON:-python3}"
+  local python="${PYTHON:-python3}" extras="${LLMTRAIN_EXTRAS-test}"
   while (($#)); do
     case "$1" in
       --shared-dir) shared_dir="${2:?--shared-dir needs a value}"; shift 2 ;;
@@ -43,18 +46,23 @@ main() {
       --torch-spec) torch_spec="${2:?--torch-spec needs a value}"; shift 2 ;;
       --torch-index-url) torch_index="${2:?--torch-index-url needs a value}"; shift 2 ;;
       --python) python="${2:?--python needs a value}"; shift 2 ;;
+      --extras) extras="${2?--extras needs a value}"; shift 2 ;;
       -h | --help) usage; exit 0 ;;
       *) echo "setup.sh: unknown option: $1" >&2; usage; exit 2 ;;
     esac
   done
   [[ "$project" =~ ^[A-Za-z0-9._-]+$ ]] || die "--project-name: letters, digits, . _ - only (got '$project')"
   command -v "$python" >/dev/null || die "--python: '$python' not found; pass --python /path/to/python3"
+  local extra
+  for extra in ${extras//,/ }; do
+    [[ "$extra" =~ ^(test|tensorboard|wandb)$ ]] || die "--extras: unknown part '$extra'; choose from test, tensorboard, wandb"
+  done
 
   mkdir -p "$shared_dir"
   local home
   home="$(cd "$shared_dir" && pwd)/$project"
   mkdir -p "$home"/{cache/huggingface,cache/torch,models,datasets,prepared,runs}
-  make_venv "$home/venv" "$python" "$torch_spec" "$torch_index"
+  make_venv "$home/venv" "$python" "$torch_spec" "$torch_index" "$extras"
   write_if_changed "$home/env.sh" "$(env_sh "$home")"
   write_if_changed "$REPO/.llmtrain-home" "$home"
   echo "llmtrain is set up in $home"
@@ -63,9 +71,9 @@ main() {
 
 # The venv is rebuilt only when its recipe (python, torch spec, pyproject.toml) changes.
 make_venv() {
-  local venv="$1" python="$2" torch_spec="$3" torch_index="$4"
+  local venv="$1" python="$2" torch_spec="$3" torch_index="$4" extras="$5"
   local stamp recipe
-  recipe="$("$python" --version 2>&1) | $torch_spec | $torch_index | $(cksum <"$REPO/pyproject.toml")"
+  recipe="$("$python" --version 2>&1) | $torch_spec | $torch_index | $extras | $(cksum <"$REPO/pyproject.toml")"
   stamp="$venv/.llmtrain-recipe"
   if [[ -f "$stamp" && "$(cat "$stamp")" == "$recipe" ]]; then
     echo "venv is up to date: $venv"
@@ -80,7 +88,9 @@ make_venv() {
   # Pin the torch just installed, so no later requirement can swap it for another build.
   "$venv/bin/python" -W ignore -c 'import torch; print("torch==" + torch.__version__)' >"$venv/constraints.txt"
   echo "installing llmtrain and its dependencies ..."
-  "${pip[@]}" "${index_args[@]}" -c "$venv/constraints.txt" -e "${REPO}[test]"
+  local package="$REPO"
+  [[ -n "$extras" ]] && package="${REPO}[${extras}]"
+  "${pip[@]}" "${index_args[@]}" -c "$venv/constraints.txt" -e "$package"
   printf '%s' "$recipe" >"$stamp"
 }
 

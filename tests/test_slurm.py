@@ -13,10 +13,12 @@ from concurrent.futures import ThreadPoolExecutor
 from importlib.metadata import version
 from pathlib import Path
 
+import numpy as np
 import pytest
 import yaml
 
 from conftest import REPO, cli, losses, read_metrics, tiny_config
+from trackers import tensorboard_scalars, wandb_runs
 
 pytestmark = pytest.mark.slow
 
@@ -224,10 +226,10 @@ def uninterrupted(config: Path) -> dict:
     return {**job, "state": wait_for(job["job_id"], timeout=300)}
 
 
-def warned(config: Path, at_step: int) -> dict:
+def warned(config: Path, at_step: int, *sets: str) -> dict:
     """Slurm's warning signal to the batch shell (what --signal=B:USR1@lead sends) at a step."""
     job = submit("--config", config, "--nodes", 2, "--procs-per-node", 1,
-                 "--set", f"run.name=preempted-{at_step}")
+                 "--set", f"run.name=preempted-{at_step}", *sets)
     wait_until_step(Path(job["run_dir"]), at_step)
     subprocess.run(["scancel", "-b", "-s", "USR1", job["job_id"]], check=True)
     return {**job, "state": wait_for(job["job_id"], timeout=300)}
@@ -285,10 +287,14 @@ def run_trials(root: Path) -> dict:
     with ThreadPoolExecutor(max_workers=5) as pool:
         futures = {"reference": pool.submit(uninterrupted, config),
                    "warned-3": pool.submit(warned, config, 3),
-                   "warned-40": pool.submit(warned, config, 40),
+                   "warned-40": pool.submit(warned, config, 40, *TRACKERS),
                    "killed": pool.submit(killed, config, root),
                    "continued": pool.submit(continued, config)}
         return {name: outcome(f) for name, f in futures.items()}
+
+
+# One preempted trial also writes TensorBoard and W&B (offline), to check them across the requeue.
+TRACKERS = ("--set", "metrics.tensorboard=true", "--set", "metrics.wandb.project=trials")
 
 
 def outcome(future) -> dict:
@@ -321,6 +327,26 @@ def test_warning_signal_saves_requeues_and_resumes_bit_identically(trials, at_st
     assert "requeueing job" in log and "SLURM_RESTART_COUNT=1" in log
     assert f"resumed from {run_dir}/checkpoints/step-{int(stopped.group(1)):08d}" in log
     assert losses(run_dir) == reference_losses(trials)  # every step, bit for bit
+
+
+def test_a_requeued_run_continues_one_wandb_run_and_one_tensorboard_curve(trials):
+    """Preempted at step 40 and requeued: both launches finished their W&B files, which hold one
+    run id, the job's id, and each of the 120 steps once with metrics.jsonl's loss; TensorBoard
+    shows each step once with the same values."""
+    job = trial(trials, "warned-40")
+    run_dir = Path(job["run_dir"])
+    train = {r["step"]: r["loss"] for r in read_metrics(run_dir) if r["kind"] == "train"}
+    assert list(train) == list(range(1, 121))
+    state = json.loads((run_dir / "wandb-run.json").read_text())
+    launches = wandb_runs(run_dir / "wandb")
+    assert len(launches) == 2 and not (run_dir / "wandb" / "incomplete").exists()
+    assert {run["id"] for run in launches} == {state["id"]}
+    assert state["slurm_job_ids"] == [job["job_id"]] == launches[-1]["config"]["slurm_job_ids"]
+    rows = [row for run in launches for row in run["history"]]
+    assert [row["_step"] for row in rows] == list(range(1, 121))
+    assert all(row["train/loss"] == train[row["_step"]] for row in rows)
+    tb = tensorboard_scalars(run_dir / "tensorboard")["train/loss"]
+    assert tb == [(s, float(np.float32(loss))) for s, loss in train.items()]
 
 
 def test_time_limit_without_a_signal_still_saves_and_continues(job_config):

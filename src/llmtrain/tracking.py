@@ -2,15 +2,14 @@
 continued across resumes and Slurm requeues (rank 0 writes them); and the run's plot, redrawn
 by a child process at each evaluation.
 
-    sinks = open_sinks(cfg, step, logged_through(run_dir), log, provenance)
+    sinks = open_sinks(cfg, step, log, provenance)       # before MetricsWriter cuts the file back
     metrics = MetricsWriter(metrics_path, step, sinks)   # each record reaches every sink
 
 A launch resuming at step S redoes the steps that the previous one logged after its checkpoint
 at S. metrics.jsonl is cut back to S. TensorBoard gets a purge marker (purge_step = S + 1): its
-reader drops earlier files' events from S + 1 on. W&B history cannot be rewritten, so the steps
-the previous launch logged already (metrics.jsonl's last step before it was cut back) are not
-sent again: each W&B step is logged once, with its first launch's values (a resumed run repeats
-the same losses bit for bit; only timings differ).
+reader drops earlier files' events from S + 1 on. A W&B history cannot be rewritten: each launch
+logs only the steps that no finished launch logged (WandB below), so the synced history has each
+step once.
 
 The packages are optional extras (`pip install 'llmtrain[tensorboard,wandb]'`), imported only
 when the config asks for them; check-config refuses a config that asks for a missing one.
@@ -43,11 +42,6 @@ def scalars(record: dict) -> dict[str, float]:
             if key not in NOT_SCALARS and isinstance(value, (int, float)) and not isinstance(value, bool)}
 
 
-def logged_through(run_dir: Path) -> int:
-    """The last step a previous launch wrote to metrics.jsonl (0: none)."""
-    return max((int(r.get("step", 0)) for r in read_metrics(run_dir)), default=0)
-
-
 class TensorBoard:
     """<run_dir>/tensorboard: one event file per launch; flushed at every record, like
     metrics.jsonl, so a killed run's file holds every step up to its last checkpoint."""
@@ -69,39 +63,69 @@ class TensorBoard:
 
 class WandB:
     """One W&B run per run directory: its id is kept in <run_dir>/wandb-run.json, so every
-    requeue, restart and resubmission continues it; its files are under <run_dir>/wandb."""
+    requeue, restart and resubmission continues it; its files are under <run_dir>/wandb.
 
-    def __init__(self, cfg: Config, step: int, logged: int, log: Log, provenance: dict):
+    A launch that ends, even by an error or a stop signal, finishes its W&B files and records the
+    last step they hold ("logged"). A launch that was killed (SIGKILL, a node lost) may leave its
+    offline files empty or cut short: W&B's service process drops what it buffered when its
+    parent dies. The next launch moves such files to wandb/incomplete/ (out of the sync
+    command's reach) and logs again, from metrics.jsonl, the steps after "logged" up to the
+    step it resumes at; then its own. So the synced history has each step once."""
+
+    def __init__(self, cfg: Config, step: int, log: Log, provenance: dict):
         import wandb
 
         spec = cfg.metrics.wandb_spec
-        state_path = cfg.run_dir / WANDB_STATE
-        state = read_json(state_path) or {}
-        if "id" not in state or step == 0 and logged > 0:  # a run started over: a new W&B run
-            state = {"id": new_run_id(), "slurm_job_ids": []}
-            logged = 0
+        self.state_path = cfg.run_dir / WANDB_STATE
+        state = read_json(self.state_path) or {}
+        if "id" not in state or step == 0 and state.get("logged", 0) > 0:  # (started over) a new W&B run
+            state = {"id": new_run_id(), "logged": 0, "launches": [], "slurm_job_ids": []}
+        self._set_aside_incomplete(cfg.run_dir / "wandb", state, log)
         job = os.environ.get("SLURM_JOB_ID")
         if job and job not in state["slurm_job_ids"]:
             state["slurm_job_ids"].append(job)
-        write_atomic(state_path, json.dumps(state, indent=2) + "\n")
-        self.logged = logged
+        name = spec.name or cfg.run.name
         self.run = wandb.init(
-            id=state["id"], resume="allow", project=spec.project, entity=spec.entity,
-            name=spec.name or cfg.run.name, tags=list(spec.tags), mode=spec.mode, dir=str(cfg.run_dir),
+            id=state["id"], resume="allow", project=spec.project, entity=spec.entity, name=name,
+            tags=list(spec.tags), mode=spec.mode, dir=str(cfg.run_dir),
             settings=wandb.Settings(console="off", silent=True, init_timeout=120))
         self.run.config.update({**cfg.to_dict(), "provenance": provenance,
                                 "slurm_job_ids": state["slurm_job_ids"]}, allow_val_change=True)
-        where = (f"offline in {cfg.run_dir / 'wandb'}; sync it from the login node with: "
-                 f"{sync_command(cfg.run_dir, spec.project, spec.entity, state['id'])}"
-                 if spec.mode == "offline" else self.run.url)
-        log.info(f"W&B: run {state['id']} ({spec.name or cfg.run.name}), {where}")
+        where = (self.run.url if spec.mode == "online" else
+                 sync_command(cfg.run_dir, spec.project, spec.entity, state["id"]))
+        state.update(name=name, project=spec.project, entity=spec.entity, mode=spec.mode, where=where)
+        self.state = state
+        write_atomic(self.state_path, json.dumps(state, indent=2) + "\n")  # also for llmtrain status
+        log.info(f"W&B: run {state['id']} ({name}), " + (
+            f"offline in {cfg.run_dir / 'wandb'}; sync it from the login node with: {where}"
+            if spec.mode == "offline" else where))
+        # Online, the server has what it received and ignores steps below its run's step.
+        self.floor = max(state["logged"], getattr(self.run, "step", 1) - 1 if spec.mode == "online" else 0)
+        self.last = self.floor
+        for record in read_metrics(cfg.run_dir):  # what earlier launches logged but W&B lost
+            if self.floor < record["step"] <= step:
+                self.log(record)
+
+    @staticmethod
+    def _set_aside_incomplete(folder: Path, state: dict, log: Log) -> None:
+        for launch in sorted(folder.glob(f"offline-run-*-{state['id']}")):
+            if launch.name not in state["launches"]:
+                (folder / "incomplete").mkdir(exist_ok=True)
+                launch.rename(folder / "incomplete" / launch.name)
+                log.info(f"W&B: {launch.name} was not finished (its launch was killed): moved to "
+                         f"{folder / 'incomplete'}; its steps are logged again from metrics.jsonl")
 
     def log(self, record: dict) -> None:
-        if record["step"] > self.logged:
+        if record["step"] > self.floor:
             self.run.log(scalars(record), step=record["step"])
+            self.last = max(self.last, record["step"])
 
     def close(self, failed: bool = False) -> None:
         self.run.finish(exit_code=1 if failed else 0)
+        self.state["logged"] = self.last
+        if self.state["mode"] == "offline":
+            self.state["launches"].append(Path(self.run.dir).parent.name)
+        write_atomic(self.state_path, json.dumps(self.state, indent=2) + "\n")
 
 
 def new_run_id() -> str:
@@ -116,7 +140,7 @@ def sync_command(run_dir: Path, project: str, entity: str | None, run_id: str) -
             + f" {run_dir / 'wandb'}/offline-run-*")
 
 
-def open_sinks(cfg: Config, step: int, logged: int, log: Log, provenance: dict) -> list:
+def open_sinks(cfg: Config, step: int, log: Log, provenance: dict) -> list:
     """The trackers the config asks for (rank 0), resuming at `step`; a W&B run that cannot
     start (online, no network) is a warning, not a stopped job."""
     sinks: list = []
@@ -125,7 +149,7 @@ def open_sinks(cfg: Config, step: int, logged: int, log: Log, provenance: dict) 
         log.info(f"TensorBoard: {cfg.run_dir / TENSORBOARD_DIR} (view: tensorboard --logdir {cfg.run_dir})")
     if cfg.metrics.wandb_spec is not None:
         try:
-            sinks.append(WandB(cfg, step, logged, log, provenance))
+            sinks.append(WandB(cfg, step, log, provenance))
         except Exception as e:  # wandb raises its own errors (CommError, UsageError, ...)
             log.info(f"warning: W&B did not start ({type(e).__name__}: {e}); training goes on "
                      f"without it (metrics.jsonl has every step)")

@@ -31,6 +31,8 @@ from ..metrics import format_duration, read_metrics
 from ..rundir import CHECKPOINTS, complete_checkpoints, latest_checkpoint, pid_alive
 
 LOG_LINES = 10
+SPARKS = "▁▂▃▄▅▆▇█"
+SPARK_WIDTH = 40
 BEAT_FRESH_S = 60  # a heartbeat from another host, outside Slurm, this recent means running
 QUEUED = ("PENDING", "REQUEUED", "REQUEUE_HOLD", "REQUEUE_FED")
 ACTIVE = ("CONFIGURING", "RUNNING", "COMPLETING", "RESIZING", "SUSPENDED", "STOPPED", "SIGNALING",
@@ -230,6 +232,7 @@ def render(run_dir: Path, job_id: str | None) -> str:
     if slurm:
         lines.append(f"job: {job_id} {slurm[0]} ({slurm[2]})")
     lines += _progress(run_dir, cfg.get("train", {}).get("max_steps"), verdict.state == "running")
+    lines += _watching(run_dir)
     ckpts = [p.name for p in reversed(complete_checkpoints(run_dir / CHECKPOINTS))]
     pointer = latest_checkpoint(run_dir / CHECKPOINTS)
     lines.append("checkpoints: " + (", ".join(f"{c}{' (latest)' if c == pointer else ''}"
@@ -256,8 +259,38 @@ def _progress(run_dir: Path, max_steps: int | None, running: bool) -> list[str]:
     out = [f"progress: step {train['step']}{share}, loss {train['loss']:.4f}, "
            f"{train['tokens_per_sec']:,.0f} tok/s"
            + (f", eta {format_duration(eta)}" if running and eta is not None else "")]
+    curve = [r["loss"] for r in read_metrics(run_dir) if r.get("kind") == "train"]
+    out.append(f"loss: {sparkline(curve)} {curve[0]:.4f} -> {curve[-1]:.4f} over {len(curve)} logged steps")
     if evals:
         out.append(f"eval: step {evals['step']}, eval_loss {evals['eval_loss']:.4f}")
+    return out
+
+
+def sparkline(values: list[float], width: int = SPARK_WIDTH) -> str:
+    """The trend in one line: `values` averaged into at most `width` bins, one block each."""
+    bins = min(width, len(values))
+    means = [sum(chunk) / len(chunk) for chunk in
+             (values[i * len(values) // bins:(i + 1) * len(values) // bins] for i in range(bins))]
+    low, high = min(means), max(means)
+    span = (high - low) or 1.0
+    return "".join(SPARKS[round((m - low) / span * (len(SPARKS) - 1))] for m in means)
+
+
+def _watching(run_dir: Path) -> list[str]:
+    """Where else to look: the plot, TensorBoard and the W&B run."""
+    out = []
+    plot = run_dir / "plot.png"
+    if plot.exists():
+        out.append(f"plot: {plot} (drawn {time.strftime('%H:%M:%S', time.localtime(_mtime(plot)))})")
+    else:
+        out.append(f"plot: none yet; draw one with: llmtrain plot {run_dir}")
+    if (run_dir / "tensorboard").is_dir():
+        out.append(f"tensorboard: tensorboard --logdir {run_dir}")
+    wandb = read_json(run_dir / "wandb-run.json")
+    if wandb and "where" in wandb:
+        offline = wandb.get("mode") == "offline"
+        out.append(f"W&B: run {wandb['id']} ({wandb.get('name')}, project {wandb.get('project')}), "
+                   + (f"offline; sync it with: {wandb['where']}" if offline else wandb["where"]))
     return out
 
 

@@ -194,7 +194,8 @@ class Control:
         except FileNotFoundError:
             return None
         path.unlink(missing_ok=True)
-        self.log.info(f"{name} requested ({reason}) through {path}")
+        what = f"{reason} steps" if name == "profile" else reason
+        self.log.info(f"{name} requested ({what}) through {path}")
         return reason
 
     def _take_profile(self) -> int:

@@ -30,7 +30,7 @@ from ..model.loss import chunk_head, lm_loss
 from ..model.parallel import (autocast, compile_seconds, configure_matmul_precision, grad_scaler, gradient_sync,
                               parallelize, shard_size)
 from ..rundir import Log, RunLock, hostname, provenance, write_atomic
-from ..tracking import PlotRefresher, logged_through, open_sinks
+from ..tracking import PlotRefresher, open_sinks
 from . import distributed
 from .checkpoint import Checkpointer, compat_info
 from .control import Agreement, Control, Verdict
@@ -207,7 +207,7 @@ def loop(cfg: Config, world: World, watch: Watchdog, log: Log, job: Job) -> None
     t, seq_len = cfg.train, cfg.data.seq_len
     model, optimizer, scaler, checkpointer = job.model, job.optimizer, job.scaler, job.checkpointer
     sampler, state, val_data = job.sampler, job.state, job.val_data
-    sinks = open_sinks(cfg, state.step, logged_through(cfg.run_dir), log, job.provenance) if world.is_main else []
+    sinks = open_sinks(cfg, state.step, log, job.provenance) if world.is_main else []
     metrics = MetricsWriter(cfg.run_dir / METRICS if world.is_main else None, state.step, sinks)
     plots = PlotRefresher(cfg.run_dir, log) if world.is_main and cfg.metrics.plot_every_eval else None
     profiler = Profiler(cfg, world.rank, world.device, log)

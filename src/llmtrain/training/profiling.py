@@ -44,7 +44,7 @@ class Profiler:
 
     def begin(self, step: int) -> None:
         if self.prof is None:
-            plan = next((p for p in self.plans if p[0] <= step), None)
+            plan = next((p for p in self.plans if p[0] == step), None)  # a resumed run past it: none
             if plan is None:
                 return
             self.plans.remove(plan)
