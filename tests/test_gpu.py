@@ -262,3 +262,29 @@ def test_packed_samples_attend_within_themselves_with_flex_attention_on_cuda():
     assert torch.allclose(in_row, by_itself, atol=2e-2, rtol=0)  # bf16 matmuls in other block orders
     in_row.sum().backward()  # flex attention's backward runs
     assert all(p.grad is not None for p in model.parameters() if p.requires_grad)
+
+
+# Imported by the trainer (PYTHONPATH): caps this process's CUDA memory at ~300 MB, so a big
+# micro batch runs out of memory the way a too-large model does.
+CAP_MEMORY = """
+import torch
+torch.cuda.set_per_process_memory_fraction(0.3e9 / torch.cuda.get_device_properties(0).total_memory)
+"""
+
+
+def test_out_of_memory_is_one_line_and_leaves_a_memory_snapshot(setup, tmp_path):
+    import pickle
+
+    _, config = setup
+    (tmp_path / "sitecustomize.py").write_text(CAP_MEMORY)
+    proc = llmtrain("train", "--config", config, "--set", "run.name=oom", "--set", "train.micro_batch_size=256",
+                    "--set", "train.global_batch_size=256", "--set", "profile.memory_history=true",
+                    env=env_with(PYTHONPATH=str(tmp_path)))
+    d = run_dir(setup, "oom")
+    snapshot = d / "logs" / "oom-snapshot-rank-0.pickle"
+    assert proc.returncode == 1, proc.stderr
+    (line,) = [x for x in proc.stderr.splitlines() if x.startswith("error:")]
+    assert line.startswith("error: out of memory on rank 0 (") and f"memory snapshot: {snapshot} " in line, line
+    assert "Traceback" not in proc.stderr
+    state = pickle.loads(snapshot.read_bytes())
+    assert state["segments"] and state["device_traces"][0], "no allocation history recorded"

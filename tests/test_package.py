@@ -22,12 +22,13 @@ def test_the_declared_torch_lower_bound_is_the_oldest_torch_the_code_runs_on():
     assert tuple(int(x) for x in torch.__version__.split(".")[:2]) >= MIN_TORCH
 
 
-# What runs on a login node: the CLI and config, the run directory's files, metrics reading, and
-# everything under llmtrain/login/. None may import torch (seconds on a busy login node, and a
+# What runs on a login node: the CLI and config, the run directory's files, metrics reading, the
+# plot and the trackers' module, and everything under llmtrain/login/. None may import torch (seconds on a busy login node, and a
 # broken CUDA install there must not matter).
 def login_modules() -> list[str]:
     pkg = REPO / "src" / "llmtrain"
-    return (["llmtrain.cli", "llmtrain.config", "llmtrain.rundir", "llmtrain.metrics"]
+    return (["llmtrain.cli", "llmtrain.config", "llmtrain.rundir", "llmtrain.metrics", "llmtrain.plot",
+             "llmtrain.tracking"]
             + [f"llmtrain.login.{p.stem}" for p in sorted((pkg / "login").glob("*.py"))])
 
 

@@ -4,6 +4,8 @@
     state: stopped by request at step 57 of 300; launch the same config again to continue
     job: 4242 COMPLETED (scontrol)
     progress: step 57/300 (19%), loss 2.1234, 20,000 tok/s
+    loss: █▆▄▃▂▂▁▁ 6.2000 -> 2.1234 over 57 logged steps
+    plot: /shared/me/llmtrain/runs/demo/plot.png (drawn 12:04:10)
     checkpoints: step-00000057 (latest)
     log: ... (last 10 lines)
 
@@ -282,7 +284,7 @@ def _watching(run_dir: Path) -> list[str]:
     plot = run_dir / "plot.png"
     if plot.exists():
         out.append(f"plot: {plot} (drawn {time.strftime('%H:%M:%S', time.localtime(_mtime(plot)))})")
-    else:
+    elif read_metrics(run_dir):
         out.append(f"plot: none yet; draw one with: llmtrain plot {run_dir}")
     if (run_dir / "tensorboard").is_dir():
         out.append(f"tensorboard: tensorboard --logdir {run_dir}")
