@@ -78,6 +78,7 @@ def test_setup_in_a_path_with_spaces_then_demo_through_submit(tmp_path):
     assert demo.stdout.splitlines().count(f"run_dir: {run_dir}") == 2  # before and after training
     train = [r["loss"] for r in read_metrics(run_dir) if r["kind"] == "train"]
     assert train[0] > 4.5 and train[-1] < 1.5
+    assert (run_dir / "plot.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"  # redrawn at each eval
 
     # The fine-tuning demo on that model, with the README's commands: LoRA on shipped chats.
     user = f'source "{home}/env.sh" && '
