@@ -27,9 +27,8 @@ Options (each also read from the environment variable in brackets):
                         pin gets the CUDA build on GPU clusters)
   --torch-index-url URL extra index for torch wheels [TORCH_INDEX_URL], e.g. a CUDA wheel index
   --python PY           interpreter for the venv [PYTHON] (default: python3)
-  --extras LIST         optional parts, comma-separated [LLMTRAIN_EXTRAS]: tensorboard, wandb
-                        (metrics.tensorboard / metrics.wandb), test (the test suite's needs,
-                        which include both) (default: test)
+  --extras LIST         optional parts [LLMTRAIN_EXTRAS]: tensorboard, wandb (metrics.*), test (the
+                        suite's needs, both included), comma-separated; "" for none (default: test)
 EOF
 }
 
@@ -53,10 +52,7 @@ main() {
   done
   [[ "$project" =~ ^[A-Za-z0-9._-]+$ ]] || die "--project-name: letters, digits, . _ - only (got '$project')"
   command -v "$python" >/dev/null || die "--python: '$python' not found; pass --python /path/to/python3"
-  local extra
-  for extra in ${extras//,/ }; do
-    [[ "$extra" =~ ^(test|tensorboard|wandb)$ ]] || die "--extras: unknown part '$extra'; choose from test, tensorboard, wandb"
-  done
+  [[ "$extras" =~ ^((test|tensorboard|wandb)(,|$))*$ ]] || die "--extras: test, tensorboard, wandb, comma-separated (got '$extras')"
 
   mkdir -p "$shared_dir"
   local home
@@ -69,12 +65,11 @@ main() {
   echo "use it with:  source \"$home/env.sh\""
 }
 
-# The venv is rebuilt only when its recipe (python, torch spec, pyproject.toml) changes.
+# The venv is rebuilt only when its recipe (python, torch spec, extras, pyproject.toml) changes.
 make_venv() {
   local venv="$1" python="$2" torch_spec="$3" torch_index="$4" extras="$5"
-  local stamp recipe
+  local stamp="$venv/.llmtrain-recipe" recipe
   recipe="$("$python" --version 2>&1) | $torch_spec | $torch_index | $extras | $(cksum <"$REPO/pyproject.toml")"
-  stamp="$venv/.llmtrain-recipe"
   if [[ -f "$stamp" && "$(cat "$stamp")" == "$recipe" ]]; then
     echo "venv is up to date: $venv"
     return
@@ -88,9 +83,7 @@ make_venv() {
   # Pin the torch just installed, so no later requirement can swap it for another build.
   "$venv/bin/python" -W ignore -c 'import torch; print("torch==" + torch.__version__)' >"$venv/constraints.txt"
   echo "installing llmtrain and its dependencies ..."
-  local package="$REPO"
-  [[ -n "$extras" ]] && package="${REPO}[${extras}]"
-  "${pip[@]}" "${index_args[@]}" -c "$venv/constraints.txt" -e "$package"
+  "${pip[@]}" "${index_args[@]}" -c "$venv/constraints.txt" -e "${REPO}${extras:+[$extras]}"
   printf '%s' "$recipe" >"$stamp"
 }
 
@@ -114,9 +107,7 @@ EOF
 # Atomic and idempotent: an unchanged file keeps its bytes and its timestamp.
 write_if_changed() {
   local path="$1" content="$2"
-  if [[ -f "$path" && "$(cat "$path")" == "$content" ]]; then
-    return
-  fi
+  [[ -f "$path" && "$(cat "$path")" == "$content" ]] && return
   printf '%s\n' "$content" >"$path.tmp.$$"
   mv -f "$path.tmp.$$" "$path"
 }

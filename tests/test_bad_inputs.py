@@ -129,6 +129,9 @@ ROWS = [
      r"error: .*/nope: no such run directory, and not a job id"),
     ("control-not-running", lambda r, g, t: ["control", t, "stop"], 1,
      r"error: .*: not running \(not started: no job and no step logged yet\); nothing to stop"),
+    ("plot-nothing-yet", lambda r, g, t: ["plot", t], 1,
+     r"error: .*: nothing to plot yet \(no step in .*/metrics\.jsonl\); wait for the first logged step "
+     r"\(train\.log_every\)"),
     ("download-nothing", lambda r, g, t: ["download", "--config", g], 1,  # local paths only
      r"error: nothing to download: the config names no hub ids \(only local paths\); or pass "
      r"--model / --dataset"),

@@ -18,6 +18,7 @@ heartbeat (`logs/heartbeat-rank-0.json`, every 2 s while it trains); metrics.jso
 
 from __future__ import annotations
 
+import math
 import re
 import shutil
 import socket
@@ -269,13 +270,16 @@ def _progress(run_dir: Path, max_steps: int | None, running: bool) -> list[str]:
 
 
 def sparkline(values: list[float], width: int = SPARK_WIDTH) -> str:
-    """The trend in one line: `values` averaged into at most `width` bins, one block each."""
+    """The trend in one line: `values` averaged into at most `width` bins, one block each; a bin
+    with a NaN or inf is `!`."""
     bins = min(width, len(values))
     means = [sum(chunk) / len(chunk) for chunk in
              (values[i * len(values) // bins:(i + 1) * len(values) // bins] for i in range(bins))]
-    low, high = min(means), max(means)
+    finite = [m for m in means if math.isfinite(m)] or [0.0]
+    low, high = min(finite), max(finite)
     span = (high - low) or 1.0
-    return "".join(SPARKS[round((m - low) / span * (len(SPARKS) - 1))] for m in means)
+    return "".join(SPARKS[round((m - low) / span * (len(SPARKS) - 1))] if math.isfinite(m) else "!"
+                   for m in means)
 
 
 def _watching(run_dir: Path) -> list[str]:
