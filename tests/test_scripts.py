@@ -57,19 +57,22 @@ def test_setup_in_a_path_with_spaces_then_demo_through_submit(tmp_path):
     shutil.copytree(REPO, clone, ignore=shutil.ignore_patterns("workspace", ".llmtrain-home", ".git",
                                                                  "__pycache__", ".pytest_cache"))
 
-    first = bash(clone / "setup.sh", "--shared-dir", shared, env=env)
+    # No extras: the trainer needs none of the test suite's packages, nor a tracker's (CI's own
+    # setup.sh run installs the default, "test").
+    first = bash(clone / "setup.sh", "--shared-dir", shared, "--extras", "", env=env)
     assert first.returncode == 0, first.stderr
     home = shared / "llmtrain"
     assert f'source "{home}/env.sh"' in first.stdout
     stamp = {p: p.stat().st_mtime_ns for p in [home / "env.sh", home / "venv" / "constraints.txt"]}
 
-    second = bash(clone / "setup.sh", "--shared-dir", shared, env=env, timeout=60)
+    second = bash(clone / "setup.sh", "--shared-dir", shared, "--extras", "", env=env, timeout=60)
     assert second.returncode == 0 and "venv is up to date" in second.stdout
     assert {p: p.stat().st_mtime_ns for p in stamp} == stamp  # nothing rewritten
 
     probe = bash("-c", f'source "{home}/env.sh" && echo "$LLMTRAIN_HOME|$HF_HOME" && '
-                 'python -c "import torch, llmtrain; print(torch.__version__)"', env=env)
-    assert probe.stdout.splitlines() == [f"{home}|{home}/cache/huggingface", "2.13.0+cpu"]
+                 'python -c "import torch, llmtrain, importlib.util as u; print(torch.__version__, '
+                 '[m for m in (\'pytest\', \'wandb\', \'tensorboard\') if u.find_spec(m)])"', env=env)
+    assert probe.stdout.splitlines() == [f"{home}|{home}/cache/huggingface", "2.13.0+cpu []"]
 
     demo = bash(clone / "submit.sh", "--local", "--config", clone / "configs" / "demo.yaml",
                 "--set", "train.max_steps=60", "--set", "train.eval_every=30", env=env)
