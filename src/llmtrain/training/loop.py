@@ -207,7 +207,10 @@ def loop(cfg: Config, world: World, watch: Watchdog, log: Log, job: Job) -> None
     t, seq_len = cfg.train, cfg.data.seq_len
     model, optimizer, scaler, checkpointer = job.model, job.optimizer, job.scaler, job.checkpointer
     sampler, state, val_data = job.sampler, job.state, job.val_data
-    sinks = open_sinks(cfg, state.step, log, job.provenance) if world.is_main else []
+    sinks = []
+    if world.is_main and (cfg.metrics.tensorboard or cfg.metrics.wandb is not None):
+        with watch.phase("opening trackers"):  # TensorBoard's import, W&B's service: seconds
+            sinks = open_sinks(cfg, state.step, log, job.provenance)
     metrics = MetricsWriter(cfg.run_dir / METRICS if world.is_main else None, state.step, sinks)
     plots = PlotRefresher(cfg.run_dir, log) if world.is_main and cfg.metrics.plot_every_eval else None
     profiler = Profiler(cfg, world.rank, world.device, log)
