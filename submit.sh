@@ -41,7 +41,7 @@ submit_slurm() {
   command -v sbatch >/dev/null || die "no Slurm on this machine (sbatch not found); to run here, use: bash submit.sh --local"
   local launch=(--launch) v=()  # a run that trains or waits now is refused, unless this job
   [[ -z "$DEPENDENCY" ]] || launch=()  # waits for one (--dependency)
-  mapfile -t v < <(llmtrain check-config "$CONFIG" "${SETS[@]}" --offline "${launch[@]}" \
+  mapfile -t v < <(llmtrain check-config "$CONFIG" "${SETS[@]}" --offline --cluster "${launch[@]}" \
     --get run_dir --get prepared --get run.name)
   ((${#v[@]} == 3)) || exit 2  # llmtrain said why
   local run_dir="${v[0]}" prepared="${v[1]}" name="${v[2]}"

@@ -172,3 +172,21 @@ def test_one_requeue_is_one_time(tmp_path):
     (tmp_path / "control" / "exit.json").write_text('{"requeue": true, "job_id": "7"}')
     assert requeue_decision(tmp_path, "7", 1, max_requeues=1) == (
         False, "not requeueing: the job was requeued 1 time already (slurm.max_requeues)")
+
+
+def test_sinfo_lines_become_nodes_with_their_gpus_memory_and_time_limit():
+    """`sinfo -h -N -o '%N|%P|%c|%m|%G|%l'` as clusters print it (feasibility.py's input)."""
+    from llmtrain.login.feasibility import format_limit, mem_mb, parse_sinfo
+
+    nodes = parse_sinfo("gpu01|gpu*|64|512000|gpu:a100:4(S:0-1)|2-00:00:00\n"
+                        "gpu02|gpu*|64|512000+|gpu:h100:8,gpu:a100:2(S:0)|1-12\n"
+                        "cpu01|cpu|128|256000|(null)|infinite\n"
+                        "tiny|debug|2|4000|gres/gpu:1|30:00\n")
+    got = [(n.name, n.partition, n.default, n.cpus, n.mem_mb, n.gpus, n.time_limit_s) for n in nodes]
+    assert got == [("gpu01", "gpu", True, 64, 512000, 4, 2 * 86400),
+                   ("gpu02", "gpu", True, 64, 512000, 10, 36 * 3600),
+                   ("cpu01", "cpu", False, 128, 256000, 0, float("inf")),
+                   ("tiny", "debug", False, 2, 4000, 1, 30 * 60)]
+    assert [format_limit(n.time_limit_s) for n in nodes] == ["2-00:00:00", "1-12:00:00", "no limit", "00:30:00"]
+    assert [mem_mb(v) for v in ("0", "64G", "500000M", "128000", "1T", "lots")] == [0, 65536, 500000, 128000,
+                                                                                   1048576, 0]

@@ -368,17 +368,42 @@ def test_time_limit_without_a_signal_still_saves_and_continues(job_config):
     assert int(stops[1]) > int(stops[0])
 
 
-def test_resources_the_cluster_rejects_are_one_clear_failure(job_config):
-    config = job_config()
-    cli("prepare", "--config", config, check=True)
-    proc = subprocess.run(["bash", str(REPO / "submit.sh"), "--config", str(config),
-                           "--partition", "nosuch", "--set", "run.name=rejected"],
+@pytest.mark.parametrize("flags,line", [
+    (["--set", "slurm.cpus_per_node=16"],
+     "slurm.cpus_per_node: asks 16 CPUs per node; the nodes of the default partition debug have at most "
+     "8; set slurm.cpus_per_node <= 8"),
+    (["--gpus-per-node", "2"],
+     "slurm.gpus_per_node: asks 2 GPUs per node; the nodes of the default partition debug have none; "
+     "choose a GPU partition (slurm.partition) or set slurm.gpus_per_node <= 0"),
+    (["--partition", "short", "--time", "01:00:00"],
+     "slurm.time: asks 01:00:00; partition short allows at most 00:10:00; lower slurm.time (a requeue "
+     "continues the run) or choose another partition"),
+    (["--partition", "nosuch"], "slurm.partition: no partition 'nosuch' on this cluster; choose one of debug, short"),
+    (["--nodes", "3", "--set", "train.global_batch_size=24"],
+     "slurm.nodes: asks 3 nodes with 1 CPU and 0 GPUs each; the default partition debug has 2 such "
+     "nodes (2 in all)"),
+], ids=["cpus", "gpus", "time", "partition", "nodes"])
+def test_a_request_the_cluster_can_never_meet_fails_before_queueing(job_config, flags, line):
+    """Slurm would accept each of these and leave the job PENDING forever (or, for the
+    partition, refuse it only at sbatch): check-config asks sinfo first, and nothing is queued."""
+    config = job_config(run={"name": "never"})
+    proc = subprocess.run(["bash", str(REPO / "submit.sh"), "--config", str(config), *flags],
                           capture_output=True, text=True)
+    assert (proc.returncode, proc.stderr.splitlines()) == (2, [line])
+    assert "job_id:" not in proc.stdout and not (config.parent / "shared fs" / "runs" / "never").exists()
+    assert not subprocess.run(["squeue", "-h", "-n", "never"], capture_output=True, text=True).stdout
+
+
+def test_a_request_sbatch_refuses_is_one_clear_failure(job_config):
+    """What sinfo cannot tell (an unknown node feature here) sbatch refuses: its lines, then ours."""
+    config = job_config(run={"name": "rejected"})
+    cli("prepare", "--config", config, check=True)
+    proc = subprocess.run(["bash", str(REPO / "submit.sh"), "--config", str(config), "--",
+                           "--constraint=nosuch"], capture_output=True, text=True)
     assert proc.returncode == 1
-    lines = proc.stderr.strip().splitlines()
-    assert lines == ["sbatch: error: invalid partition specified: nosuch",
-                     "sbatch: error: Batch job submission failed: Invalid partition name specified",
-                     "submit.sh: sbatch failed (above); nothing more was submitted"]
+    assert proc.stderr.strip().splitlines() == [
+        "sbatch: error: Batch job submission failed: Invalid feature specification",
+        "submit.sh: sbatch failed (above); nothing more was submitted"]
     assert "job_id:" not in proc.stdout
     assert not subprocess.run(["squeue", "-h", "-n", "rejected"], capture_output=True, text=True).stdout
 

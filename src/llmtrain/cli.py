@@ -179,6 +179,9 @@ def parser() -> argparse.ArgumentParser:
                    "dataset on disk (as a job on an offline compute node will)")
     p.add_argument("--launch", action="store_true", help="also refuse a run that is running or "
                    "queued now (a second launch would find it locked): submit.sh's check")
+    p.add_argument("--cluster", action="store_true", help="also refuse a Slurm request the cluster "
+                   "can never meet (partition, nodes, CPUs, GPUs, memory, time; from sinfo): "
+                   "submit.sh's check")
     p.add_argument("--freeze", metavar="FILE", help="also write the resolved config (overrides "
                    "applied, paths absolute, sbatch arguments after -- added to slurm.extra_args) "
                    "to FILE, for a job to train from (default: none)")
@@ -328,6 +331,10 @@ def cmd_check_config(args) -> int:
             after = f"submit with --dependency afterany:{job} to continue after it, " if job else ""
             raise UserError(f"run {cfg.run.name!r} is {verdict.state} now ({verdict.text}); {after}"
                             f"stop it (llmtrain control {cfg.run_dir} stop), or use another run.name")
+    if args.cluster:  # a request no node or partition can meet would pend forever
+        from .login.feasibility import cluster_problems
+        if problems := cluster_problems(cfg):
+            raise ConfigError(problems)
     if args.freeze:  # what was validated is what runs: the job reads this file, not the original
         from pathlib import Path
 

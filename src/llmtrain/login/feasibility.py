@@ -1,0 +1,143 @@
+"""Will the cluster ever run this request? Asked before anything is queued (submit.sh, through
+`llmtrain check-config --cluster`), from Slurm's own view of its partitions and nodes (`sinfo`).
+
+A request no node or partition can meet would sit PENDING forever (Slurm accepts 8 CPUs per
+node on a cluster of 2-CPU nodes, or a time above the partition's limit, and waits). Each such
+key is one line: what the config asks, what the partition offers, what to change.
+
+    problems = cluster_problems(cfg)    # [] when the request fits, or when there is no sinfo
+"""
+
+from __future__ import annotations
+
+import re
+import subprocess
+from dataclasses import dataclass
+
+from ..config import Config
+
+SINFO_FORMAT = "%N|%P|%c|%m|%G|%l"  # node, partition (* = default), CPUs, memory (MB), gres, time limit
+
+
+@dataclass(frozen=True)
+class Node:
+    name: str
+    partition: str
+    default: bool
+    cpus: int
+    mem_mb: int
+    gpus: int
+    time_limit_s: float  # the partition's; inf: none
+
+
+def cluster_problems(cfg: Config) -> list[str]:
+    out = _sinfo()
+    if out is None:
+        return []  # no Slurm client here: sbatch itself will say so
+    nodes = parse_sinfo(out)
+    s = cfg.slurm
+    partitions = sorted({n.partition for n in nodes})
+    if s.partition is None:
+        default = sorted({n.partition for n in nodes if n.default})
+        if not default:
+            return [f"slurm.partition: the cluster has no default partition; choose one of "
+                    f"{', '.join(partitions) or 'none'}"]
+        partition, key = default[0], f"the default partition {default[0]}"
+    else:
+        partition, key = s.partition, f"partition {s.partition}"
+        if partition not in partitions:
+            return [f"slurm.partition: no partition {partition!r} on this cluster; choose one of "
+                    f"{', '.join(partitions) or 'none'}"]
+    members = [n for n in nodes if n.partition == partition]
+    p = []
+    most = max(n.cpus for n in members)
+    if s.cpus_per_node > most:
+        p.append(f"slurm.cpus_per_node: asks {s.cpus_per_node} CPUs per node; the nodes of {key} have "
+                 f"at most {most}; set slurm.cpus_per_node <= {most}")
+    gpus = max(n.gpus for n in members)
+    if s.gpus_per_node > gpus:
+        has = f"at most {gpus}" if gpus else "none"
+        p.append(f"slurm.gpus_per_node: asks {_n(s.gpus_per_node, 'GPU')} per node; the nodes of {key} have "
+                 f"{has}; choose a GPU partition (slurm.partition) or set slurm.gpus_per_node <= {gpus}")
+    mem = mem_mb(s.mem)
+    most_mem = max(n.mem_mb for n in members)
+    if mem and mem > most_mem:
+        p.append(f"slurm.mem: asks {s.mem} per node; the nodes of {key} have at most {most_mem} MB")
+    fit = [n for n in members if n.cpus >= s.cpus_per_node and n.gpus >= s.gpus_per_node
+           and n.mem_mb >= mem]
+    if not p and len(fit) < s.nodes:
+        p.append(f"slurm.nodes: asks {_n(s.nodes, 'node')} with {_n(s.cpus_per_node, 'CPU')} and "
+                 f"{_n(s.gpus_per_node, 'GPU')} each; {key} has {_n(len(fit), 'such node')} "
+                 f"({len(members)} in all)")
+    limit = members[0].time_limit_s
+    if seconds(s.time) > limit:
+        p.append(f"slurm.time: asks {s.time}; {key} allows at most {format_limit(limit)}; lower "
+                 f"slurm.time (a requeue continues the run) or choose another partition")
+    return p
+
+
+def _n(count: int, word: str) -> str:
+    return f"{count} {word}{'' if count == 1 else 's'}"
+
+
+def _sinfo() -> str | None:
+    try:
+        proc = subprocess.run(["sinfo", "-h", "-N", "-o", SINFO_FORMAT], capture_output=True,
+                              text=True, timeout=30)
+    except (OSError, subprocess.TimeoutExpired):
+        return None
+    return proc.stdout if proc.returncode == 0 else None
+
+
+def parse_sinfo(text: str) -> list[Node]:
+    nodes = []
+    for line in text.splitlines():
+        parts = line.strip().split("|")
+        if len(parts) != 6:
+            continue
+        name, partition, cpus, mem, gres, limit = parts
+        nodes.append(Node(name, partition.rstrip("*"), partition.endswith("*"), int(cpus),
+                          int(re.sub(r"\D.*", "", mem) or 0), gpu_count(gres), seconds(limit)))
+    return nodes
+
+
+def gpu_count(gres: str) -> int:
+    """gpu:4, gpu:a100:4, gpu:a100:4(S:0-1), or several comma-separated; (null): 0."""
+    total = 0
+    for item in re.split(r",(?![^(]*\))", gres):
+        fields = re.sub(r"\(.*?\)", "", item).split(":")
+        if fields[0].removeprefix("gres/") == "gpu" and fields[-1].isdigit():
+            total += int(fields[-1])
+    return total
+
+
+def seconds(text: str) -> float:
+    """Slurm's time: infinite/UNLIMITED, D-HH:MM:SS, D-HH, HH:MM:SS, MM:SS or MM."""
+    text = text.strip()
+    if text.lower() in ("infinite", "unlimited", "n/a", ""):
+        return float("inf")
+    days, _, rest = text.rpartition("-")
+    fields = [int(x) for x in rest.split(":")]
+    if days:
+        fields += [0] * (3 - len(fields))  # D-HH, D-HH:MM
+        h, m, s = fields
+    else:
+        h, m, s = ([0] * (3 - len(fields)) + fields) if len(fields) > 1 else (0, fields[0], 0)
+    return (int(days or 0) * 24 + h) * 3600 + m * 60 + s
+
+
+def format_limit(limit_s: float) -> str:
+    if limit_s == float("inf"):
+        return "no limit"
+    d, rem = divmod(int(limit_s), 86400)
+    h, rem = divmod(rem, 3600)
+    return (f"{d}-" if d else "") + f"{h:02d}:{rem // 60:02d}:{rem % 60:02d}"
+
+
+def mem_mb(value: str) -> int:
+    """sbatch --mem's value in MB (its default unit); 0: all of a node's."""
+    m = re.fullmatch(r"(\d+)([KMGT]?)B?", str(value).strip().upper())
+    if not m:
+        return 0
+    scale = {"K": 1 / 1024, "": 1, "M": 1, "G": 1024, "T": 1024 ** 2}[m.group(2)]
+    return int(int(m.group(1)) * scale)
