@@ -132,6 +132,8 @@ ROWS = [
     ("plot-nothing-yet", lambda r, g, t: ["plot", t], 1,
      r"error: .*: nothing to plot yet \(no step in .*/metrics\.jsonl\); wait for the first logged step "
      r"\(train\.log_every\)"),
+    ("bench-indivisible", lambda r, g, t: ["bench", "--config", g, "--nprocs", "1,3"], 2,
+     r"train\.global_batch_size: must be divisible by micro_batch_size x world size = \d+ x 3 = \d+ \(got \d+\)"),
     ("download-nothing", lambda r, g, t: ["download", "--config", g], 1,  # local paths only
      r"error: nothing to download: the config names no hub ids \(only local paths\); or pass "
      r"--model / --dataset"),

@@ -281,6 +281,16 @@ def parser() -> argparse.ArgumentParser:
                    "run, runs.png in the current folder for several)")
     p.set_defaults(func=cmd_plot)
 
+    p = sub.add_parser("bench", help="the config's run on 1, 2, ... processes of this machine, a few "
+                       "steps each: a markdown table of tokens/s, memory and scaling efficiency")
+    _config(p)
+    _overrides(p)
+    p.add_argument("--nprocs", default="1,2", help="process counts, comma-separated (default: 1,2)")
+    p.add_argument("--steps", type=int, default=20, help="steps per run (default: 20)")
+    p.add_argument("--warmup", type=int, default=3, help="first steps left out of the timing "
+                   "(default: 3)")
+    p.set_defaults(func=cmd_bench)
+
     p = sub.add_parser("download", help="fetch hub models/datasets into $LLMTRAIN_HOME (login node)")
     p.add_argument("--config", metavar="FILE", help="download the hub ids this config names "
                    "(default: none; then --model or --dataset)")
@@ -471,6 +481,12 @@ def cmd_control(args) -> int:
     # a run that is not running: one line, exit 1
     path = request(args.run_dir, args.action, str(args.steps) if args.action == "profile" else "user")
     print(f"{args.action} requested: {path} (acted on within seconds, at a step boundary)")
+    return 0
+
+
+def cmd_bench(args) -> int:
+    from .scaling import parse_nprocs, scaling_table
+    print(scaling_table(args.config, args.overrides, parse_nprocs(args.nprocs), args.steps, args.warmup))
     return 0
 
 
