@@ -190,3 +190,19 @@ def test_sinfo_lines_become_nodes_with_their_gpus_memory_and_time_limit():
     assert [format_limit(n.time_limit_s) for n in nodes] == ["2-00:00:00", "1-12:00:00", "no limit", "00:30:00"]
     assert [mem_mb(v) for v in ("0", "64G", "500000M", "128000", "1T", "lots")] == [0, 65536, 500000, 128000,
                                                                                    1048576, 0]
+
+
+@pytest.mark.parametrize("sinfo,problems", [
+    ("node1|debug*|8|4000|(null)|infinite\n", []),
+    ("node1|debug*|8|4000|(null)|1:00:00\n", ["slurm.time: asks 02:00:00; the default partition debug allows "
+                                              "at most 01:00:00; lower slurm.time (a requeue continues the "
+                                              "run) or choose another partition"]),
+    ("", []),  # sinfo shows nothing to judge by: sbatch decides
+    (None, []),  # no sinfo on this machine: sbatch (or its absence) says so
+])
+def test_the_cluster_check_judges_only_by_what_sinfo_shows(config, monkeypatch, sinfo, problems):
+    from llmtrain.login import feasibility
+
+    monkeypatch.setattr(feasibility, "_sinfo", lambda: sinfo)
+    cfg = load_config(config(slurm={"cpus_per_node": 4, "time": "02:00:00"}))
+    assert feasibility.cluster_problems(cfg) == problems

@@ -35,6 +35,8 @@ def cluster_problems(cfg: Config) -> list[str]:
     if out is None:
         return []  # no Slurm client here: sbatch itself will say so
     nodes = parse_sinfo(out)
+    if not nodes:
+        return []  # sinfo shows nothing it can judge by (a federation, a restricted view)
     s = cfg.slurm
     partitions = sorted({n.partition for n in nodes})
     if s.partition is None:
