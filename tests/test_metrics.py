@@ -2,10 +2,12 @@
 
 from __future__ import annotations
 
+import json
+
 import pytest
 
 from llmtrain import metrics
-from llmtrain.metrics import Throughput, peak_flops, peak_tflops
+from llmtrain.metrics import MetricsWriter, Throughput, peak_flops, peak_tflops
 
 
 @pytest.fixture
@@ -59,3 +61,31 @@ def test_a_peak_set_in_the_config_wins_on_any_device():
     import torch
     assert peak_flops(torch.device("cpu")) is None
     assert peak_flops(torch.device("cpu"), "bf16", True, override_tflops=2.5) == 2.5e12
+
+
+def test_a_failing_tracker_is_dropped_with_a_warning_and_the_jsonl_goes_on(tmp_path):
+    class Broken:
+        def log(self, record):
+            raise OSError("disk quota exceeded")
+
+        def close(self, failed=False):
+            raise AssertionError("a dropped tracker is not closed")
+
+    warnings = []
+    writer = MetricsWriter(tmp_path / "metrics.jsonl", 0, [Broken()], warn=warnings.append)
+    for step in (1, 2):
+        writer.write({"kind": "train", "step": step, "loss": 1.0})
+    writer.close()
+    assert [json.loads(x)["step"] for x in (tmp_path / "metrics.jsonl").read_text().splitlines()] == [1, 2]
+    assert warnings == ["warning: Broken failed (OSError: disk quota exceeded); training goes on without "
+                        "it (metrics.jsonl has every step)"]
+
+
+def test_provenance_never_carries_a_value_exported_to_the_job(monkeypatch):
+    from llmtrain.rundir import provenance
+
+    monkeypatch.setenv("SLURM_EXPORT_ENV", "ALL,WANDB_API_KEY=abc123secret,HF_TOKEN=hf_xyz")
+    monkeypatch.setenv("SLURM_JOB_ID", "4242")
+    slurm = provenance(1, ["node1"])["slurm"]
+    assert slurm["SLURM_EXPORT_ENV"] == "ALL,WANDB_API_KEY=<redacted>,HF_TOKEN=<redacted>"
+    assert slurm["SLURM_JOB_ID"] == "4242" and "abc123secret" not in json.dumps(slurm)

@@ -70,7 +70,7 @@ def test_tensorboard_and_wandb_hold_each_step_once_across_a_kill_and_resume(obse
     config = launches[-1]["config"]
     assert config["run"]["name"] == "tracked" and config["train"]["max_steps"] == 8
     assert config["provenance"]["world_size"] == 1 and "slurm_job_ids" in config
-    sync = f"wandb sync --id {state['id']} -p llmtrain-tests {run_dir}/wandb/offline-run-*"
+    sync = f"wandb sync --id {state['id']} -p llmtrain-tests {run_dir}/wandb/offline-run-*-{state['id']}"
     assert sync in (run_dir / "logs" / "rank-0.log").read_text()
 
     assert (run_dir / "plot.png").read_bytes()[:8] == PNG

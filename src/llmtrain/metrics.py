@@ -143,8 +143,9 @@ class MetricsWriter:
     logged steps that the resumed run does again.
     """
 
-    def __init__(self, path: Path | None, step: int = 0, sinks: list = ()):
+    def __init__(self, path: Path | None, step: int = 0, sinks: list = (), warn=print):
         self.file, self.sinks = None, list(sinks)  # sinks: tracking.py's TensorBoard, WandB
+        self.warn = warn
         if path is not None:
             if path.exists():
                 write_atomic(path, "".join(_lines_up_to(path, step)))
@@ -153,15 +154,23 @@ class MetricsWriter:
     def write(self, record: dict) -> None:
         if self.file:
             self.file.write(json.dumps(record) + "\n")
-        for sink in self.sinks:
-            sink.log(record)
+        for sink in list(self.sinks):
+            try:
+                sink.log(record)
+            except Exception as e:  # a tracker is a view of the run, not a reason to stop it
+                self.sinks.remove(sink)
+                self.warn(f"warning: {type(sink).__name__} failed ({type(e).__name__}: {e}); training "
+                          f"goes on without it (metrics.jsonl has every step)")
 
     def close(self, failed: bool = False) -> None:
         if self.file:
             self.file.close()
             self.file = None
         for sink in self.sinks:
-            sink.close(failed)
+            try:
+                sink.close(failed)
+            except Exception as e:
+                self.warn(f"warning: {type(sink).__name__} did not close cleanly ({type(e).__name__}: {e})")
         self.sinks = []
 
 

@@ -93,9 +93,15 @@ def provenance(world_size: int, hostnames: list[str]) -> dict:
         "world_size": world_size,
         "hostnames": hostnames,
         "argv": sys.argv,
-        "slurm": {k: v for k, v in sorted(os.environ.items()) if k.startswith("SLURM_")},
+        "slurm": {k: _redacted(v) for k, v in sorted(os.environ.items()) if k.startswith("SLURM_")},
         "cuda_visible_devices": os.environ.get("CUDA_VISIBLE_DEVICES"),
     }
+
+
+def _redacted(value: str) -> str:
+    """SLURM_EXPORT_ENV can hold `ALL,WANDB_API_KEY=...` (sbatch --export): values never leave."""
+    return ",".join(item.split("=", 1)[0] + "=<redacted>" if "=" in item else item
+                    for item in value.split(","))
 
 
 def _git(repo: Path) -> dict:

@@ -41,7 +41,8 @@ def scaling_table(config: str, overrides: list[str], nprocs: list[int], steps: i
 
 def measure(cfg: Config, config: str, overrides: list[str], n: int, steps: int, warmup: int) -> Row:
     root = Path(cfg.run.dir) / f"{cfg.run.name}-scaling"
-    sets = [*overrides, f"run.dir={root}", f"run.name={n}p", "train.resume=none", f"train.max_steps={steps}",
+    sets = [*overrides, f"run.dir={root}", f"run.name={n}p", "train.resume=none", "train.epochs=null",
+            f"train.max_steps={steps}",
             "train.warmup_steps=0", "train.log_every=1", "train.eval_every=0", "train.checkpoint_every=0",
             "metrics.plot_every_eval=false", "metrics.tensorboard=false", "metrics.wandb=null",
             "profile.start_step=null"]

@@ -30,7 +30,7 @@ from .metrics import read_metrics
 from .rundir import Log, write_atomic
 
 TENSORBOARD_DIR = "tensorboard"
-WANDB_STATE = "wandb-run.json"  # the W&B run id and the Slurm jobs that wrote to it
+WANDB_STATE = "wandb-run.json"  # the W&B run id, what its finished launches hold, its Slurm jobs
 PLOT = "plot.png"
 NOT_SCALARS = ("kind", "step")
 
@@ -70,7 +70,10 @@ class WandB:
     offline files empty or cut short: W&B's service process drops what it buffered when its
     parent dies. The next launch moves such files to wandb/incomplete/ (out of the sync
     command's reach) and logs again, from metrics.jsonl, the steps after "logged" up to the
-    step it resumes at; then its own. So the synced history has each step once."""
+    step it resumes at; then its own. So the synced history has each step once. A launch resumed
+    from a checkpoint older than a finished launch's last logged step (train.resume: an earlier
+    checkpoint) redoes those steps in metrics.jsonl and TensorBoard; W&B keeps their first values
+    (a W&B run cannot be rewound)."""
 
     def __init__(self, cfg: Config, step: int, log: Log, provenance: dict):
         import wandb
@@ -89,8 +92,12 @@ class WandB:
             id=state["id"], resume="allow", project=spec.project, entity=spec.entity, name=name,
             tags=list(spec.tags), mode=spec.mode, dir=str(cfg.run_dir),
             settings=wandb.Settings(console="off", silent=True, init_timeout=120))
-        self.run.config.update({**cfg.to_dict(), "provenance": provenance,
-                                "slurm_job_ids": state["slurm_job_ids"]}, allow_val_change=True)
+        try:
+            self.run.config.update({**cfg.to_dict(), "provenance": provenance,
+                                    "slurm_job_ids": state["slurm_job_ids"]}, allow_val_change=True)
+        except Exception:
+            self.run.finish(exit_code=1)  # its service process must not outlive this
+            raise
         where = (self.run.url if spec.mode == "online" else
                  sync_command(cfg.run_dir, spec.project, spec.entity, state["id"]))
         state.update(name=name, project=spec.project, entity=spec.entity, mode=spec.mode, where=where)
@@ -137,7 +144,7 @@ def new_run_id() -> str:
 def sync_command(run_dir: Path, project: str, entity: str | None, run_id: str) -> str:
     """The one command that uploads every launch's offline files into the one W&B run."""
     return (f"wandb sync --id {run_id} -p {project}" + (f" -e {entity}" if entity else "")
-            + f" {run_dir / 'wandb'}/offline-run-*")
+            + f" {run_dir / 'wandb'}/offline-run-*-{run_id}")
 
 
 def open_sinks(cfg: Config, step: int, log: Log, provenance: dict) -> list:

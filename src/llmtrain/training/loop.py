@@ -211,7 +211,7 @@ def loop(cfg: Config, world: World, watch: Watchdog, log: Log, job: Job) -> None
     if world.is_main and (cfg.metrics.tensorboard or cfg.metrics.wandb is not None):
         with watch.phase("opening trackers"):  # TensorBoard's import, W&B's service: seconds
             sinks = open_sinks(cfg, state.step, log, job.provenance)
-    metrics = MetricsWriter(cfg.run_dir / METRICS if world.is_main else None, state.step, sinks)
+    metrics = MetricsWriter(cfg.run_dir / METRICS if world.is_main else None, state.step, sinks, warn=log.info)
     plots = PlotRefresher(cfg.run_dir, log) if world.is_main and cfg.metrics.plot_every_eval else None
     profiler = Profiler(cfg, world.rank, world.device, log)
     samples = SampleLog(cfg.run_dir / "logs" / f"samples-rank-{world.rank}.jsonl"
@@ -289,14 +289,14 @@ def loop(cfg: Config, world: World, watch: Watchdog, log: Log, job: Job) -> None
                 log.info(f"stopping at step {state.step} ({reason}); the checkpoint is saved")
                 break
         failed = False
+        control.exit(reason, state.step)  # for train.slurm: first, whatever the closing below does
     finally:
         prefetch.close()
         profiler.close(state.step)
         samples.close()
         metrics.close(failed)
-    control.exit(reason, state.step)
     job.reason = reason
-    if plots:
+    if plots and reason == "done":  # a stopping job's time is the final checkpoint's
         plots.refresh(state.step)  # a run without evaluation is drawn at its end
         plots.close()
 

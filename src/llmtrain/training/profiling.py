@@ -5,8 +5,9 @@ Steps are profiled from the config (`profile: {start_step, steps}`) or on reques
 (`llmtrain control RUN_DIR profile --steps N`): rank 0 reads the request and the step's agreement
 all-reduce carries it to every rank, which all read it at the same step (control.py), so every
 rank profiles the same steps. Each step is labelled `step N` and its phases `data`, `forward`,
-`backward`, `optimizer` and `communication` (the step's agreement and the metrics gather; the
-gradient reduction runs inside `backward`, where DDP and FSDP2 launch it). One trace per rank:
+`backward`, `optimizer` and `communication` (the step's agreement all-reduce; the gradient
+reduction runs inside `backward`, where DDP and FSDP2 launch it), and where they happen `log`
+(the metrics gather), `eval` and `checkpoint`. One trace per rank:
 <run_dir>/profile/steps-<first>-<last>-rank-<r>.json, for https://ui.perfetto.dev or TensorBoard.
 
 Outside the profiled steps a phase is a null context: no record_function overhead.
@@ -24,7 +25,7 @@ from ..config import Config, UserError
 from ..rundir import Log
 
 PROFILE_DIR = "profile"
-PHASES = ("data", "forward", "backward", "optimizer", "communication")
+PHASES = ("data", "forward", "backward", "optimizer", "communication", "log", "eval", "checkpoint")
 
 
 class Profiler:
@@ -70,12 +71,17 @@ class Profiler:
             self.step_range.__exit__(None, None, None)
             self.step_range = None
         prof, self.prof = self.prof, None
-        prof.stop()
-        self.folder.mkdir(parents=True, exist_ok=True)
         path = self.folder / f"steps-{self.first}-{step}-rank-{self.rank}.json"
         tmp = path.with_name(f".{path.name}.tmp")
-        prof.export_chrome_trace(str(tmp))
-        os.replace(tmp, path)
+        try:
+            prof.stop()
+            self.folder.mkdir(parents=True, exist_ok=True)
+            prof.export_chrome_trace(str(tmp))
+            os.replace(tmp, path)
+        except Exception as e:  # a profile is a help, not a reason to stop training
+            tmp.unlink(missing_ok=True)
+            self.log.info(f"warning: the profile of steps {self.first}-{step} was not written ({e})")
+            return
         if self.rank == 0:
             self.log.info(f"profile of steps {self.first}-{step}: {self.folder}/steps-{self.first}-{step}-rank-*.json "
                           f"(open in https://ui.perfetto.dev)")
