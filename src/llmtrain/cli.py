@@ -358,8 +358,9 @@ def cmd_check_config(args) -> int:
         return 0
     for line in dict.fromkeys(missing):
         print(f"note: {line}", file=sys.stderr)
+    from .metrics import plural
     t = cfg.train
-    length = f"{t.max_steps} steps" if t.max_steps is not None else f"{t.epochs} epoch{'' if t.epochs == 1 else 's'}"
+    length = f"{t.max_steps} steps" if t.max_steps is not None else plural(t.epochs, "epoch")
     print(f"{args.config}: OK — run {cfg.run.name!r}, {length} of "
           f"{t.global_batch_size} x {cfg.data.seq_len} tokens, {cfg.parallel.strategy}, "
           f"{t.precision}; run_dir: {cfg.run_dir}")

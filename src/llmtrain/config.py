@@ -272,6 +272,11 @@ class MetricsConfig:
     def wandb_spec(self) -> "WandbSpec | None":
         return WandbSpec.parse(self.wandb)
 
+    @property
+    def trackers(self) -> bool:
+        """TensorBoard or W&B asked for."""
+        return self.tensorboard or self.wandb is not None
+
 
 @dataclass(frozen=True)
 class ProfileConfig:

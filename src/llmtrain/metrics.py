@@ -113,6 +113,11 @@ def progress_line(step: int, total: int, loss: float, lr: float, tokens_per_sec:
             + (f" | epoch {epoch[0]}/{epoch[1]}" if epoch else ""))
 
 
+def plural(n: int, word: str) -> str:
+    """1 step, 2 steps."""
+    return f"{n} {word}{'' if n == 1 else 's'}"
+
+
 def format_duration(seconds: float) -> str:
     seconds = int(max(0, seconds))
     h, rem = divmod(seconds, 3600)

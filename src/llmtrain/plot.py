@@ -13,8 +13,9 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
-from .config import UserError, load_yaml
+from .config import UserError
 from .metrics import read_metrics
+from .rundir import run_config
 
 # (metrics key, panel title, y-axis label, log scale)
 SERIES = [
@@ -32,10 +33,7 @@ class Run:
         records = read_metrics(run_dir)
         self.train = [r for r in records if r.get("kind") == "train"]
         self.evals = [r for r in records if r.get("kind") == "eval"]
-        try:
-            cfg = load_yaml((run_dir / "config.yaml").read_text()) or {}
-        except (OSError, ValueError):
-            cfg = {}
+        cfg = run_config(run_dir)
         self.name = (cfg.get("run") or {}).get("name") or run_dir.name
         self.max_steps = (cfg.get("train") or {}).get("max_steps")
 

@@ -24,7 +24,9 @@ import time
 from importlib import metadata
 from pathlib import Path
 
-from .config import read_json
+import yaml
+
+from .config import load_yaml, read_json
 
 CHECKPOINTS = "checkpoints"
 META = "meta.json"  # written last: a step folder without it is incomplete
@@ -81,6 +83,14 @@ def latest_checkpoint(folder: Path) -> str | None:
         return (folder / LATEST).read_text().strip() or None
     except OSError:
         return None
+
+
+def run_config(run_dir: Path) -> dict:
+    """The resolved config the latest start wrote, as a dict ({} before a first start)."""
+    try:
+        return load_yaml((run_dir / "config.yaml").read_text()) or {}
+    except (OSError, yaml.YAMLError):
+        return {}
 
 
 def provenance(world_size: int, hostnames: list[str]) -> dict:

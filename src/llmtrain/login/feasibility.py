@@ -15,6 +15,7 @@ import subprocess
 from dataclasses import dataclass
 
 from ..config import Config
+from ..metrics import plural
 
 SINFO_FORMAT = "%N|%P|%c|%m|%G|%l"  # node, partition (* = default), CPUs, memory (MB), gres, time limit
 
@@ -59,7 +60,7 @@ def cluster_problems(cfg: Config) -> list[str]:
     gpus = max(n.gpus for n in members)
     if s.gpus_per_node > gpus:
         has = f"at most {gpus}" if gpus else "none"
-        p.append(f"slurm.gpus_per_node: asks {_n(s.gpus_per_node, 'GPU')} per node; the nodes of {key} have "
+        p.append(f"slurm.gpus_per_node: asks {plural(s.gpus_per_node, 'GPU')} per node; the nodes of {key} have "
                  f"{has}; choose a GPU partition (slurm.partition) or set slurm.gpus_per_node <= {gpus}")
     mem = mem_mb(s.mem)
     most_mem = max(n.mem_mb for n in members)
@@ -68,18 +69,14 @@ def cluster_problems(cfg: Config) -> list[str]:
     fit = [n for n in members if n.cpus >= s.cpus_per_node and n.gpus >= s.gpus_per_node
            and n.mem_mb >= mem]
     if not p and len(fit) < s.nodes:
-        p.append(f"slurm.nodes: asks {_n(s.nodes, 'node')} with {_n(s.cpus_per_node, 'CPU')} and "
-                 f"{_n(s.gpus_per_node, 'GPU')} each; {key} has {_n(len(fit), 'such node')} "
+        p.append(f"slurm.nodes: asks {plural(s.nodes, 'node')} with {plural(s.cpus_per_node, 'CPU')} and "
+                 f"{plural(s.gpus_per_node, 'GPU')} each; {key} has {plural(len(fit), 'such node')} "
                  f"({len(members)} in all)")
     limit = members[0].time_limit_s
     if seconds(s.time) > limit:
         p.append(f"slurm.time: asks {s.time}; {key} allows at most {format_limit(limit)}; lower "
                  f"slurm.time (a requeue continues the run) or choose another partition")
     return p
-
-
-def _n(count: int, word: str) -> str:
-    return f"{count} {word}{'' if count == 1 else 's'}"
 
 
 def _sinfo() -> str | None:

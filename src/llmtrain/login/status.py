@@ -27,11 +27,10 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-import yaml
 
 from ..config import UserError, read_json
 from ..metrics import format_duration, read_metrics
-from ..rundir import CHECKPOINTS, complete_checkpoints, latest_checkpoint, pid_alive
+from ..rundir import CHECKPOINTS, complete_checkpoints, latest_checkpoint, pid_alive, run_config
 
 LOG_LINES = 10
 SPARKS = "▁▂▃▄▅▆▇█"
@@ -132,7 +131,7 @@ def assess(run_dir: Path, job_id: str | None, slurm: tuple[str, str, str] | None
     if stop and state in ACTIVE and _mtime(run_dir / "control" / "exit.json") < _job_start(job_id):
         stop = None  # the stop before a requeue: this attempt has not stopped yet
     beat = read_json(run_dir / "logs" / "heartbeat-rank-0.json") or {}
-    run = _Run(run_dir, job_id, _config(run_dir).get("train", {}).get("max_steps"),
+    run = _Run(run_dir, job_id, run_config(run_dir).get("train", {}).get("max_steps"),
                stop["step"] if stop else max(_last_step(run_dir), int(beat.get("step", 0))))
     if state in QUEUED:
         return _pending(run, stop, reason or state)
@@ -227,15 +226,16 @@ def _ended(run: _Run, state: str) -> Verdict:
 
 
 def render(run_dir: Path, job_id: str | None) -> str:
-    cfg = _config(run_dir)
+    cfg = run_config(run_dir)
     lines = [f"run: {cfg.get('run', {}).get('name', run_dir.name)}  ({run_dir})"]
     slurm = job_state(job_id) if job_id else None
     verdict = assess(run_dir, job_id, slurm)
     lines.append(f"state: {verdict.line}")
     if slurm:
         lines.append(f"job: {job_id} {slurm[0]} ({slurm[2]})")
-    lines += _progress(run_dir, cfg.get("train", {}).get("max_steps"), verdict.state == "running")
-    lines += _watching(run_dir)
+    records = read_metrics(run_dir)
+    lines += _progress(records, cfg.get("train", {}).get("max_steps"), verdict.state == "running")
+    lines += _watching(run_dir, bool(records))
     ckpts = [p.name for p in reversed(complete_checkpoints(run_dir / CHECKPOINTS))]
     pointer = latest_checkpoint(run_dir / CHECKPOINTS)
     lines.append("checkpoints: " + (", ".join(f"{c}{' (latest)' if c == pointer else ''}"
@@ -248,9 +248,9 @@ def render(run_dir: Path, job_id: str | None) -> str:
     return "\n".join(lines)
 
 
-def _progress(run_dir: Path, max_steps: int | None, running: bool) -> list[str]:
+def _progress(records: list[dict], max_steps: int | None, running: bool) -> list[str]:
     train, evals = None, None
-    for record in read_metrics(run_dir):
+    for record in records:
         if record.get("kind") == "train":
             train = record
         elif record.get("kind") == "eval":
@@ -262,7 +262,7 @@ def _progress(run_dir: Path, max_steps: int | None, running: bool) -> list[str]:
     out = [f"progress: step {train['step']}{share}, loss {train['loss']:.4f}, "
            f"{train['tokens_per_sec']:,.0f} tok/s"
            + (f", eta {format_duration(eta)}" if running and eta is not None else "")]
-    curve = [r["loss"] for r in read_metrics(run_dir) if r.get("kind") == "train"]
+    curve = [r["loss"] for r in records if r.get("kind") == "train"]
     out.append(f"loss: {sparkline(curve)} {curve[0]:.4f} -> {curve[-1]:.4f} over {len(curve)} logged steps")
     if evals:
         out.append(f"eval: step {evals['step']}, eval_loss {evals['eval_loss']:.4f}")
@@ -282,13 +282,13 @@ def sparkline(values: list[float], width: int = SPARK_WIDTH) -> str:
                    for m in means)
 
 
-def _watching(run_dir: Path) -> list[str]:
+def _watching(run_dir: Path, logged: bool) -> list[str]:
     """Where else to look: the plot, TensorBoard and the W&B run."""
     out = []
     plot = run_dir / "plot.png"
     if plot.exists():
         out.append(f"plot: {plot} (drawn {time.strftime('%H:%M:%S', time.localtime(_mtime(plot)))})")
-    elif read_metrics(run_dir):
+    elif logged:
         out.append(f"plot: none yet; draw one with: llmtrain plot {run_dir}")
     if (run_dir / "tensorboard").is_dir():
         out.append(f"tensorboard: tensorboard --logdir {run_dir}")
@@ -369,16 +369,8 @@ def _error_line(run_dir: Path, job_id: str | None) -> str | None:
     return found
 
 
-def _config(run_dir: Path) -> dict:
-    """The resolved config the latest start wrote (none before a first start)."""
-    try:
-        return yaml.safe_load((run_dir / "config.yaml").read_text()) or {}
-    except (OSError, yaml.YAMLError):
-        return {}
-
-
 def _run_name(run_dir: Path) -> str:
-    return _config(run_dir).get("run", {}).get("name") or run_dir.name
+    return run_config(run_dir).get("run", {}).get("name") or run_dir.name
 
 
 def _scontrol(job_id: str) -> dict:

@@ -23,7 +23,8 @@ import torch.distributed as dist
 
 from ..config import Config, ConfigError, UserError, dump_yaml
 from ..data.loader import Prefetcher, SampleRows, StepSampler, TokenStream, open_prepared, open_split
-from ..metrics import METRICS, MetricsWriter, SampleLog, Throughput, peak_flops, peak_memory_gib, progress_line
+from ..metrics import (METRICS, MetricsWriter, SampleLog, Throughput, peak_flops, peak_memory_gib, plural,
+                       progress_line)
 from ..model.build import (flops_per_token, load_tokenizer, model_config, num_params, pretrained_dir,
                            vocab_padding)
 from ..model.loss import chunk_head, lm_loss
@@ -169,7 +170,7 @@ def run(cfg: Config, world: World, watch: Watchdog, run_lock: RunLock) -> None:
         raise
     checkpointer.close()  # the last save completes before the process group goes
     log.info(f"peak memory: {peak_memory_gib(world.device):.2f} GiB on rank {world.rank}")
-    log.info(f"{ending(job.reason, state.step)}: {_count(state.step, 'step')}, {state.tokens:,} "
+    log.info(f"{ending(job.reason, state.step)}: {plural(state.step, 'step')}, {state.tokens:,} "
              f"tokens; run_dir: {cfg.run_dir}")
     log.close()
 
@@ -208,7 +209,7 @@ def loop(cfg: Config, world: World, watch: Watchdog, log: Log, job: Job) -> None
     model, optimizer, scaler, checkpointer = job.model, job.optimizer, job.scaler, job.checkpointer
     sampler, state, val_data = job.sampler, job.state, job.val_data
     sinks = []
-    if world.is_main and (cfg.metrics.tensorboard or cfg.metrics.wandb is not None):
+    if world.is_main and cfg.metrics.trackers:
         with watch.phase("opening trackers"):  # TensorBoard's import, W&B's service: seconds
             sinks = open_sinks(cfg, state.step, log, job.provenance)
     metrics = MetricsWriter(cfg.run_dir / METRICS if world.is_main else None, state.step, sinks, warn=log.info)
@@ -427,7 +428,7 @@ def account(verdict: Verdict, state: RunState, t, log: Log) -> None:
              f"{[int(i) for i in verdict.samples]}")
     if state.bad_in_a_row > t.max_bad_steps:
         raise TrainingDiverged(
-            f"training stopped at step {verdict.step}: {_count(state.bad_in_a_row, 'step')} in a row had "
+            f"training stopped at step {verdict.step}: {plural(state.bad_in_a_row, 'step')} in a row had "
             f"a non-finite loss or gradient norm (train.max_bad_steps is {t.max_bad_steps}); lower "
             f"train.lr, check the data (logs/rank-*.log name the samples), or resume from an earlier "
             f"checkpoint with train.resume")
@@ -575,8 +576,5 @@ def describe_parallel(cfg: Config, world: World) -> str:
         shard = shard_size(cfg, world.world_size)
         return (f"hsdp over {world.world_size} ranks ({world.world_size // shard} replicas x "
                 f"{shard}-way shards)")
-    return f"{cfg.parallel.strategy} over {_count(world.world_size, 'rank')}"
+    return f"{cfg.parallel.strategy} over {plural(world.world_size, 'rank')}"
 
-
-def _count(n: int, word: str) -> str:
-    return f"{n} {word}{'' if n == 1 else 's'}"
