@@ -1,8 +1,9 @@
 #!/usr/bin/env bash
 # Validate a run and start it: queued on Slurm (train.slurm), or here with --local (torchrun).
-# Everything is checked before anything is queued: config, model/tokenizer/dataset on disk, and
+# This script finds the environment setup.sh made and turns its flags into `llmtrain submit`
+# (src/llmtrain/login/submit.py, also `llmtrain.submit()` in Python), which checks everything
+# before anything is queued: config, model/tokenizer/dataset on disk, the cluster's limits, and
 # the data prepared (else a CPU prepare job runs first, and training waits for it: afterok).
-# The sbatch command lines come from `llmtrain sbatch-command` (src/llmtrain/login/slurm.py).
 set -euo pipefail
 shopt -s inherit_errexit  # a failing command inside $(...) stops the script too
 
@@ -34,78 +35,27 @@ die() { echo "submit.sh: $*" >&2; exit 1; }
 
 # shellcheck source=lib/find-env.sh
 source "$REPO/lib/find-env.sh"
-# shellcheck source=lib/run-local.sh
-source "$REPO/lib/run-local.sh"
-
-submit_slurm() {
-  command -v sbatch >/dev/null || die "no Slurm on this machine (sbatch not found); to run here, use: bash submit.sh --local"
-  local launch=(--launch) v=()  # a run that trains or waits now is refused, unless this job
-  [[ -z "$DEPENDENCY" ]] || launch=()  # waits for one (--dependency)
-  mapfile -t v < <(llmtrain check-config "$CONFIG" "${SETS[@]}" --offline --cluster "${launch[@]}" \
-    --get run_dir --get prepared --get run.name)
-  ((${#v[@]} == 3)) || exit 2  # llmtrain said why
-  local run_dir="${v[0]}" prepared="${v[1]}" name="${v[2]}"
-  # What was validated is what runs: the jobs train from a frozen copy of the resolved config
-  # (overrides applied, the sbatch arguments after -- in slurm.extra_args), not from the file.
-  FROZEN="$run_dir/submitted/$(date +%Y%m%d-%H%M%S)-$$.yaml"
-  ((DRY_RUN)) || llmtrain check-config "$CONFIG" "${SETS[@]}" --freeze "$FROZEN" -- "${EXTRA[@]}" >/dev/null
-  local after=() prep_id job_id
-  [[ -z "$DEPENDENCY" ]] || after=(--dependency "$DEPENDENCY")
-  if [[ "$prepared" != yes ]]; then  # unprepared data: one CPU job tokenizes it first
-    prep_id="$(sbatch_job prepare "${after[@]}")"
-    echo "prepare_job_id: $prep_id (tokenizes the data on one node; training waits for it)"
-    after=(--after "$prep_id")
-  fi
-  job_id="$(sbatch_job train "${after[@]}")"
-  printf '%s\n' "job_id: $job_id" "run_dir: $run_dir" "log: $run_dir/$name-$job_id.out" \
-    "config: $FROZEN (the jobs train from this copy; to change the run, submit again)" \
-    "watch: squeue -j $job_id; tail -f $run_dir/$name-$job_id.out; llmtrain status $job_id"
-}
-
-# Submit one job ($1: prepare or train) and print its id; with --dry-run, print its command line
-# (on the real stdout) and a placeholder id instead.
-sbatch_job() {
-  local cmd=() out
-  mapfile -d '' -t cmd < <(llmtrain sbatch-command "$1" --config "$CONFIG" "${SETS[@]}" \
-    --frozen "$FROZEN" --script "$REPO/train.slurm" "${@:2}" -- "${EXTRA[@]}")
-  ((${#cmd[@]})) || exit 2  # llmtrain said why
-  if ((DRY_RUN)); then
-    printf '%q ' "${cmd[@]}" >&3 && printf '\n' >&3
-    echo "DRY_RUN_JOB_ID"
-    return
-  fi
-  out="$("${cmd[@]}")" || die "sbatch failed (above); nothing more was submitted"
-  [[ -n "$out" ]] || die "sbatch printed no job id"
-  echo "${out%%;*}"  # --parsable prints "id" or "id;cluster"
-}
 
 main() {
-  CONFIG="$REPO/config.yaml" DRY_RUN=0 DEPENDENCY="" SETS=() EXTRA=()
-  local local_mode=0 nproc=""
+  local config="$REPO/config.yaml" args=() extra=()
   while (($#)); do
     case "$1" in
-      --config) CONFIG="${2:?--config needs a file}"; shift 2 ;;
-      --set) SETS+=(--set "${2:?--set needs section.key=value}"); shift 2 ;;
+      --config) config="${2:?--config needs a file}"; shift 2 ;;
+      --set) args+=(--set "${2:?--set needs section.key=value}"); shift 2 ;;
       --nodes | --gpus-per-node | --procs-per-node | --time | --partition | --account | --qos)
-        SETS+=(--set "${KEYS[$1]}=${2:?$1 needs a value}"); shift 2 ;;
-      --dependency) DEPENDENCY="${2:?--dependency needs a spec}"; shift 2 ;;
-      --dry-run) DRY_RUN=1; shift ;;
-      --local) local_mode=1; shift ;;
-      --nproc) nproc="${2:?--nproc needs a number}"; shift 2 ;;
-      --) shift; EXTRA=("$@"); break ;;
+        args+=(--set "${KEYS[$1]}=${2:?$1 needs a value}"); shift 2 ;;
+      --dependency) args+=(--dependency "${2:?--dependency needs a spec}"); shift 2 ;;
+      --nproc) args+=(--nproc "${2:?--nproc needs a number}"); shift 2 ;;
+      --dry-run | --local) args+=("$1"); shift ;;
+      --) shift; extra=("$@"); break ;;
       -h | --help) usage; exit 0 ;;
       *) echo "submit.sh: unknown option: $1" >&2; usage; exit 2 ;;
     esac
   done
-  [[ -f "$CONFIG" ]] || die "--config: no such file: $CONFIG"
-  CONFIG="$(cd "$(dirname "$CONFIG")" && pwd)/$(basename "$CONFIG")"  # jobs start elsewhere
+  [[ -f "$config" ]] || die "--config: no such file: $config"
+  config="$(cd "$(dirname "$config")" && pwd)/$(basename "$config")"  # jobs start elsewhere
   load_env
-  if ((local_mode)); then
-    run_local "$nproc"
-  else
-    exec 3>&1  # sbatch_job's dry-run output, around the $(...) capture
-    submit_slurm
-  fi
+  exec llmtrain submit --config "$config" --script "$REPO/train.slurm" "${args[@]}" -- "${extra[@]}"
 }
 
 main "$@"

@@ -68,9 +68,15 @@ EOF
   for i in "${!NODES[@]}"; do
     echo "NodeName=${NODES[i]} NodeAddr=${ADDRS[i]} Port=${PORTS[i]} CPUs=$CPUS_PER_NODE RealMemory=4000 State=UNKNOWN" >>"$CONF.tmp"
   done
-  echo "PartitionName=debug Nodes=$(IFS=,; echo "${NODES[*]}") Default=YES MaxTime=INFINITE State=UP" >>"$CONF.tmp"
-  # A partition with a time limit, for the requests that exceed it (tests/test_slurm.py).
-  echo "PartitionName=short Nodes=$(IFS=,; echo "${NODES[*]}") MaxTime=00:10:00 State=UP" >>"$CONF.tmp"
+  local nodes
+  nodes="$(IFS=,; echo "${NODES[*]}")"
+  {
+    echo "PartitionName=debug Nodes=$nodes Default=YES MaxTime=INFINITE State=UP"
+    # A partition with a time limit, for the requests that exceed it (tests/test_slurm.py).
+    echo "PartitionName=short Nodes=$nodes MaxTime=00:10:00 State=UP"
+    # A partition for some accounts and QOS only, one node a job (the same tests).
+    echo "PartitionName=restricted Nodes=$nodes AllowAccounts=physics AllowQos=high MaxNodes=1 State=UP"
+  } >>"$CONF.tmp"
   mv -f "$CONF.tmp" "$CONF"
   # The node names resolve to their addresses; stop removes exactly the lines added here.
   mkdir -p "$STATE/run"

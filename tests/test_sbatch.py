@@ -206,3 +206,45 @@ def test_the_cluster_check_judges_only_by_what_sinfo_shows(config, monkeypatch, 
     monkeypatch.setattr(feasibility, "_sinfo", lambda: sinfo)
     cfg = load_config(config(slurm={"cpus_per_node": 4, "time": "02:00:00"}))
     assert feasibility.cluster_problems(cfg) == problems
+
+
+@pytest.mark.parametrize("rules,slurm,problems", [
+    ({"AllowAccounts": "ALL", "AllowQos": "ALL", "MaxNodes": "UNLIMITED"},
+     {"account": "bio", "qos": "low", "nodes": 4}, []),
+    ({"AllowAccounts": "physics,chem", "AllowQos": "high,normal"}, {"account": "bio", "qos": "low"},
+     ["slurm.account: partition gpu does not take account 'bio' (allows chem, physics); choose another "
+      "account or another partition (slurm.partition)",
+      "slurm.qos: partition gpu does not take qos 'low' (allows high, normal); choose another QOS or "
+      "another partition (slurm.partition)"]),
+    ({"AllowQos": "ALL", "DenyQos": "scavenger"}, {"qos": "scavenger"},
+     ["slurm.qos: partition gpu does not take qos 'scavenger' (denies 'scavenger'); choose another QOS "
+      "or another partition (slurm.partition)"]),
+    ({"MaxNodes": "2"}, {"nodes": 4, "procs_per_node": 1},
+     ["slurm.nodes: asks 4 nodes; partition gpu allows at most 2 per job; lower slurm.nodes or choose "
+      "another partition"]),
+], ids=["all", "allow-lists", "deny-list", "max-nodes"])
+def test_the_partitions_rules_on_accounts_qos_and_nodes(config, rules, slurm, problems):
+    """`scontrol show partition -o` fields, as a cluster with restricted partitions prints them."""
+    from llmtrain.login.feasibility import partition_problems
+
+    cfg = load_config(config(slurm=slurm, train={"global_batch_size": 32}))
+    assert partition_problems(cfg, "gpu", "partition gpu", rules) == problems
+
+
+def test_accounting_limits_where_sacctmgr_answers(config):
+    """The user's associations and a QOS's MaxWall and MaxTRESPerJob (`sacctmgr -nP` output)."""
+    from llmtrain.login.feasibility import accounting_problems
+
+    answers = {"assoc": "physics\nchem\n", "qos": "high|1-00:00:00|node=2,gres/gpu=8\n"}
+    cfg = load_config(config(slurm={"account": "bio", "qos": "high", "nodes": 4, "procs_per_node": 1,
+                                    "gpus_per_node": 4, "time": "2-00:00:00"},
+                             train={"global_batch_size": 16}))
+    assert accounting_problems(cfg, lambda args: answers[args[1]]) == [
+        "slurm.account: you have no association with account 'bio' (yours: chem, physics); choose one of them",
+        "slurm.time: asks 2-00:00:00; QOS high allows at most 1-00:00:00; lower slurm.time (a requeue "
+        "continues the run) or choose another QOS",
+        "slurm.nodes: asks 4 nodes; QOS high allows at most 2 per job",
+        "slurm.gpus_per_node: asks 16 GPUs in all; QOS high allows at most 8 per job"]
+    assert accounting_problems(cfg, lambda args: "" if args[1] == "qos" else "bio\n") == [
+        "slurm.qos: no QOS 'high' on this cluster (sacctmgr show qos lists them)"]
+    assert accounting_problems(cfg, lambda args: None) == []  # no accounting database: sbatch decides

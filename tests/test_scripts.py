@@ -17,7 +17,7 @@ import yaml
 from conftest import REPO, read_metrics, tiny_config
 
 SCRIPTS = ["setup.sh", "submit.sh", "download_data_model.sh", "train.slurm", "lib/find-env.sh",
-           "lib/run-local.sh", "cluster/local-cluster.sh", ".ci/run", "tests/gpu.sh"]
+           "cluster/local-cluster.sh", ".ci/run", "tests/gpu.sh"]
 USER_SCRIPTS = ["setup.sh", "submit.sh", "download_data_model.sh"]
 pytestmark = pytest.mark.slow
 
@@ -178,7 +178,7 @@ def test_submit_without_slurm_points_to_local(tmp_path):
     env = {**os.environ, "PATH": str(tools)}
     proc = bash(REPO / "submit.sh", "--config", REPO / "configs" / "demo.yaml", env=env)
     assert proc.returncode == 1
-    assert proc.stderr.strip() == ("submit.sh: no Slurm on this machine (sbatch not found); to run "
+    assert proc.stderr.strip() == ("error: no Slurm on this machine (sbatch not found); to run "
                                    "here, use: bash submit.sh --local")
 
 
@@ -235,7 +235,8 @@ def test_job_step_gets_the_jobs_cpus_and_each_worker_its_share_of_threads(tmp_pa
                                                                           threads):
     proc, srun_options, omp = fake_job(tmp_path, **env)
     assert proc.returncode == 0, proc.stderr
-    assert srun_options == ["--kill-on-bad-exit=1", "--nodes=1", "--ntasks-per-node=1", *cpus_flag]
+    assert srun_options == ["--kill-on-bad-exit=1", "--nodes=1", "--ntasks=1", "--ntasks-per-node=1",
+                            *cpus_flag]
     assert omp == threads  # what torchrun passes on to its workers instead of its own 1
     procs = env["LLMTRAIN_PROCS_PER_NODE"]
     assert (f"1 node(s) [node1] x {procs} process(es) x {threads} thread(s); rendezvous node1:"

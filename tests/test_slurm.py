@@ -182,6 +182,50 @@ def test_submit_refuses_a_model_that_is_not_downloaded(job_config):
     assert "bash download_data_model.sh" in proc.stderr
 
 
+def test_a_sweep_runs_its_points_as_one_throttled_array_and_its_status_shows_them(job_config):
+    """Three learning rates, at most two at once: one job array, a run directory per point
+    trained from its own value; `sweep status` shows each point's state, step and eval loss."""
+    config = job_config(run={"name": "sw"}, train={"max_steps": 4, "eval_every": 2})
+    cli("prepare", "--config", config, check=True)
+    proc = cli("sweep", "--config", config, "--grid", "train.lr=1e-3,3e-3,1e-2", "--max-parallel", "2")
+    assert proc.returncode == 0, proc.stderr
+    out = dict(re.findall(r"^(\w+): (.*)$", proc.stdout, re.MULTILINE))
+    array = out["array_job_id"].split()[0]
+    queued = subprocess.run(["scontrol", "show", "job", array], capture_output=True, text=True).stdout
+    assert "ArrayTaskId=0-2%2 ArrayTaskThrottle=2" in queued, queued  # 3 tasks, 2 at a time
+    deadline = time.monotonic() + 240
+    while subprocess.run(["squeue", "-h", "-j", array], capture_output=True, text=True).stdout.strip():
+        assert time.monotonic() < deadline, "the sweep's array did not finish in 240 s"
+        time.sleep(1)
+    tasks = subprocess.run(["scontrol", "show", "job", array], capture_output=True, text=True).stdout
+    assert sorted(re.findall(r"ArrayTaskId=(\d+) ", tasks)) == ["0", "1", "2"], tasks
+    assert re.findall(r"JobState=(\w+)", tasks) == ["COMPLETED"] * 3
+    sweep_dir = Path(out["sweep_dir"])
+    table = cli("sweep", "status", sweep_dir, check=True).stdout
+    for i, lr in enumerate(["1e-3", "3e-3", "1e-2"]):
+        run_dir = sweep_dir.parent / f"sw-{i}"
+        assert yaml.safe_load((run_dir / "config.yaml").read_text())["train"]["lr"] == float(lr)
+        [log] = run_dir.glob(f"sw-{i}-*.out")  # the task's own log, in its own run directory
+        assert "done: 4 steps" in log.read_text()
+        last_eval = [r["eval_loss"] for r in read_metrics(run_dir) if r["kind"] == "eval"][-1]
+        assert f"| {i} | sw-{i} | train.lr={lr} | finished | 4 | {last_eval:.4f} |" in table, table
+    plot = cli("plot", *(sweep_dir.parent / f"sw-{i}" for i in range(3)), "--out", sweep_dir / "plot.png")
+    assert plot.returncode == 0 and (sweep_dir / "plot.png").stat().st_size > 10_000
+
+
+def test_a_run_submitted_from_python_is_a_handle_on_its_job(job_config):
+    """`llmtrain.submit(config, overrides)` (a notebook): the code submit.sh runs, and a handle."""
+    import llmtrain
+    config = job_config(run={"name": "handle"})
+    cli("prepare", "--config", config, check=True)
+    job = llmtrain.submit(config, ["train.max_steps=3"])
+    assert re.fullmatch(r"\d+", job.job_id) and job.state() in ("pending", "running")
+    assert job.wait(poll_s=1) == "finished"
+    assert [r["step"] for r in job.metrics() if r["kind"] == "train"] == [1, 2, 3]
+    assert "done: 3 steps" in job.log.read_text() and job.log.parent == job.run_dir
+    assert yaml.safe_load(job.config.read_text())["train"]["max_steps"] == 3
+
+
 def logged(run_dir: Path) -> int:
     try:
         return max((r["step"] for r in read_metrics(run_dir)), default=0)
@@ -378,11 +422,19 @@ def test_time_limit_without_a_signal_still_saves_and_continues(job_config):
     (["--partition", "short", "--time", "01:00:00"],
      "slurm.time: asks 01:00:00; partition short allows at most 00:10:00; lower slurm.time (a requeue "
      "continues the run) or choose another partition"),
-    (["--partition", "nosuch"], "slurm.partition: no partition 'nosuch' on this cluster; choose one of debug, short"),
+    (["--partition", "nosuch"], "slurm.partition: no partition 'nosuch' on this cluster; choose one of debug, "
+                                "restricted, short"),
+    (["--partition", "restricted", "--account", "bio"], "slurm.account: partition restricted does not take "
+     "account 'bio' (allows physics); choose another account or another partition (slurm.partition)"),
+    (["--partition", "restricted", "--qos", "low"], "slurm.qos: partition restricted does not take qos 'low' "
+     "(allows high); choose another QOS or another partition (slurm.partition)"),
+    (["--partition", "restricted", "--nodes", "2", "--set", "train.global_batch_size=16"],
+     "slurm.nodes: asks 2 nodes; partition restricted allows at most 1 per job; lower slurm.nodes or "
+     "choose another partition"),
     (["--nodes", "3", "--set", "train.global_batch_size=24"],
      "slurm.nodes: asks 3 nodes with 1 CPU and 0 GPUs each; the default partition debug has 2 such "
      "nodes (2 in all)"),
-], ids=["cpus", "gpus", "time", "partition", "nodes"])
+], ids=["cpus", "gpus", "time", "partition", "account", "qos", "max-nodes", "nodes"])
 def test_a_request_the_cluster_can_never_meet_fails_before_queueing(job_config, flags, line):
     """Slurm would accept each of these and leave the job PENDING forever (or, for the
     partition, refuse it only at sbatch): check-config asks sinfo first, and nothing is queued."""
@@ -403,7 +455,7 @@ def test_a_request_sbatch_refuses_is_one_clear_failure(job_config):
     assert proc.returncode == 1
     assert proc.stderr.strip().splitlines() == [
         "sbatch: error: Batch job submission failed: Invalid feature specification",
-        "submit.sh: sbatch failed (above); nothing more was submitted"]
+        "error: sbatch failed (above); nothing more was submitted"]
     assert "job_id:" not in proc.stdout
     assert not subprocess.run(["squeue", "-h", "-n", "rejected"], capture_output=True, text=True).stdout
 
@@ -439,3 +491,54 @@ def test_where_requeue_is_refused_a_continuation_job_finishes_the_run(trials):
     run_dir = Path(job["run_dir"])
     assert "resumed from" in (run_dir / f"continued-{job['continuation']}.out").read_text()
     assert losses(run_dir) == reference_losses(trials)
+
+
+# The preflight's test hook: the ranks on node2 report a tenth of their matmul speed.
+SLOW_NODE2 = {"LLMTRAIN_TEST_SLOW_HOST": "node2"}
+
+
+def test_preflight_names_a_node_slowed_on_purpose_and_training_goes_on(job_config):
+    config = job_config(run={"name": "slowed"}, slurm={"nodes": 2, "procs_per_node": 1})
+    cli("prepare", "--config", config, check=True)
+    job = submit("--config", config, env={**os.environ, **SLOW_NODE2})
+    assert wait_for(job["job_id"]) == "COMPLETED"
+    log = Path(job["log"]).read_text()
+    record = Path(job["run_dir"]) / "preflight" / f"{job['job_id']}-0.json"
+    named = re.search(r"preflight: node2 is slow: (\S+) TFLOP/s matmul vs (\S+) on the others \(below "
+                      r"0\.7x\); training on it anyway \(slurm\.exclude_slow_nodes: true leaves it "
+                      r"out\); figures in (.*)$", log, re.MULTILINE)
+    assert named and named.group(3) == str(record), log
+    assert re.search(r"preflight: node1 \(1 rank\): matmul \S+ TFLOP/s .* all-reduce \S+ GB/s", log)
+    assert "node1 is slow" not in log and "done: 8 steps" in log
+    figures = json.loads(record.read_text())
+    nodes = figures["nodes"]
+    assert sorted(nodes) == ["node1", "node2"] and list(figures["slow"]) == ["node2"]
+    assert 0 < nodes["node2"]["matmul_tflops"] < 0.7 * nodes["node1"]["matmul_tflops"]
+    assert all(n["all_reduce_busbw_gbps"] > 0 for n in nodes.values())
+    assert sorted(r["node"] for r in figures["ranks"]) == ["node1", "node2"]
+
+
+def test_with_exclude_slow_nodes_the_run_comes_back_without_the_slow_node(job_config):
+    """The job stops before building the model; a continuation job with --exclude=node2 (Slurm
+    refuses to change a running job's ExcNodeList) trains the run on node1. On a cluster of two
+    nodes, the job asks for one or two (Slurm gives a range as many as are free, when the tasks
+    fit: 2 tasks, up to 2 a node): two at first, one will do for the continuation."""
+    config = job_config(run={"name": "excluded"}, train={"max_steps": 4, "eval_every": 0},
+                        slurm={"nodes": 2, "procs_per_node": 1, "exclude_slow_nodes": True})
+    cli("prepare", "--config", config, check=True)
+    job = submit("--config", config, "--", "--nodes=1-2", "--ntasks=2", "--ntasks-per-node=2",
+                 env={**os.environ, **SLOW_NODE2})
+    assert wait_for(job["job_id"]) == "COMPLETED"
+    log = Path(job["log"]).read_text()
+    assert "(hosts: node1, node2)" in log and "model ready" not in log
+    assert ("node2 is slow" in log and "stopping before training (slurm.exclude_slow_nodes): the "
+            "job asks to come back without it" in log), log
+    assert (f"requeueing job {job['job_id']} without node2 (slow in the preflight) as a "
+            f"continuation job (requeue 1 of at most 5)") in log
+    follow = re.search(r"slow node left out; submitted continuation job (\d+)", log).group(1)
+    assert wait_for(follow) == "COMPLETED"
+    shown = subprocess.run(["scontrol", "show", "job", follow], capture_output=True, text=True).stdout
+    assert re.search(r"\bExcNodeList=node2\b", shown) and re.search(r"\bNodeList=node1\b", shown), shown
+    again = (Path(job["run_dir"]) / f"excluded-{follow}.out").read_text()
+    assert "(hosts: node1)" in again and "preflight: one node, nothing to compare" in again
+    assert "done: 4 steps" in again, again[-2000:]

@@ -30,7 +30,7 @@ import sys
 import time
 from typing import NoReturn
 
-from .config import ConfigError, UserError, dump_yaml, load_config, local_path, on_disk, tokenizer_source
+from .config import ConfigError, UserError, load_config
 
 EXIT_CONFIG = 2  # a config problem, as for a usage error
 EXIT_USER = 1  # anything else the user can fix: data, model, paths
@@ -40,8 +40,10 @@ def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else list(argv)
     # check-config and sbatch-command take sbatch arguments after `--`, verbatim (they start
     # with dashes, which argparse would read as its own options).
-    split = argv[:1] in (["check-config"], ["sbatch-command"]) and "--" in argv
+    split = argv[:1] in (["check-config"], ["sbatch-command"], ["submit"], ["sweep"]) and "--" in argv
     sbatch_args = argv[argv.index("--") + 1:] if split else []
+    if argv[:2] == ["sweep", "status"]:  # `llmtrain sweep status DIR` reads as it is typed
+        argv = ["sweep-status", *argv[2:]]
     args = parser().parse_args(argv[:argv.index("--")] if split else argv)
     args.sbatch_args = sbatch_args
     try:
@@ -187,6 +189,44 @@ def parser() -> argparse.ArgumentParser:
                    "to FILE, for a job to train from (default: none)")
     p.set_defaults(func=cmd_check_config)
 
+    p = sub.add_parser("submit", help="validate a run and queue it on Slurm (what submit.sh runs), "
+                       "or train it here with --local; sbatch arguments after --")
+    _config(p)
+    _overrides(p)
+    p.add_argument("--dependency", metavar="SPEC", help="sbatch --dependency of the first job, "
+                   "e.g. afterok:123 (default: none)")
+    p.add_argument("--dry-run", action="store_true", help="print the sbatch command line(s) and "
+                   "the memory estimate; submit nothing")
+    p.add_argument("--local", action="store_true", help="train on this machine under torchrun "
+                   "instead of Slurm")
+    p.add_argument("--nproc", type=int, help="--local: processes to start (default: "
+                   "slurm.procs_per_node, else 1)")
+    p.add_argument("--script", help="the batch script (default: $LLMTRAIN_REPO/train.slurm)")
+    p.set_defaults(func=cmd_submit)
+
+    p = sub.add_parser("sweep", help="one run per point of a grid: a Slurm job array with at "
+                       "most --max-parallel points at once, or one after another with --local")
+    _config(p)
+    _overrides(p)
+    p.add_argument("--grid", action="append", default=[], required=True, metavar="SECTION.KEY=V,V",
+                   help="a key and its values, e.g. train.lr=1e-4,3e-4; several: their product "
+                   "(required, repeatable)")
+    p.add_argument("--max-parallel", type=int, default=4, help="points Slurm runs at once (the "
+                   "array's %%limit)")
+    p.add_argument("--dry-run", action="store_true", help="print the sbatch command line(s); "
+                   "submit nothing")
+    p.add_argument("--local", action="store_true", help="train the points here, one after another")
+    p.add_argument("--nproc", type=int, help="--local: processes per point (default: "
+                   "slurm.procs_per_node, else 1)")
+    p.add_argument("--script", help="the batch script (default: $LLMTRAIN_REPO/train.slurm)")
+    p.set_defaults(func=cmd_sweep)
+
+    p = sub.add_parser("sweep-status", help="`llmtrain sweep status SWEEP_DIR`: each point's state, "
+                       "step and latest eval loss")
+    p.add_argument("sweep_dir", metavar="SWEEP_DIR", help="<run.dir>/<run.name>-sweep, as "
+                   "llmtrain sweep printed")
+    p.set_defaults(func=cmd_sweep_status)
+
     p = sub.add_parser("sbatch-command", help="print the sbatch command line of a run's job, "
                        "NUL-separated, for submit.sh and train.slurm to run (no torch)")
     p.add_argument("job", choices=["prepare", "train", "continuation"], help="prepare: tokenize "
@@ -206,7 +246,8 @@ def parser() -> argparse.ArgumentParser:
     p.set_defaults(func=cmd_sbatch_command)
 
     p = sub.add_parser("requeue-decision", help="after a job's step: whether the trainer asked for "
-                       "a requeue and slurm.max_requeues allows it (exit 0: requeue, 1: do not)")
+                       "a requeue and slurm.max_requeues allows it (exit 0: requeue, 1: do not, "
+                       "3: a continuation job without the slow nodes the trainer named)")
     p.add_argument("run_dir", help="the run's directory")
     p.add_argument("job_id", help="this job's id ($SLURM_JOB_ID)")
     p.add_argument("--restarts", type=int, required=True, help="requeues and continuations so "
@@ -325,38 +366,17 @@ def cmd_check_config(args) -> int:
                            f"(got {got})"])
     args.config = args.config or args.file
     cfg = load_config(args.config, args.overrides, world_size=args.world_size)
-    missing = [f"{what}: {source} is not downloaded yet (looked in {local_path(source, kind)}); "
-               f"run: bash download_data_model.sh --config {args.config}"
-               for source, kind, what in ((cfg.model.name_or_path, "models", "model.name_or_path"),
-                                          (tokenizer_source(cfg), "models", "model.tokenizer"),
-                                          (cfg.data.dataset, "datasets", "data.dataset"))
-               if source and not on_disk(source, kind)]
-    if args.offline and missing:
-        raise ConfigError(list(dict.fromkeys(missing)))
-    if args.launch and cfg.run_dir.is_dir():
-        from .login.status import assess, latest_job
-        job = latest_job(cfg.run_dir)
-        verdict = assess(cfg.run_dir, job)
-        if verdict.state in ("running", "pending"):
-            after = f"submit with --dependency afterany:{job} to continue after it, " if job else ""
-            raise UserError(f"run {cfg.run.name!r} is {verdict.state} now ({verdict.text}); {after}"
-                            f"stop it (llmtrain control {cfg.run_dir} stop), or use another run.name")
-    if args.cluster:  # a request no node or partition can meet would pend forever
-        from .login.feasibility import cluster_problems
-        if problems := cluster_problems(cfg):
-            raise ConfigError(problems)
+    from .login.submit import freeze, refusals
+    missing = refusals(cfg, args.config, offline=args.offline, launch=args.launch, cluster=args.cluster)
     if args.freeze:  # what was validated is what runs: the job reads this file, not the original
         from pathlib import Path
 
         from .login.slurm import with_extra_args
-        from .rundir import write_atomic
-        cfg = with_extra_args(cfg, args.sbatch_args)
-        Path(args.freeze).parent.mkdir(parents=True, exist_ok=True)
-        write_atomic(Path(args.freeze), f"# frozen by submit.sh from {args.config}\n" + dump_yaml(cfg))
+        freeze(with_extra_args(cfg, args.sbatch_args), Path(args.freeze), args.config)
     if args.get:
         print("\n".join(str(_get(cfg, key)) for key in args.get))
         return 0
-    for line in dict.fromkeys(missing):
+    for line in missing:
         print(f"note: {line}", file=sys.stderr)
     from .metrics import plural
     t = cfg.train
@@ -433,15 +453,65 @@ def cmd_generate(args) -> int:
     return 0
 
 
+def cmd_submit(args) -> int:
+    from .login import submit
+    if args.local:
+        return submit.run_local(args.config, args.overrides, args.nproc)
+    job = submit.submit(args.config, args.overrides, dependency=args.dependency,
+                        sbatch_args=args.sbatch_args, dry_run=args.dry_run, script=args.script)
+    if args.dry_run:
+        import shlex
+        print("\n".join(shlex.join(cmd) for cmd in job.commands))
+    print("\n".join(submit.submitted_lines(job)), flush=True)
+    return 0
+
+
+def cmd_sweep(args) -> int:
+    from .login import sweep
+    if args.local:
+        done, codes = sweep.sweep_local(args.config, args.overrides, args.grid, args.nproc)
+    else:
+        done = sweep.sweep_slurm(args.config, args.overrides, args.grid, max_parallel=args.max_parallel,
+                                 sbatch_args=args.sbatch_args, dry_run=args.dry_run, script=args.script)
+        codes = []
+    if args.dry_run:
+        import shlex
+        print("\n".join(shlex.join(cmd) for cmd in done.commands))
+        return 0
+    for job_id in done.prepare_job_ids:
+        print(f"prepare_job_id: {job_id} (tokenizes the data on one node; the array waits for it)")
+    if done.array_job_id:
+        print(f"array_job_id: {done.array_job_id} ({len(done.points)} points, at most "
+              f"{args.max_parallel} at once)")
+    print(f"sweep_dir: {done.dir}")
+    print(sweep.status_table(done))
+    if not args.local:
+        print(f"watch: llmtrain sweep status {done.dir}; squeue -r -j {done.array_job_id}")
+    failed = [str(p["index"]) for p, code in zip(done.points, codes) if code]
+    if failed:
+        error_lines([f"error: sweep {done.name}: point(s) {', '.join(failed)} failed; see their "
+                     f"run directories (above)"])
+        return EXIT_USER
+    return 0
+
+
+def cmd_sweep_status(args) -> int:
+    from .login.sweep import read_sweep, status_table
+    print(status_table(read_sweep(args.sweep_dir)))
+    return 0
+
+
 def cmd_sbatch_command(args) -> int:
     import shlex
     from pathlib import Path
 
-    from .login.slurm import sbatch_command, with_extra_args
+    from .login.slurm import excluded_nodes, sbatch_command, with_extra_args
     home = os.environ.get("LLMTRAIN_HOME")
     if not home:
         raise UserError("LLMTRAIN_HOME is not set; source the env.sh that setup.sh wrote")
     cfg = with_extra_args(load_config(args.config, args.overrides), args.sbatch_args)
+    if args.job == "continuation" and (exclude := excluded_nodes(cfg.run_dir, args.after)):
+        cfg = with_extra_args(cfg, [f"--exclude={','.join(exclude)}"])  # after the user's: it wins
     cmd = sbatch_command(cfg, args.job, script=Path(args.script), frozen=Path(args.frozen or args.config),
                          home=home, after=args.after, dependency=args.dependency,
                          continuation=args.continuation)
@@ -455,11 +525,13 @@ def cmd_sbatch_command(args) -> int:
 def cmd_requeue_decision(args) -> int:
     from pathlib import Path
 
-    from .login.slurm import requeue_decision
+    from .login.slurm import excluded_nodes, requeue_decision
     requeue, line = requeue_decision(Path(args.run_dir), args.job_id, args.restarts, args.max_requeues)
     if line:
         print(line)
-    return 0 if requeue else 1
+    if not requeue:
+        return 1
+    return 3 if excluded_nodes(Path(args.run_dir), args.job_id) else 0
 
 
 def cmd_download(args) -> int:

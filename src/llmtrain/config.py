@@ -221,6 +221,9 @@ class SlurmConfig:
     signal_lead_s: int = 120  # save and requeue this long before the time limit; 0: never
     max_requeues: int = 5  # requeues of one job after preemption/time limit, against crash loops
     max_restarts: int = 0  # torchrun restarts of failed workers within a job (they resume)
+    preflight: bool = True  # a matmul and an all-reduce on every node before training (seconds)
+    exclude_slow_nodes: bool = False  # a node the preflight finds slow: come back without it
+    slow_node_ratio: float = 0.7  # slow: matmul below this x the other nodes' median
 
 
 WANDB_MODES = ("offline", "online")
@@ -631,6 +634,10 @@ def validate(cfg: Config, world_size: int | None = None, written: dict | None = 
     for key in ("signal_lead_s", "max_requeues", "max_restarts"):
         if getattr(s, key) < 0:
             p.append(f"slurm.{key}: must be >= 0 (got {getattr(s, key)})")
+    if not 0 < s.slow_node_ratio < 1:
+        p.append(f"slurm.slow_node_ratio: must be in (0, 1) (got {s.slow_node_ratio})")
+    if s.exclude_slow_nodes and not s.preflight:
+        p.append("slurm.exclude_slow_nodes: needs slurm.preflight: true, which finds the slow nodes")
     if t.keep_checkpoints < 2:
         p.append(f"train.keep_checkpoints: must be >= 2, so a damaged newest checkpoint has a "
                  f"fallback (got {t.keep_checkpoints})")

@@ -6,10 +6,17 @@ node on a cluster of 2-CPU nodes, or a time above the partition's limit, and wai
 key is one line: what the config asks, what the partition offers, what to change.
 
     problems = cluster_problems(cfg)    # [] when the request fits, or when there is no sinfo
+
+Judged by: the nodes of the partition (`sinfo -N`: CPUs, memory, GPUs, the time limit); the
+partition's own rules (`scontrol show partition`: AllowAccounts/DenyAccounts, AllowQos/DenyQos,
+MaxNodes); and where Slurm keeps accounting (`sacctmgr`, which answers only then), the user's
+associations (may this user charge slurm.account?) and the QOS's limits (MaxWall, and nodes or
+GPUs per job in MaxTRESPerJob). What none of them shows is left to sbatch.
 """
 
 from __future__ import annotations
 
+import os
 import re
 import subprocess
 from dataclasses import dataclass
@@ -76,7 +83,81 @@ def cluster_problems(cfg: Config) -> list[str]:
     if seconds(s.time) > limit:
         p.append(f"slurm.time: asks {s.time}; {key} allows at most {format_limit(limit)}; lower "
                  f"slurm.time (a requeue continues the run) or choose another partition")
+    return p + partition_problems(cfg, partition, key, _partition_rules(partition)) + \
+        accounting_problems(cfg, _sacctmgr)
+
+
+def partition_problems(cfg: Config, partition: str, key: str, rules: dict[str, str]) -> list[str]:
+    """The partition's rules (`scontrol show partition -o` fields) against the request."""
+    s, p = cfg.slurm, []
+    for what, value, allow, deny in (("account", s.account, "AllowAccounts", "DenyAccounts"),
+                                     ("qos", s.qos, "AllowQos", "DenyQos")):
+        allowed, denied = _names(rules.get(allow, "ALL")), _names(rules.get(deny, "")) or []
+        if value and ((allowed is not None and value not in allowed) or value in denied):
+            offer = f"allows {', '.join(allowed)}" if allowed is not None else f"denies {value!r}"
+            p.append(f"slurm.{what}: {key} does not take {what} {value!r} ({offer}); choose another "
+                     f"{what if what == 'account' else 'QOS'} or another partition (slurm.partition)")
+    most = rules.get("MaxNodes", "UNLIMITED")
+    if most.isdigit() and s.nodes > int(most):
+        p.append(f"slurm.nodes: asks {plural(s.nodes, 'node')}; {key} allows at most {most} per job; "
+                 f"lower slurm.nodes or choose another partition")
     return p
+
+
+def accounting_problems(cfg: Config, sacctmgr) -> list[str]:
+    """The user's associations and the QOS's limits, where Slurm keeps accounting (sacctmgr
+    answers); sacctmgr(args) -> its -nP output, or None."""
+    s, p = cfg.slurm, []
+    if s.account:
+        out = sacctmgr(["show", "assoc", f"user={os.environ.get('USER', '')}", "format=Account"])
+        accounts = sorted({line.strip() for line in (out or "").splitlines() if line.strip()})
+        if out is not None and accounts and s.account not in accounts:
+            p.append(f"slurm.account: you have no association with account {s.account!r} (yours: "
+                     f"{', '.join(accounts)}); choose one of them")
+    if s.qos:
+        out = sacctmgr(["show", "qos", f"name={s.qos}", "format=Name,MaxWall,MaxTRESPerJob"])
+        rows = [line.split("|") for line in (out or "").splitlines() if line.strip()]
+        if out is not None and not rows:
+            p.append(f"slurm.qos: no QOS {s.qos!r} on this cluster (sacctmgr show qos lists them)")
+        for name, wall, tres in ((row + ["", ""])[:3] for row in rows):
+            if wall and seconds(s.time) > seconds(wall):
+                p.append(f"slurm.time: asks {s.time}; QOS {name} allows at most {wall}; lower "
+                         f"slurm.time (a requeue continues the run) or choose another QOS")
+            limits = dict(item.split("=", 1) for item in tres.split(",") if "=" in item)
+            if limits.get("node", "").isdigit() and s.nodes > int(limits["node"]):
+                p.append(f"slurm.nodes: asks {plural(s.nodes, 'node')}; QOS {name} allows at most "
+                         f"{limits['node']} per job")
+            gpus = limits.get("gres/gpu", "")
+            if gpus.isdigit() and s.nodes * s.gpus_per_node > int(gpus):
+                p.append(f"slurm.gpus_per_node: asks {s.nodes * s.gpus_per_node} GPUs in all; QOS "
+                         f"{name} allows at most {gpus} per job")
+    return p
+
+
+def _names(value: str) -> list[str] | None:
+    """A partition's Allow*/Deny* list; None for ALL (anything goes)."""
+    if value.strip().upper() == "ALL":
+        return None
+    return sorted(x for x in value.split(",") if x and x != "(null)")
+
+
+def _partition_rules(partition: str) -> dict[str, str]:
+    try:
+        proc = subprocess.run(["scontrol", "show", "partition", "-o", partition], capture_output=True,
+                              text=True, timeout=30)
+    except (OSError, subprocess.TimeoutExpired):
+        return {}
+    return dict(re.findall(r"(\w+)=(\S*)", proc.stdout)) if proc.returncode == 0 else {}
+
+
+def _sacctmgr(args: list[str]) -> str | None:
+    """sacctmgr -nP ARGS; None where it does not answer (no accounting database: most small
+    clusters, and the test cluster)."""
+    try:
+        proc = subprocess.run(["sacctmgr", "-nP", *args], capture_output=True, text=True, timeout=30)
+    except (OSError, subprocess.TimeoutExpired):
+        return None
+    return proc.stdout if proc.returncode == 0 else None
 
 
 def _sinfo() -> str | None:

@@ -8,6 +8,7 @@ reading). There are three jobs:
     prepare       one node, one task, no GPUs: tokenizes the data when it is not prepared yet
     train         the training job; --after ID makes it wait for the prepare job (afterok)
     continuation  the training job again, after this one (afterany), where requeue is refused
+                  or the trainer asked to leave slow nodes out (--exclude: excluded_nodes)
 
 The job's environment is this contract, set by the command and read by train.slurm only:
 
@@ -52,10 +53,13 @@ def job_env(cfg: Config, frozen: Path, home: str, step: str, continuation: int =
 
 def sbatch_command(cfg: Config, job: str, *, script: Path, frozen: Path, home: str,
                    after: str | None = None, dependency: str | None = None,
-                   continuation: int = 0) -> list[str]:
-    """`env VAR=... sbatch ARGS script` for one of JOBS. `after`: the job this one waits for
-    (the prepare job of a train job, the ending job of a continuation); `dependency`: the
-    user's own --dependency, for the first job submitted."""
+                   continuation: int = 0, array: str | None = None) -> list[str]:
+    """`env VAR=... sbatch ARGS script` for one of JOBS. `after`: the job(s) this one waits for
+    (the prepare job of a train job, id:id:... for several; the ending job of a continuation);
+    `dependency`: the user's own --dependency, for the first job submitted. `array`: a sweep's
+    job array of train jobs (e.g. "0-5%2"): run.name ends in -%a, which each task's index
+    replaces in its paths (sbatch in --output, train.slurm in the LLMTRAIN_* paths), and the
+    array is named run.name less the -%a."""
     if job not in JOBS:
         raise ValueError(f"job must be one of {JOBS} (got {job!r})")
     s, name, run_dir = cfg.slurm, cfg.run.name, cfg.run_dir
@@ -70,9 +74,12 @@ def sbatch_command(cfg: Config, job: str, *, script: Path, frozen: Path, home: s
                 f"--output={run_dir}/prepare-%j.out"]
         waits = [f"--dependency={dependency}"] if dependency else []
     else:
-        args = [f"--job-name={name}", f"--nodes={s.nodes}", "--ntasks-per-node=1",
+        output = f"{run_dir}/{name}-%j.out" if array else f"{run_dir}/%x-%j.out"
+        args = [f"--job-name={name.removesuffix('-%a')}", f"--nodes={s.nodes}", "--ntasks-per-node=1",
                 f"--cpus-per-task={s.cpus_per_node}", f"--mem={s.mem}", f"--time={s.time}",
-                f"--output={run_dir}/%x-%j.out", "--open-mode=append", "--requeue"]
+                f"--output={output}", "--open-mode=append", "--requeue"]
+        if array:
+            args.append(f"--array={array}")
         if s.signal_lead_s > 0:  # Slurm's warning to the batch shell, before the time limit
             args.append(f"--signal=B:USR1@{s.signal_lead_s}")
         if s.gpus_per_node > 0:
@@ -117,4 +124,20 @@ def requeue_decision(run_dir: Path, job_id: str, restarts: int, max_requeues: in
     if restarts >= max_requeues:
         return False, (f"not requeueing: the job was requeued {restarts} time{'s' * (restarts != 1)} "
                        f"already (slurm.max_requeues)")
+    if exclude := excluded_nodes(run_dir, job_id):
+        return True, (f"requeueing job {job_id} without {', '.join(exclude)} (slow in the "
+                      f"preflight) as a continuation job (requeue {restarts + 1} of at most "
+                      f"{max_requeues})")
     return True, f"requeueing job {job_id} (requeue {restarts + 1} of at most {max_requeues})"
+
+
+def excluded_nodes(run_dir: Path, job_id: str | None) -> list[str]:
+    """The nodes the trainer of `job_id` asked to leave out (a slow_node stop's `exclude` in
+    control/exit.json: the slow nodes and those the job excluded already), which its
+    continuation gets as --exclude; [] otherwise. Slurm refuses to change a running job's
+    ExcNodeList, so such a job comes back as a continuation, never requeued in place."""
+    stop = read_json(run_dir / "control" / "exit.json")
+    if not (job_id and isinstance(stop, dict) and str(stop.get("job_id")) == job_id):
+        return []
+    exclude = stop.get("exclude")
+    return [str(node) for node in exclude] if isinstance(exclude, list) else []

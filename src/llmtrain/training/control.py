@@ -25,7 +25,8 @@ The all-reduce stays on the device: the optimizer skips a non-finite step there 
 saves (then at once). So a step that does nothing else never waits for the device, and a stop
 or save request lands one step after the one that saw it, on every rank alike.
 `<run_dir>/control/exit.json` tells train.slurm why the trainer stopped: "preempt", "deadline"
-and "signal" are requeued; "user" and "done" are not.
+and "signal" are requeued; "user" and "done" are not; "slow_node" (training/preflight.py, before
+the first step) comes back as a continuation job without the nodes its `exclude` lists.
 """
 
 from __future__ import annotations
@@ -47,7 +48,7 @@ from ..rundir import Log, write_atomic
 SWITCH_POLL_S = 1.0
 HEARTBEAT_S = 2.0
 ARM_S = 1.0  # the stack-dump timer's re-arming interval
-REQUEUE_REASONS = ("preempt", "deadline", "signal")
+REQUEUE_REASONS = ("preempt", "deadline", "signal", "slow_node")
 SWITCHES = ("stop", "save", "profile")
 PROFILE_STEPS = 3  # `llmtrain control RUN_DIR profile` without --steps
 IMPORTED = time.time()  # launch_start_time()'s fallback
@@ -213,10 +214,16 @@ class Control:
         stopped: train.slurm requeues only for a stop of its own job (null outside Slurm)."""
         faulthandler.cancel_dump_traceback_later()
         if self.world.is_main:
-            requeue = reason in REQUEUE_REASONS
-            write_atomic(self.folder / "exit.json",
-                         json.dumps({"reason": reason, "step": step, "requeue": requeue,
-                                     "job_id": os.environ.get("SLURM_JOB_ID")}) + "\n")
+            write_exit(self.folder, reason, step)
+
+
+def write_exit(folder: Path, reason: str, step: int, **extra) -> None:
+    """control/exit.json: why training ended, whether to requeue, the Slurm job id (null outside
+    Slurm), and `extra` (a slow_node stop's `exclude`: the nodes to leave out)."""
+    folder.mkdir(parents=True, exist_ok=True)
+    write_atomic(folder / "exit.json",
+                 json.dumps({"reason": reason, "step": step, "requeue": reason in REQUEUE_REASONS,
+                             "job_id": os.environ.get("SLURM_JOB_ID"), **extra}) + "\n")
 
 
 def request(run_dir: Path, what: str, reason: str = "user") -> Path:

@@ -32,7 +32,7 @@ from ..model.parallel import (autocast, compile_seconds, configure_matmul_precis
                               parallelize, shard_size)
 from ..rundir import Log, RunLock, hostname, provenance, write_atomic
 from ..tracking import PlotRefresher, open_sinks
-from . import distributed
+from . import distributed, preflight
 from .checkpoint import Checkpointer, compat_info
 from .control import Agreement, Control, Verdict
 from .distributed import World
@@ -104,6 +104,11 @@ def run(cfg: Config, world: World, watch: Watchdog, run_lock: RunLock) -> None:
         tokenizer = load_tokenizer(cfg)
         config = model_config(cfg, tokenizer)
         check_model_fits(cfg, config, manifest)
+    with watch.phase("preflight"):
+        verdict = preflight.run(cfg, world, log)
+    if verdict == "stop":  # a slow node and slurm.exclude_slow_nodes: a job without it resumes
+        log.close()
+        return
     written = cfg  # as the user wrote it: train.epochs, not the max_steps derived from it
     cfg = steps_from_epochs(cfg, folder, manifest, log)
     t = cfg.train

@@ -1,0 +1,238 @@
+"""Submitting a run: what `bash submit.sh` does, and the entry point for notebooks.
+
+    import llmtrain
+    job = llmtrain.submit("config.yaml", ["train.lr=3e-4", "slurm.nodes=2"])
+    job.job_id, job.run_dir, job.log     # '4242', Path(...), Path(.../demo-4242.out)
+    job.state()                          # 'pending', 'running', 'finished', 'failed', ...
+    job.metrics()                        # metrics.jsonl's records so far
+    job.wait()                           # until the run leaves the queue and the nodes
+
+    llmtrain submit --config FILE [--set K=V ...] [--dependency SPEC] [--dry-run] [-- SBATCH ARGS]
+    llmtrain submit --local --config FILE [--set K=V ...] [--nproc N]
+
+submit.sh parses its flags and runs `llmtrain submit`; `llmtrain sweep` submits its points
+through the same functions. Everything is checked before anything is queued (`refusals`): the
+config, the model, tokenizer and dataset on disk (compute nodes are offline), a run already
+running or queued under the same name, and a request the cluster can never meet. What was
+checked is what runs: the jobs train from a frozen copy of the resolved config,
+`<run_dir>/submitted/<stamp>.yaml`. Unprepared data gets a CPU prepare job first, and training
+waits for it (afterok). No torch here.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+from ..config import Config, ConfigError, UserError, dump_yaml, load_config, local_path, on_disk, \
+    tokenizer_source
+from .slurm import sbatch_command, with_extra_args
+
+DRY_RUN_JOB_ID = "DRY_RUN_JOB_ID"
+
+
+@dataclasses.dataclass
+class Job:
+    """A submitted run: its Slurm job (None for a local run), where it writes, what it trains."""
+
+    job_id: str | None
+    name: str  # run.name: the job's name in squeue, and its log's
+    run_dir: Path
+    config: Path  # the frozen config the job trains from
+    prepare_job_id: str | None = None
+    commands: list[list[str]] = dataclasses.field(default_factory=list)  # sbatch lines run
+
+    @property
+    def log(self) -> Path | None:
+        """The job's output, <run_dir>/<run.name>-<job id>.out (a requeue appends to it)."""
+        return self.run_dir / f"{self.name}-{self.job_id}.out" if self.job_id else None
+
+    def state(self) -> str:
+        """pending, running, stopped by request, finished, failed, cancelled, ... (`llmtrain status`'s)."""
+        from .status import assess, latest_job
+        return assess(self.run_dir, self.job_id or latest_job(self.run_dir)).state
+
+    def status(self) -> str:
+        """What `llmtrain status` prints for the run."""
+        from .status import latest_job, render
+        return render(self.run_dir, self.job_id or latest_job(self.run_dir))
+
+    def metrics(self) -> list[dict]:
+        from ..metrics import read_metrics
+        return read_metrics(self.run_dir)
+
+    def wait(self, poll_s: float = 10.0) -> str:
+        """Until the run is neither pending nor running; its final state."""
+        while (state := self.state()) in ("pending", "running"):
+            time.sleep(poll_s)
+        return state
+
+
+def refusals(cfg: Config, config: str | os.PathLike, *, offline: bool, launch: bool,
+             cluster: bool) -> list[str]:
+    """Notes on what is not downloaded yet; raises ConfigError/UserError for what may not run:
+    with offline, a model/tokenizer/dataset not on disk; with launch, a run that is running or
+    queued now; with cluster, a request no partition or node can meet."""
+    missing = list(dict.fromkeys(
+        f"{what}: {source} is not downloaded yet (looked in {local_path(source, kind)}); "
+        f"run: bash download_data_model.sh --config {config}"
+        for source, kind, what in ((cfg.model.name_or_path, "models", "model.name_or_path"),
+                                   (tokenizer_source(cfg), "models", "model.tokenizer"),
+                                   (cfg.data.dataset, "datasets", "data.dataset"))
+        if source and not on_disk(source, kind)))
+    if offline and missing:
+        raise ConfigError(missing)
+    if launch and cfg.run_dir.is_dir():
+        from .status import assess, latest_job
+        job = latest_job(cfg.run_dir)
+        verdict = assess(cfg.run_dir, job)
+        if verdict.state in ("running", "pending"):
+            after = f"submit with --dependency afterany:{job} to continue after it, " if job else ""
+            raise UserError(f"run {cfg.run.name!r} is {verdict.state} now ({verdict.text}); {after}"
+                            f"stop it (llmtrain control {cfg.run_dir} stop), or use another run.name")
+    if cluster:  # a request no node or partition can meet would pend forever
+        from .feasibility import cluster_problems
+        if problems := cluster_problems(cfg):
+            raise ConfigError(problems)
+    return missing
+
+
+def freeze(cfg: Config, path: Path, source: str | os.PathLike) -> None:
+    """The resolved config (overrides applied, paths absolute), for a job to train from."""
+    from ..rundir import write_atomic
+    path.parent.mkdir(parents=True, exist_ok=True)
+    write_atomic(path, f"# frozen by llmtrain submit from {source}\n" + dump_yaml(cfg))
+
+
+def stamp() -> str:
+    return f"{time.strftime('%Y%m%d-%H%M%S')}-{os.getpid()}"
+
+
+def is_prepared(cfg: Config) -> bool:
+    from ..data.loader import prepared_path, read_manifest
+    return read_manifest(prepared_path(cfg)) is not None
+
+
+def submit(config: str | os.PathLike, overrides: list[str] | tuple[str, ...] = (), *,
+           dependency: str | None = None, sbatch_args: list[str] | tuple[str, ...] = (),
+           dry_run: bool = False, script: str | os.PathLike | None = None) -> Job:
+    """Validate the run and queue it on Slurm (a prepare job first where the data is not
+    prepared); with dry_run, compute the sbatch lines (Job.commands) and queue nothing."""
+    home, script = _slurm_environment(script)
+    cfg = load_config(config, list(overrides))
+    # A run that trains or waits now is refused, unless this job waits for one (--dependency).
+    refusals(cfg, config, offline=True, launch=not dependency, cluster=True)
+    cfg = with_extra_args(cfg, list(sbatch_args))
+    frozen = cfg.run_dir / "submitted" / f"{stamp()}.yaml"
+    if not dry_run:
+        freeze(cfg, frozen, config)
+    job = Job(None, cfg.run.name, cfg.run_dir, frozen)
+    after = None
+    if not is_prepared(cfg):  # one CPU job tokenizes the data first
+        job.prepare_job_id = after = _sbatch(job, sbatch_command(
+            cfg, "prepare", script=script, frozen=frozen, home=home, dependency=dependency), dry_run)
+    job.job_id = _sbatch(job, sbatch_command(cfg, "train", script=script, frozen=frozen, home=home,
+                                             after=after, dependency=None if after else dependency),
+                         dry_run)
+    return job
+
+
+def _slurm_environment(script) -> tuple[str, Path]:
+    home = os.environ.get("LLMTRAIN_HOME")
+    if not home:
+        raise UserError("LLMTRAIN_HOME is not set; source the env.sh that setup.sh wrote")
+    if not shutil.which("sbatch"):
+        raise UserError("no Slurm on this machine (sbatch not found); to run here, use: "
+                        "bash submit.sh --local")
+    if script is None:
+        repo = os.environ.get("LLMTRAIN_REPO")
+        if not repo:
+            raise UserError("LLMTRAIN_REPO is not set; source the env.sh that setup.sh wrote")
+        script = Path(repo) / "train.slurm"
+    return home, Path(script)
+
+
+def _sbatch(job: Job, cmd: list[str], dry_run: bool) -> str:
+    """Run one sbatch line (recorded in job.commands); the job id it prints."""
+    job.commands.append(cmd)
+    if dry_run:
+        return DRY_RUN_JOB_ID
+    proc = subprocess.run(cmd, stdout=subprocess.PIPE, text=True)  # sbatch's errors go to stderr
+    job_id = proc.stdout.strip().split(";")[0]  # --parsable: "id" or "id;cluster"
+    if proc.returncode != 0:
+        raise UserError("sbatch failed (above); nothing more was submitted")
+    if not job_id:
+        raise UserError("sbatch printed no job id")
+    return job_id
+
+
+def submitted_lines(job: Job) -> list[str]:
+    """What `llmtrain submit` prints: key: value lines, for people and for scripts."""
+    lines = [f"prepare_job_id: {job.prepare_job_id} (tokenizes the data on one node; training "
+             f"waits for it)"] if job.prepare_job_id else []
+    return lines + [f"job_id: {job.job_id}", f"run_dir: {job.run_dir}",
+                    f"log: {job.log}",
+                    f"config: {job.config} (the jobs train from this copy; to change the run, "
+                    f"submit again)",
+                    f"watch: squeue -j {job.job_id}; tail -f {job.log}; "
+                    f"llmtrain status {job.job_id}"]
+
+
+def run_local(config: str | os.PathLike, overrides: list[str] | tuple[str, ...] = (),
+              nproc: int | None = None) -> int:
+    """Train on this machine under torchrun (llmtrain's, without its launcher traceback): checked
+    and prepared first. Ctrl-C saves and stops, as `llmtrain control RUN_DIR stop` does. Returns
+    torchrun's exit code; the trainer's own error line is printed last."""
+    overrides = list(overrides)
+    if nproc is None:
+        cfg = load_config(config, overrides)
+        nproc = cfg.slurm.procs_per_node or 1
+    if nproc < 1:
+        raise UserError(f"--nproc: must be a positive integer (got {nproc})")
+    cfg = load_config(config, overrides, world_size=nproc)
+    refusals(cfg, config, offline=True, launch=True, cluster=False)
+    from ..data.prepare import prepare
+    prepare(cfg)
+    print(f"run_dir: {cfg.run_dir}", flush=True)
+    # torchrun sets OMP_NUM_THREADS=1 when it starts several processes: each gets its share of
+    # the CPUs this process may use (its affinity mask) instead, unless the user chose a number.
+    env = dict(os.environ)
+    env.setdefault("OMP_NUM_THREADS", str(max(1, len(os.sched_getaffinity(0)) // nproc)))
+    print(f"torchrun: {nproc} process(es) x {env['OMP_NUM_THREADS']} thread(s) (OMP_NUM_THREADS)",
+          flush=True)
+    error_file = cfg.run_dir / "logs" / "error.txt"
+    error_file.unlink(missing_ok=True)
+    # --standalone: a private rendezvous on a free local port, so two local runs never meet.
+    # torchrun ignores SIGINT (it is told not to take it over: its own handling ends in a
+    # SignalException traceback); Ctrl-C reaches this process, which writes the stop switch.
+    cmd = [sys.executable, "-m", "llmtrain.training.torchrun", "--signals-to-handle",
+           "SIGTERM,SIGHUP,SIGQUIT", "--standalone", "--nproc-per-node", str(nproc), "-m", "llmtrain",
+           "train", "--config", str(config), *(x for o in overrides for x in ("--set", o))]
+    child = subprocess.Popen(cmd, env=env, preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_IGN))
+    forward = {sig: signal.signal(sig, lambda s, _: child.send_signal(s))
+               for sig in (signal.SIGTERM, signal.SIGHUP)}  # a killed launcher stops torchrun too
+    try:
+        while True:
+            try:
+                rc = child.wait()
+                break
+            except KeyboardInterrupt:
+                print("interrupted: asking the trainer to save and stop at the next step",
+                      file=sys.stderr, flush=True)
+                (cfg.run_dir / "control").mkdir(parents=True, exist_ok=True)
+                (cfg.run_dir / "control" / "stop").write_text("user\n")
+    finally:
+        for sig, handler in forward.items():
+            signal.signal(sig, handler)
+    if rc:  # the trainer's own line last, below torchrun's failure summary
+        if error_file.exists():
+            sys.stderr.write(error_file.read_text())
+        return rc
+    print(f"run_dir: {cfg.run_dir}")
+    return 0

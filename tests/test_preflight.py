@@ -1,0 +1,77 @@
+"""The preflight's verdict (training/preflight.py) and what a slow_node stop asks of Slurm
+(login/slurm.py, the CLI train.slurm runs), in-process; the jobs: tests/test_slurm.py."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import yaml
+
+from conftest import tiny_config
+from llmtrain.cli import main
+from llmtrain.training.preflight import by_node, slow_nodes, verdict
+
+
+@pytest.mark.parametrize("figures,slow", [
+    ({"node1": 1.05, "node2": 0.21}, {"node2": 1.05}),  # two nodes: against the other one
+    ({"node1": 1.0, "node2": 0.75}, {}),  # within 0.7x
+    ({"node1": 1.0, "node2": 0.7}, {}),  # at the ratio is not below it
+    ({"node1": 0.3}, {}),  # one node: nothing to compare
+    # many: against the median of the others, which one slow node does not drag down
+    ({"a": 1.0, "b": 1.1, "c": 0.9, "d": 1.0, "e": 0.5}, {"e": 1.0}),
+    ({"a": 1.0, "b": 1.0, "c": 0.2, "d": 0.2}, {"c": 1.0, "d": 1.0}),  # the others: 1, 1, 0.2
+])
+def test_a_node_below_the_ratio_times_the_other_nodes_median_is_slow(figures, slow):
+    assert slow_nodes(figures, 0.7) == pytest.approx(slow)
+
+
+def test_a_node_is_as_fast_as_its_slowest_rank_and_the_line_names_it(tmp_path):
+    """One throttled GPU sets the pace of a synchronous job: node2's rank 3 makes node2 slow."""
+    ranks = [{"rank": r, "local_rank": r % 2, "node": f"node{r // 2 + 1}", "matmul_tflops": tf,
+              "all_reduce_busbw_gbps": 10.0} for r, tf in enumerate([1.0, 1.1, 1.0, 0.3])]
+    nodes = by_node(ranks)
+    assert nodes["node2"]["ranks"] == [2, 3] and nodes["node2"]["matmul_tflops"] == 0.3
+    assert nodes["node2"]["matmul_tflops_median"] == pytest.approx(0.65)
+    slow = slow_nodes({node: n["matmul_tflops"] for node, n in nodes.items()}, 0.7)
+    path = tmp_path / "preflight" / "7-0.json"
+    assert verdict(nodes, slow, 0.7, False, path) == (
+        f"preflight: node2 is slow: 0.3 TFLOP/s matmul vs 1 on the others (below 0.7x); training on "
+        f"it anyway (slurm.exclude_slow_nodes: true leaves it out); figures in {path}")
+    assert "stopping before training (slurm.exclude_slow_nodes): the job asks to come back without it" \
+        in verdict(nodes, slow, 0.7, True, path)
+
+
+@pytest.fixture
+def stopped(tmp_path, home):
+    """A frozen config with a user's --exclude, and its run's record of a slow_node stop in job 7."""
+    cfg = tiny_config(run={"name": "slurm", "dir": str(tmp_path / "runs")},
+                      data={"prepared_dir": str(tmp_path / "prepared")},
+                      slurm={"nodes": 2, "procs_per_node": 1, "max_requeues": 2,
+                             "extra_args": ["--exclude=node3"]})
+    path = tmp_path / "job.yaml"
+    path.write_text(yaml.safe_dump(cfg))
+    control = tmp_path / "runs" / "slurm" / "control"
+    control.mkdir(parents=True)
+    (control / "exit.json").write_text(json.dumps(
+        {"reason": "slow_node", "step": 40, "requeue": True, "job_id": "7",
+         "exclude": ["node2", "node3"]}))
+    return path, control.parent
+
+
+def test_a_slow_node_stop_comes_back_as_a_continuation_without_it(stopped, capfd):
+    config, run_dir = stopped
+    # exit 3: not requeued in place (Slurm keeps a running job's ExcNodeList), a continuation
+    assert main(["requeue-decision", str(run_dir), "7", "--restarts", "1", "--max-requeues", "2"]) == 3
+    assert capfd.readouterr().out == ("requeueing job 7 without node2, node3 (slow in the preflight) "
+                                      "as a continuation job (requeue 2 of at most 2)\n")
+    assert main(["sbatch-command", "continuation", "--config", str(config), "--script", "train.slurm",
+                 "--after", "7", "--shell"]) == 0
+    # The trainer's list (the job's own exclusions and the slow node) comes after the user's: it wins.
+    assert "--exclude=node3 --exclude=node2,node3 --dependency=afterany:7" in capfd.readouterr().out
+    # Another job's stop excludes nothing; out of requeues, nothing comes back.
+    assert main(["sbatch-command", "continuation", "--config", str(config), "--script", "train.slurm",
+                 "--after", "8", "--shell"]) == 0
+    assert "--exclude=node3 --dependency=afterany:8" in capfd.readouterr().out
+    assert main(["requeue-decision", str(run_dir), "7", "--restarts", "2", "--max-requeues", "2"]) == 1
+    assert capfd.readouterr().out.startswith("not requeueing: the job was requeued 2 times already")
