@@ -226,6 +226,34 @@ def test_a_run_submitted_from_python_is_a_handle_on_its_job(job_config):
     assert yaml.safe_load(job.config.read_text())["train"]["max_steps"] == 3
 
 
+def test_the_scaling_table_as_slurm_jobs_on_one_and_two_nodes(job_config):
+    """`llmtrain bench --nodes 1,2`: two jobs, one after the other, each row its job's figures."""
+    import statistics
+    config = job_config(run={"name": "scale"}, slurm={"procs_per_node": 1})
+    cli("prepare", "--config", config, check=True)
+    proc = cli("bench", "--config", config, "--nodes", "1,2", "--steps", "4", "--warmup", "1")
+    assert proc.returncode == 0, proc.stderr
+    jobs = re.findall(r"job (\d+) \.\.\.$", proc.stderr, re.MULTILINE)
+    assert len(jobs) == 2, proc.stderr
+    header, _, *rows = proc.stdout.splitlines()
+    assert header.startswith("| processes | tokens/s |") and len(rows) == 2
+    root = config.parent / "shared fs" / "runs" / "scale-scaling"
+    speeds = []
+    for n, job, row in zip((1, 2), jobs, rows):
+        run_dir = root / f"{n}n"
+        assert json.loads((run_dir / "provenance.json").read_text())["slurm"]["SLURM_NNODES"] == str(n)
+        assert (run_dir / f"{n}n-{job}.out").is_file()
+        train = [r for r in read_metrics(run_dir) if r["kind"] == "train"]
+        assert [r["step"] for r in train] == [1, 2, 3, 4]
+        speeds.append(statistics.median(r["tokens_per_sec"] for r in train if r["step"] > 1))
+        assert row.startswith(f"| {n} ({n} x 1) | {speeds[-1]:,.0f} | {speeds[-1] / n:,.0f} | "), row
+    assert rows[1].endswith(f"| {speeds[1] / 2 / speeds[0]:.0%} |")
+    first, second = (subprocess.run(["scontrol", "show", "job", job], capture_output=True, text=True).stdout
+                     for job in jobs)
+    end = re.search(r"EndTime=(\S+)", first).group(1)
+    assert re.search(r"StartTime=(\S+)", second).group(1) >= end  # no row shared the nodes
+
+
 def logged(run_dir: Path) -> int:
     try:
         return max((r["step"] for r in read_metrics(run_dir)), default=0)

@@ -3,6 +3,7 @@
     llmtrain check-config --config FILE [--set section.key=value ...] [--world-size N] [--get KEY]
     llmtrain prepare --config FILE [--set ...]
     llmtrain train --config FILE [--set ...]          # usually under torchrun
+    llmtrain estimate --config FILE [--set ...] [--world-size N] [--gpu-mem GIB]   # memory per GPU
     llmtrain export --run-dir DIR [--step N] --out DIR [--dtype fp32|bf16|fp16]
     llmtrain generate (--model DIR | --run-dir DIR [--step N]) --prompt TEXT [--chat]
     llmtrain status RUN_DIR|JOB_ID [--follow]
@@ -322,15 +323,28 @@ def parser() -> argparse.ArgumentParser:
                    "run, runs.png in the current folder for several)")
     p.set_defaults(func=cmd_plot)
 
-    p = sub.add_parser("bench", help="the config's run on 1, 2, ... processes of this machine, a few "
-                       "steps each: a markdown table of tokens/s, memory and scaling efficiency")
+    p = sub.add_parser("bench", help="the config's run on 1, 2, ... processes of this machine (or, "
+                       "with --nodes, Slurm jobs on 1, 2, ... nodes), a few steps each: a markdown "
+                       "table of tokens/s, memory and scaling efficiency")
     _config(p)
     _overrides(p)
     p.add_argument("--nprocs", default="1,2", help="process counts, comma-separated (default: 1,2)")
+    p.add_argument("--nodes", help="node counts instead, comma-separated: Slurm jobs of "
+                   "slurm.procs_per_node processes a node, one after another (default: none: local)")
     p.add_argument("--steps", type=int, default=20, help="steps per run (default: 20)")
     p.add_argument("--warmup", type=int, default=3, help="first steps left out of the timing "
                    "(default: 3)")
     p.set_defaults(func=cmd_bench)
+
+    p = sub.add_parser("estimate", help="the memory a run needs per GPU (parameters, gradients, "
+                       "optimizer, activations, loss, buffers) and whether it fits, before queueing it")
+    _config(p)
+    _overrides(p)
+    p.add_argument("--world-size", type=int, help="GPUs to estimate for (default: slurm.nodes x "
+                   "slurm.procs_per_node)")
+    p.add_argument("--gpu-mem", type=float, metavar="GIB", help="one GPU's memory in GiB, for the "
+                   "verdict (default: the GPU named in slurm.extra_args or partition, else none)")
+    p.set_defaults(func=cmd_estimate)
 
     p = sub.add_parser("download", help="fetch hub models/datasets into $LLMTRAIN_HOME (login node)")
     p.add_argument("--config", metavar="FILE", help="download the hub ids this config names "
@@ -559,7 +573,21 @@ def cmd_control(args) -> int:
 
 def cmd_bench(args) -> int:
     from .scaling import parse_nprocs, scaling_table
+    if args.nodes:
+        from .scaling import slurm_table
+        print(slurm_table(args.config, args.overrides, parse_nprocs(args.nodes, "--nodes"), args.steps,
+                          args.warmup))
+        return 0
     print(scaling_table(args.config, args.overrides, parse_nprocs(args.nprocs), args.steps, args.warmup))
+    return 0
+
+
+def cmd_estimate(args) -> int:
+    if args.world_size is not None and args.world_size < 1:
+        raise UserError(f"--world-size: must be >= 1 (got {args.world_size})")
+    cfg = load_config(args.config, args.overrides, world_size=args.world_size)
+    from .estimate import report
+    print("\n".join(report(cfg, args.gpu_mem, args.world_size)))
     return 0
 
 

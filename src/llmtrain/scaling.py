@@ -1,12 +1,15 @@
 """`llmtrain bench --config FILE --nprocs 1,2,4`: the same run on 1, 2, 4 processes of this
 machine, a few steps each, as a markdown table of throughput, per-process throughput, peak memory
-and scaling efficiency against one process.
+and scaling efficiency against one process. `--nodes 1,2,4`: the same as Slurm jobs on 1, 2, 4
+nodes of slurm.procs_per_node processes each, one after another (each waits for the last:
+afterany), so no row shares the nodes with another.
 
 The global batch stays the config's (strong scaling: more processes, fewer accumulation steps),
 so each row trains the same steps on the same samples. Each run is a real `llmtrain train` under
-torchrun (as submit.sh --local starts it), in <run.dir>/<run.name>-scaling/<N>p, started afresh
-(train.resume: none); it evaluates and saves nothing. Tokens/s is the median over the logged
-steps after the first `--warmup` ones (start-up, compilation). Imports no torch.
+torchrun (as submit.sh --local starts it), or a job `llmtrain submit` queues (as submit.sh
+does), in <run.dir>/<run.name>-scaling/<N>p (or <N>n), started afresh (train.resume: none); it
+evaluates and saves nothing. Tokens/s is the median over the logged steps after the first
+`--warmup` ones (start-up, compilation). Imports no torch.
 """
 
 from __future__ import annotations
@@ -27,6 +30,7 @@ class Row:
     nprocs: int
     tokens_per_sec: float
     peak_mem_gib: float
+    label: str = ""  # the first column, where it says more than the process count
 
 
 def scaling_table(config: str, overrides: list[str], nprocs: list[int], steps: int, warmup: int) -> str:
@@ -39,13 +43,24 @@ def scaling_table(config: str, overrides: list[str], nprocs: list[int], steps: i
     return render([measure(cfg, config, overrides, n, steps, warmup) for cfg, n in zip(cfgs, nprocs)])
 
 
-def measure(cfg: Config, config: str, overrides: list[str], n: int, steps: int, warmup: int) -> Row:
+def bench_sets(cfg: Config, overrides: list[str], name: str, steps: int) -> list[str]:
+    """The overrides of one row's run: a fresh, short run that evaluates and saves nothing."""
     root = Path(cfg.run.dir) / f"{cfg.run.name}-scaling"
-    sets = [*overrides, f"run.dir={root}", f"run.name={n}p", "train.resume=none", "train.epochs=null",
-            f"train.max_steps={steps}",
-            "train.warmup_steps=0", "train.log_every=1", "train.eval_every=0", "train.checkpoint_every=0",
-            "metrics.plot_every_eval=false", "metrics.tensorboard=false", "metrics.wandb=null",
-            "profile.start_step=null"]
+    return [*overrides, f"run.dir={root}", f"run.name={name}", "train.resume=none", "train.epochs=null",
+            f"train.max_steps={steps}", "train.warmup_steps=0", "train.log_every=1", "train.eval_every=0",
+            "train.checkpoint_every=0", "metrics.plot_every_eval=false", "metrics.tensorboard=false",
+            "metrics.wandb=null", "profile.start_step=null"]
+
+
+def measured(run_dir: Path, nprocs: int, warmup: int, label: str = "") -> Row:
+    train = [r for r in read_metrics(run_dir) if r.get("kind") == "train"]
+    timed = [r["tokens_per_sec"] for r in train if r["step"] > warmup]
+    return Row(nprocs, statistics.median(timed), max(r["peak_mem_gib"] for r in train), label)
+
+
+def measure(cfg: Config, config: str, overrides: list[str], n: int, steps: int, warmup: int) -> Row:
+    sets = bench_sets(cfg, overrides, f"{n}p", steps)
+    run_dir = Path(cfg.run.dir) / f"{cfg.run.name}-scaling" / f"{n}p"
     cmd = [sys.executable, "-m", "llmtrain.training.torchrun", "--standalone", "--nproc-per-node", str(n),
            "-m", "llmtrain", "train", "--config", config, *(x for s in sets for x in ("--set", s))]
     print(f"bench: {n} process{'es' if n > 1 else ''}, {steps} steps ...", file=sys.stderr, flush=True)
@@ -54,11 +69,35 @@ def measure(cfg: Config, config: str, overrides: list[str], n: int, steps: int, 
                               "OMP_NUM_THREADS", str(max(1, len(os.sched_getaffinity(0)) // n)))})
     if proc.returncode != 0:
         last = [line for line in proc.stderr.splitlines() if line.startswith("error:")] or proc.stderr.splitlines()[-1:]
-        raise UserError(f"bench: the run on {n} processes failed ({root / f'{n}p'}): "
+        raise UserError(f"bench: the run on {n} processes failed ({run_dir}): "
                         f"{last[-1] if last else 'no output'}")
-    train = [r for r in read_metrics(root / f"{n}p") if r.get("kind") == "train"]
-    timed = [r["tokens_per_sec"] for r in train if r["step"] > warmup]
-    return Row(n, statistics.median(timed), max(r["peak_mem_gib"] for r in train))
+    return measured(run_dir, n, warmup)
+
+
+def slurm_table(config: str, overrides: list[str], nodes: list[int], steps: int, warmup: int) -> str:
+    """The rows as Slurm jobs on 1, 2, ... nodes, queued one after another, then waited for."""
+    from .login.submit import submit
+    if steps <= warmup:
+        raise UserError(f"--steps: must be more than --warmup ({warmup}) (got {steps})")
+    if not nodes or any(n < 1 for n in nodes):
+        raise UserError(f"--nodes: a comma-separated list of node counts >= 1, like 1,2,4 (got {nodes})")
+    cfgs = [load_config(config, [*overrides, f"slurm.nodes={n}"]) for n in nodes]  # every one checked first
+    jobs, after = [], None
+    for cfg, n in zip(cfgs, nodes):
+        job = submit(config, [*bench_sets(cfg, overrides, f"{n}n", steps), f"slurm.nodes={n}"],
+                     dependency=after and f"afterany:{after}")
+        print(f"bench: {n} node{'s' if n > 1 else ''} x {cfg.slurm.procs_per_node or 1}, {steps} steps: "
+              f"job {job.job_id} ...", file=sys.stderr, flush=True)
+        jobs.append((job, cfg))
+        after = job.job_id
+    rows = []
+    for job, cfg in jobs:
+        n, per = cfg.slurm.nodes, cfg.slurm.procs_per_node or 1
+        if (state := job.wait(poll_s=2)) != "finished":
+            raise UserError(f"bench: the job on {n} node(s) is {state}: {job.status().splitlines()[1]} "
+                            f"(log: {job.log})")
+        rows.append(measured(job.run_dir, n * per, warmup, f"{n * per} ({n} x {per})"))
+    return render(rows)
 
 
 def render(rows: list[Row]) -> str:
@@ -67,13 +106,13 @@ def render(rows: list[Row]) -> str:
              "| ---: | ---: | ---: | ---: | ---: |"]
     for r in rows:
         efficiency = (r.tokens_per_sec / r.nprocs) / (base.tokens_per_sec / base.nprocs)
-        lines.append(f"| {r.nprocs} | {r.tokens_per_sec:,.0f} | {r.tokens_per_sec / r.nprocs:,.0f} | "
+        lines.append(f"| {r.label or r.nprocs} | {r.tokens_per_sec:,.0f} | {r.tokens_per_sec / r.nprocs:,.0f} | "
                      f"{r.peak_mem_gib:.2f} | {efficiency:.0%} |")
     return "\n".join(lines)
 
 
-def parse_nprocs(text: str) -> list[int]:
+def parse_nprocs(text: str, flag: str = "--nprocs") -> list[int]:
     try:
         return [int(x) for x in text.split(",") if x.strip()]
     except ValueError:
-        raise ConfigError([f"--nprocs: a comma-separated list of process counts, like 1,2,4 (got {text!r})"]) from None
+        raise ConfigError([f"{flag}: a comma-separated list of counts, like 1,2,4 (got {text!r})"]) from None
