@@ -137,6 +137,9 @@ def test_dry_run_prints_the_exact_sbatch_command(job_config):
     assert re.fullmatch(re.escape(f"LLMTRAIN_CONFIG={run_dir}/submitted/") + r"\d{8}-\d{6}-\d+\.yaml",
                         frozen)
     assert not Path(frozen.split("=", 1)[1]).exists()  # a dry run writes nothing
+    estimate = proc.stdout[proc.stdout.index("memory estimate (llmtrain estimate):"):]
+    assert re.search(r"^  llama: [\d,]+ parameters .*ddp on 2 ranks", estimate, re.MULTILINE), estimate
+    assert re.search(r"^  total +\d+\.\d\d ", estimate, re.MULTILINE), estimate
     assert command[command.index("sbatch"):] == [
         "sbatch", "--parsable", "--job-name=dry", "--nodes=1", "--ntasks-per-node=1",
         "--cpus-per-task=1", "--mem=0", "--time=02:30:00", f"--output={run_dir}/%x-%j.out",

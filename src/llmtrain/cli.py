@@ -477,6 +477,13 @@ def cmd_submit(args) -> int:
         import shlex
         print("\n".join(shlex.join(cmd) for cmd in job.commands))
     print("\n".join(submit.submitted_lines(job)), flush=True)
+    if args.dry_run:  # what one GPU will need, before anything waits in the queue
+        from .estimate import report
+        try:
+            cfg = load_config(args.config, args.overrides)
+            print("memory estimate (llmtrain estimate):\n" + "\n".join(f"  {line}" for line in report(cfg)))
+        except UserError as e:
+            print(f"memory estimate: not available ({e})")
     return 0
 
 

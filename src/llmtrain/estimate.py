@@ -1,0 +1,337 @@
+"""The memory one GPU needs for a run, before it is queued: `llmtrain estimate`.
+
+    llmtrain estimate --config FILE [--set K=V ...] [--world-size N] [--gpu-mem GIB]
+    lines = report(cfg, gpu_mem_gib=None, world_size=None)   # the table submit.sh --dry-run prints
+    est = estimate(cfg)                                        # the figures: bytes per rank
+
+Parameters are counted exactly on the model's meta skeleton, built as the trainer builds it
+(LoRA adapters added; no weights). The rest are formulas for the trainer's step, in bytes per
+rank. S: ranks a parameter is sharded over (fsdp: all; hsdp: parallel.shard_size; ddp: 1);
+P, Pt: all, trainable parameters (sharded: FSDP2's ceil(rows / S) rows of each); p: bytes of
+train.precision (2, fp32: 4); r: the residual stream's (p under FSDP2, 4 under autocast);
+T = micro batch x seq_len; h, i, a, k, d, L, V: hidden, intermediate, heads, kv heads, head dim,
+layers, vocabulary; Pl, Pr, H: one layer's, the root's (embeddings, final norm, head), the head's.
+
+- parameters: 4 P / S, fp32 whatever the precision
+- gradients: 4 Pt / S, fp32; DDP holds them all along (its all-reduce buckets), FSDP2 rebuilds
+  them in each backward (held throughout with accumulation); plus unsharded ones in flight, p
+  each: the head's until the root's reduce-scatter, a layer's
+- optimizer state: 8 Pt / S (AdamW's two fp32 moments)
+- param copies: FSDP2 gathers p (Pr + Pl): the root stays gathered from forward to backward, a
+  layer while it computes (every layer without reshard_after_forward); DDP's bf16/fp16 autocast
+  caches p per weight of every layer from forward to backward
+- activations, per layer and token: 2 (4 + r) h (each RMSNorm keeps its fp32 input and its
+  normalised values) + 2 p h (the norms' outputs, as the projections keep them; autocast: one
+  copy per projection) + p (2 a d + 2 k d) + 4 a (SDPA keeps q, k, v, its output and the fp32
+  log-sum-exp, never the T x T scores; eager attention does: + a T (4 + p)) + 4 p i (gated MLP:
+  gate, its activation, up, their product; 2 p i ungated). A checkpointed layer keeps its input,
+  r h, and one layer is recomputed at a time; backward holds T (p i + 8 h) of gradients
+- loss (train.chunked_loss): T r h (the hidden states' gradient) + 4 H (the head's fp32
+  gradient) + C V (4 + p) (a chunk's fp32 logits and their cast, C = 256 MiB / 4 V tokens) +
+  p H (a chunk's head-gradient product); the full logits' loss: T V (12 + p)
+- comm buffers (FSDP2): the prefetched layer's all-gather output (p Pl per
+  parallel.prefetch_layers) and the previous reduce-scatter's fp32 input (4 Pl; the root's 4 Pr),
+  kept until the next one instead of record_stream. DDP: none, NCCL reduces the buckets in place
+
+The peak is the largest total of four moments: the loss at the end of forward (every activation
+kept), the backward of the last layer and of the first (the other layers' gradients reduced),
+and the root's reduce-scatter (FSDP2). It is tensor memory, what torch.cuda.max_memory_allocated
+reports; the CUDA context, NCCL's own buffers and fragmentation come on top, so a run fits when
+the total is within 90% of the GPU's memory (HEADROOM). It matches the peaks torch's memory
+tracker measures in the trainer's own steps within a few percent (tests/test_estimate.py,
+doc/benchmarks.md), for Llama-style layers (RMSNorm, gated MLP) run eagerly (not compiled).
+"""
+
+from __future__ import annotations
+
+import math
+import re
+from dataclasses import dataclass
+
+from .config import Config, UserError
+
+GIB = 2**30
+HEADROOM = 0.10  # of a GPU's memory: CUDA context, NCCL buffers, allocator fragmentation
+PRECISION_BYTES = {"bf16": 2, "fp16": 2, "fp32": 4}
+# GPU names as Slurm configs spell them (gres, constraints, partitions) -> GiB; the first match wins.
+GPU_MEMORY_GIB = [
+    (r"h100[-_ ]?nvl", "H100 NVL", 94), (r"gh200", "GH200", 96), (r"h200", "H200", 141),
+    (r"h100", "H100", 80), (r"b200", "B200", 180), (r"a100[-_ ]?(sxm4?[-_ ]?)?80", "A100 80GB", 80),
+    (r"a100", "A100 (the 40GB model assumed)", 40), (r"l40s?\b", "L40(S)", 48), (r"a40\b", "A40", 48),
+    (r"\bl4\b", "L4", 24), (r"a10g?\b", "A10", 24), (r"v100[-_ ]?32", "V100 32GB", 32),
+    (r"v100", "V100 (the 16GB model assumed)", 16), (r"mi300x", "MI300X", 192), (r"mi250x?", "MI250", 64),
+]
+ROWS = {"parameters": "parameters", "gradients": "gradients", "optimizer": "optimizer state",
+        "param_copies": "param copies", "activations": "activations", "loss": "loss", "comm": "comm buffers"}
+
+
+@dataclass(frozen=True)
+class ModelShape:
+    """What the formulas read from the model's meta skeleton and its Hugging Face config."""
+    model_type: str
+    params: int
+    trainable: int
+    rows: tuple  # (first dimension, numel, trainable) of every parameter, for sharded sizes
+    layer: int  # parameters of the largest decoder layer
+    layer_trainable: int
+    layer_matrices: int  # its projections (2-D weights) and their parameters
+    layer_matrix_params: int
+    root: int  # the rest: embeddings, final norm, head
+    root_trainable: int
+    head: int  # the output head's weight, vocab x hidden
+    head_trainable: int
+    layers: int
+    hidden: int
+    intermediate: int
+    heads: int
+    kv_heads: int
+    head_dim: int
+    vocab: int
+    gated: bool  # a gated MLP (SwiGLU), as Llama's
+    chunked: bool  # the loss runs in chunks (train.chunked_loss and a plain linear head)
+
+
+@dataclass(frozen=True)
+class Estimate:
+    """Bytes per rank at the step's peak, by component (ROWS); `phase` names the moment."""
+    parameters: int
+    gradients: int
+    optimizer: int
+    param_copies: int
+    activations: int
+    loss: int
+    comm: int
+    phase: str
+    params: int
+    trainable: int
+    world_size: int
+    shard_size: int
+    micro_batch: int
+
+    @property
+    def total(self) -> int:
+        return sum(getattr(self, name) for name in ROWS)
+
+
+def model_shape(cfg: Config) -> ModelShape:
+    """The model built on the meta device as parallelize builds it (LoRA applied): seconds for
+    70B parameters, no memory. Raises ModelNotFound (a UserError) if the model is not on disk."""
+    from .model.build import build_model, decoder_layers, load_tokenizer, model_config
+    from .model.lora import apply_lora, is_adapter
+    from .model.loss import chunk_head
+
+    # The tokenizer only sizes an inline architecture's vocabulary; a folder's config.json has it.
+    config = model_config(cfg, load_tokenizer(cfg) if cfg.model.architecture is not None else None)
+    model = build_model(config, cfg, "meta")
+    if cfg.model.lora_spec is not None:
+        apply_lora(model, cfg.model.lora_spec)
+    params = dict(model.named_parameters())  # tied weights once
+    layers = decoder_layers(model)
+    per_layer = [dict(layer.named_parameters()) for layer in layers]
+    largest = max(per_layer, key=lambda ps: sum(p.numel() for p in ps.values()))
+    in_layers = {id(p) for ps in per_layer for p in ps.values()}
+    root = [p for p in params.values() if id(p) not in in_layers]
+    matrices = [p for n, p in largest.items() if p.ndim == 2 and not is_adapter(n)]
+    head = model.get_output_embeddings().weight
+    hidden, heads = config.hidden_size, config.num_attention_heads
+    return ModelShape(
+        model_type=config.model_type,
+        params=sum(p.numel() for p in params.values()),
+        trainable=sum(p.numel() for p in params.values() if p.requires_grad),
+        rows=tuple((p.shape[0] if p.ndim else 1, p.numel(), p.requires_grad) for p in params.values()),
+        layer=sum(p.numel() for p in largest.values()),
+        layer_trainable=sum(p.numel() for p in largest.values() if p.requires_grad),
+        layer_matrices=len(matrices), layer_matrix_params=sum(p.numel() for p in matrices),
+        root=sum(p.numel() for p in root), root_trainable=sum(p.numel() for p in root if p.requires_grad),
+        head=head.numel(), head_trainable=head.numel() if head.requires_grad else 0,
+        layers=len(layers), hidden=hidden, heads=heads,
+        intermediate=getattr(config, "intermediate_size", None) or 4 * hidden,
+        kv_heads=getattr(config, "num_key_value_heads", None) or heads,
+        head_dim=getattr(config, "head_dim", None) or hidden // heads, vocab=config.vocab_size,
+        gated=any("gate" in name for name in largest),
+        chunked=cfg.train.chunked_loss and chunk_head(model, config) is not None,
+    )
+
+
+def shard_size(cfg: Config, world: int) -> int:
+    """Ranks a parameter is sharded over, as model/parallel.py shards (hsdp's default: a node)."""
+    strategy = cfg.parallel.strategy
+    if strategy != "hsdp":
+        return world if strategy == "fsdp" else 1
+    shard = cfg.parallel.shard_size or min(world, cfg.world_size // cfg.slurm.nodes)
+    if world % shard:
+        raise UserError(f"parallel.shard_size: must divide the world size {world} (got {shard}); "
+                        f"hsdp shards within groups of shard_size ranks")
+    return shard
+
+
+def estimate(cfg: Config, world_size: int | None = None, micro_batch: int | None = None,
+             shape: ModelShape | None = None) -> Estimate:
+    """Bytes per rank at the peak of a training step of `cfg` on world_size ranks (default the
+    config's), at micro_batch (default train.micro_batch_size)."""
+    m = shape or model_shape(cfg)
+    world = world_size or cfg.world_size
+    micro = micro_batch or cfg.train.micro_batch_size
+    t, par = cfg.train, cfg.parallel
+    shard = shard_size(cfg, world)
+    sharded = par.strategy != "ddp"
+    p = PRECISION_BYTES[t.precision]
+    autocast = not sharded and p < 4  # DDP and one process: fp32 weights, autocast to bf16/fp16
+    res = p if sharded else 4  # the residual stream: FSDP2 computes in p, autocast leaves it fp32
+    tokens = micro * cfg.data.seq_len
+    accum = max(1, t.global_batch_size // (micro * world))
+    h, L = m.hidden, m.layers
+
+    params = 4 * _sharded(m, shard, trainable_only=False)
+    grads = 4 * _sharded(m, shard, trainable_only=True)
+    deferred = 4 * m.trainable if sharded and not par.reduce_every_micro_batch and accum > 1 else 0
+    held = grads if (not sharded and world > 1) or accum > 1 else 0  # gradients there from forward on
+    layer_acts = tokens * _layer_bytes(m, p, res, autocast, cfg)
+    every = cfg.model.activation_checkpointing_every
+    checkpointed = -(-L // every) if cfg.model.activation_checkpointing else 0
+    kept = (L - checkpointed) * layer_acts + checkpointed * tokens * res * h + tokens * (4 + res) * h
+    recompute = layer_acts if checkpointed else 0
+    backward = tokens * (p * m.intermediate + 8 * h)
+    loss = _loss_bytes(m, tokens, p, res, autocast)
+
+    # Each moment: (gradients, param copies, activations, loss, comm buffers)
+    if sharded:  # FSDP2: the root stays gathered from forward to backward
+        gathered = p * (m.root + (1 if par.reshard_after_forward else L) * m.layer)
+        # unsharded gradients: the head's, until the root's reduce-scatter, and the layer's
+        in_flight = p * (m.head_trainable + m.layer_trainable)
+        reduced = 4 * (m.trainable - m.root_trainable - m.layer_trainable) // shard  # other layers'
+        prefetched = max(1, par.prefetch_layers) * p * m.layer  # all-gather outputs
+        phases = {
+            "the loss, at the end of forward": (held, gathered, kept, loss, 0),
+            "the backward of the last layer": (held + in_flight, gathered, kept + recompute + backward,
+                                               0, prefetched + 4 * m.layer_trainable),
+            "the backward of the first layer": (max(held, reduced) + in_flight, p * (m.root + m.layer),
+                                                layer_acts + backward, 0, 4 * m.layer_trainable),
+            "the root's reduce-scatter, at the end of backward": (
+                grads + p * m.root_trainable, 0, 0, 0, 4 * m.root_trainable),
+        }
+    else:  # DDP: every gradient held in its buckets; autocast caches each layer's weights
+        cast = p * m.layer_matrix_params if autocast else 0
+        phases = {
+            "the loss, at the end of forward": (held, L * cast, kept, loss, 0),
+            "the backward of the last layer": (held or 4 * m.head_trainable,
+                                               (L - checkpointed + bool(checkpointed)) * cast,
+                                               kept + recompute + backward, 0, 0),
+            "the backward of the first layer": (grads, cast, layer_acts + backward, 0, 0),
+        }
+    phase, (gradients, copies, activations, loss_bytes, comm) = max(
+        phases.items(), key=lambda item: sum(item[1]))
+    return Estimate(parameters=params, gradients=gradients + deferred, optimizer=2 * grads,
+                    param_copies=copies, activations=activations, loss=loss_bytes, comm=comm,
+                    phase=phase, params=m.params, trainable=m.trainable, world_size=world,
+                    shard_size=shard, micro_batch=micro)
+
+
+def _sharded(m: ModelShape, shard: int, trainable_only: bool) -> int:
+    """Parameters one rank holds: FSDP2 gives each rank ceil(rows / shard) rows of each."""
+    return sum(-(-rows // shard) * (numel // rows) for rows, numel, trains in m.rows
+               if trains or not trainable_only)
+
+
+def _layer_bytes(m: ModelShape, p: int, res: int, autocast: bool, cfg: Config) -> int:
+    """Activation bytes one decoder layer keeps for backward, per token."""
+    norms = 2 * (4 + res) * m.hidden
+    # autocast casts a norm's output once per projection reading it: all but the two output ones
+    norm_outputs = (m.layer_matrices - 2 if autocast else 2) * p * m.hidden
+    attention = p * 2 * (m.heads + m.kv_heads) * m.head_dim + 4 * m.heads
+    if cfg.model.attn_implementation == "eager":  # the scores' softmax, fp32 and cast
+        attention += m.heads * cfg.data.seq_len * (4 + (p if p < 4 else 0))
+    mlp = (4 if m.gated else 2) * p * m.intermediate
+    return norms + norm_outputs + attention + mlp
+
+
+def _loss_bytes(m: ModelShape, tokens: int, p: int, res: int, autocast: bool) -> int:
+    """The loss's peak: chunked (model/loss.py) or over the full logits."""
+    from .model.loss import CHUNK_LOGIT_BYTES
+    cast = p if p < 4 else 0
+    if not m.chunked:
+        return tokens * (m.vocab * (12 + cast) + res * m.hidden) + (p * m.head if autocast else 0)
+    chunk = min(tokens, max(1, CHUNK_LOGIT_BYTES // (4 * m.vocab)))
+    return (tokens * res * m.hidden + 4 * m.head + chunk * m.vocab * (4 + cast)
+            + p * m.head * (1 + autocast))
+
+
+def gpu_memory(cfg: Config, gpu_mem_gib: float | None = None) -> tuple[str, float] | None:
+    """(where from, GiB) of one GPU: --gpu-mem, else a GPU named in slurm.extra_args, partition
+    or qos (`--gres=gpu:h100:4`, `--constraint=a100_80gb`); None if neither says."""
+    if gpu_mem_gib is not None:
+        if not gpu_mem_gib > 0 or math.isinf(gpu_mem_gib):
+            raise UserError(f"--gpu-mem: must be a GPU's memory in GiB, > 0 (got {gpu_mem_gib})")
+        return "--gpu-mem", gpu_mem_gib
+    s = cfg.slurm
+    text = " ".join(str(x) for x in (*s.extra_args, s.partition or "", s.qos or "")).lower()
+    for pattern, name, gib in GPU_MEMORY_GIB:
+        if re.search(pattern, text):
+            return f"{name}, named in the slurm section", gib
+    return None
+
+
+def largest_micro_batch(cfg: Config, usable: float, world: int, shape: ModelShape) -> int | None:
+    """The largest micro batch whose peak is within `usable` bytes, among those that divide the
+    rank's share of train.global_batch_size (the config's rule); None if not even 1 fits."""
+    per_rank = max(1, cfg.train.global_batch_size // world)
+    fitting = [m for m in range(1, per_rank + 1)
+               if per_rank % m == 0 and estimate(cfg, world, m, shape).total <= usable]
+    return fitting[-1] if fitting else None
+
+
+def report(cfg: Config, gpu_mem_gib: float | None = None, world_size: int | None = None) -> list[str]:
+    """The estimate as printable lines: the run, a table of GiB per GPU, the verdict. Raises
+    UserError (a bad --gpu-mem, a model not on disk)."""
+    gpu = gpu_memory(cfg, gpu_mem_gib)
+    shape = model_shape(cfg)
+    est = estimate(cfg, world_size, shape=shape)
+    mc, t = cfg.model, cfg.train
+    every = mc.activation_checkpointing_every
+    checkpointing = ("off" if not mc.activation_checkpointing
+                     else "every layer" if every == 1 else f"every {every} layers")
+    lines = [f"{shape.model_type}: {shape.params:,} parameters ({shape.trainable:,} trainable); "
+             f"{cfg.parallel.strategy} on {est.world_size} {'GPUs' if cfg.slurm.gpus_per_node else 'ranks'}, "
+             f"{t.precision}, micro batch "
+             f"{est.micro_batch} x {cfg.data.seq_len} tokens, activation checkpointing {checkpointing}",
+             f"{'per GPU':<16} {'GiB':>7}  what"]
+    what = _descriptions(cfg, est, shape)
+    lines += [f"{row:<16} {getattr(est, name) / GIB:>7.2f}  {what[name]}" for name, row in ROWS.items()]
+    lines.append(f"{'total':<16} {est.total / GIB:>7.2f}  at the peak: {est.phase} (each row at that moment)")
+    if gpu is None:
+        return lines + ["no GPU memory to compare with: pass --gpu-mem GIB, or name the GPU in "
+                        "slurm.extra_args (--gres=gpu:h100:4)"]
+    source, gib = gpu
+    usable = gib * (1 - HEADROOM)
+    room = (f"{usable:.1f} GiB usable of {gib:g} GiB ({source}; {HEADROOM:.0%} kept for the CUDA "
+            f"context, NCCL and fragmentation)")
+    best = largest_micro_batch(cfg, usable * GIB, est.world_size, shape)
+    if best is None:
+        return lines + [f"does not fit: {est.total / GIB:.2f} GiB > {room}, even at micro batch 1; "
+                        f"shard over more GPUs (parallel.strategy: fsdp), turn on "
+                        f"model.activation_checkpointing or shorten data.seq_len"]
+    verdict = "fits: {:.2f} GiB <=" if est.total <= usable * GIB else "does NOT fit: {:.2f} GiB >"
+    return lines + [f"{verdict.format(est.total / GIB)} {room}",
+                    f"largest micro batch that fits: {best} (train.micro_batch_size is {t.micro_batch_size}; "
+                    f"it must divide the global batch per GPU, {t.global_batch_size} / {est.world_size} "
+                    f"= {t.global_batch_size // est.world_size})"]
+
+
+def _descriptions(cfg: Config, est: Estimate, shape: ModelShape) -> dict[str, str]:
+    """The table's last column: what each row holds, for this strategy and precision."""
+    precision = cfg.train.precision
+    if cfg.parallel.strategy == "ddp":
+        where, grads = "a full copy per GPU", "fp32, DDP's all-reduce buckets"
+        copies = "none (fp32)" if precision == "fp32" else f"{precision} weights cached by autocast"
+        comm = "none: NCCL reduces the buckets in place"
+    else:
+        replicas = est.world_size // est.shard_size
+        where = f"sharded over {est.shard_size} GPUs" + (f", {replicas} replicas" if replicas > 1 else "")
+        grads = "fp32 shards; unsharded ones in flight (the head's, a layer's)"
+        copies = f"{precision}: the root (embeddings, head) and the layers gathered now"
+        comm = "the prefetched layer's all-gather, a reduce-scatter input"
+    return {"parameters": f"fp32, {where}", "gradients": grads,
+            "optimizer": "AdamW: 2 fp32 moments per trainable parameter", "param_copies": copies,
+            "activations": "kept for backward, a recomputed layer, backward's own",
+            "loss": "a chunk's logits, the head's fp32 gradient" if shape.chunked else "the full logits",
+            "comm": comm}

@@ -1,0 +1,76 @@
+"""Each rank's peak tensor memory in a training step, for the memory estimator's test; run under
+torchrun:
+
+    torchrun --nproc-per-node 2 tests/memory_probe.py CONFIG OUT_DIR CASE=OVERRIDE,OVERRIDE ...
+
+For each case the model, loss head, optimizer and step are the trainer's own (parallelize,
+chunk_head, build_optimizer, forward_backward, optimizer_step) on random tokens; two steps run
+first (optimizer state, DDP's rebuilt buckets), then one step under torch's memory tracker
+(MemTracker; FSDPMemTracker for FSDP2), which counts every tensor's storage as the CUDA caching
+allocator would (torch.cuda.max_memory_allocated). Writes OUT_DIR/rank-R.json:
+{case: {"peak": bytes, "parts": {category: bytes at the peak}}}.
+"""
+
+from __future__ import annotations
+
+import gc
+import json
+import sys
+from pathlib import Path
+
+import torch
+from torch.distributed._tools.fsdp2_mem_tracker import FSDPMemTracker
+from torch.distributed._tools.mem_tracker import MemTracker
+
+from llmtrain.config import load_config
+from llmtrain.data.loader import Batch
+from llmtrain.model.build import load_tokenizer, model_config
+from llmtrain.model.loss import chunk_head
+from llmtrain.model.parallel import grad_scaler, parallelize, unwrap
+from llmtrain.training import distributed
+from llmtrain.training.loop import forward_backward, optimizer_step
+from llmtrain.training.optim import build_optimizer
+
+
+def measure(cfg, world) -> dict:
+    config = model_config(cfg, load_tokenizer(cfg))
+    model = parallelize(cfg, config, world)
+    head = chunk_head(model, config)
+    optimizer = build_optimizer(model, cfg.train, world.device)
+    scaler = grad_scaler(cfg, world.device)
+    generator = torch.Generator().manual_seed(world.rank)
+    shape = (cfg.train.micro_batch_size, cfg.data.seq_len + 1)
+    targets = float(shape[0] * (shape[1] - 1))
+
+    def step(tracker=None):
+        batch = Batch(torch.randint(0, 400, shape, generator=generator))
+        forward_backward(model, head, optimizer, scaler, [batch], targets, cfg)
+        if tracker is not None:  # DDP: its buckets, which the gradients are views of, exist from here on
+            tracker.track_external(unwrap(model), optimizer)
+        optimizer_step(optimizer, scaler)
+
+    sharded = cfg.parallel.strategy != "ddp"
+    tracker = FSDPMemTracker(model, optimizer) if sharded else MemTracker()
+    step()
+    step(None if sharded else tracker)
+    with tracker:
+        step()
+    snapshot = tracker.get_tracker_snapshot("peak")[world.device]
+    return {"peak": snapshot["Total"], "parts": {str(getattr(k, "value", k)): v for k, v in snapshot.items()}}
+
+
+def main() -> None:
+    config, out, cases = sys.argv[1], Path(sys.argv[2]), sys.argv[3:]
+    figures, world = {}, None
+    for case in cases:
+        name, _, overrides = case.partition("=")
+        cfg = load_config(config, overrides.split(",") if overrides else [], world_size=2)
+        world = world or distributed.init(cfg)
+        figures[name] = measure(cfg, world)
+        gc.collect()  # the case's model and optimizer, before the next one's
+    (out / f"rank-{world.rank}.json").write_text(json.dumps(figures))
+    distributed.teardown(world, True)
+
+
+if __name__ == "__main__":
+    main()
