@@ -134,6 +134,15 @@ ROWS = [
      r"\(train\.log_every\)"),
     ("bench-indivisible", lambda r, g, t: ["bench", "--config", g, "--nprocs", "1,3"], 2,
      r"train\.global_batch_size: must be divisible by micro_batch_size x world size = \d+ x 3 = \d+ \(got \d+\)"),
+    ("estimate-bad-gpu", lambda r, g, t: ["estimate", "--config", g, "--gpu-mem", "0"], 1,
+     r"error: --gpu-mem: must be a GPU's memory in GiB, > 0 \(got 0\.0\)"),
+    ("submit-no-process", lambda r, g, t: ["submit", "--config", g, "--local", "--nproc", "0"], 1,
+     r"error: --nproc: must be a positive integer \(got 0\)"),
+    ("sweep-slurm-key", lambda r, g, t: ["sweep", "--config", g, "--local", "--grid", "slurm.nodes=1,2"], 2,
+     r"--grid slurm\.nodes: a sweep's points share one job array .*; sweep this key as separate sweeps"),
+    ("sweep-status-not-a-sweep", lambda r, g, t: ["sweep-status", t], 1,
+     r"error: .*: not a sweep directory \(no sweep\.json\); it is <run\.dir>/<run\.name>-sweep, which "
+     r"llmtrain sweep prints"),
     ("download-nothing", lambda r, g, t: ["download", "--config", g], 1,  # local paths only
      r"error: nothing to download: the config names no hub ids \(only local paths\); or pass "
      r"--model / --dataset"),
@@ -179,16 +188,16 @@ def test_the_finished_run_still_resumes_after_every_mistake(world):
 
 def test_every_command_in_the_help_has_a_row(tmp_path):
     """The commands `llmtrain --help` shows a user each have a mistake above (sbatch-command and
-    requeue-decision are submit.sh's and train.slurm's: tests/test_sbatch.py, test_scripts.py)."""
+    requeue are submit.sh's and train.slurm's: tests/test_sbatch.py, test_scripts.py)."""
     helped = cli("--help", check=True).stdout
     listed = set(re.findall(r"^ {4}([a-z][a-z-]+)(?: |$)", helped, re.MULTILINE))
-    assert {"check-config", "train", "sbatch-command", "requeue-decision"} <= listed, helped
+    assert {"check-config", "train", "sbatch-command", "requeue"} <= listed, helped
     good = cfg_with(tmp_path / "good")  # what the builders read; their files go to row folders
     covered = set()
     for i, (_, build, _, _) in enumerate(ROWS):
         (tmp_path / f"row{i}").mkdir()
         covered.add(str(build(tmp_path, good, tmp_path / f"row{i}")[0]))
-    assert covered == listed - {"sbatch-command", "requeue-decision"}
+    assert covered == listed - {"sbatch-command", "requeue"}
 
 
 def test_disk_full_during_a_save_keeps_the_previous_checkpoint(world, tmp_path):

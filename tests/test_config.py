@@ -98,6 +98,9 @@ BROKEN = [
      "slurm.slow_node_ratio: must be in (0, 1) (got 1.5)"),
     ({"slurm": {"exclude_slow_nodes": True, "preflight": False}},
      "slurm.exclude_slow_nodes: needs slurm.preflight: true, which finds the slow nodes"),
+    ({"slurm": {"exclude_slow_nodes": True, "max_requeues": 0}},
+     "slurm.exclude_slow_nodes: the job comes back without a slow node as a requeue, and "
+     "slurm.max_requeues is 0; allow at least 1, or turn exclude_slow_nodes off"),
     ({"train": {"micro_batch_size": 0}},
      "train.micro_batch_size: must be > 0 (got 0)"),
     ({"parallel": {"strategy": "hsdp", "shard_size": 3}},

@@ -96,6 +96,17 @@ def test_the_cli_prints_the_table_and_the_verdict_for_8b_in_seconds(home, write_
     assert estimate(cfg, micro_batch=best, shape=shape).total <= 72 * GIB
     assert best == 8 or estimate(cfg, micro_batch=2 * best, shape=shape).total > 72 * GIB
 
+    # The other choices at the same world size: the config's own is the total above; DDP keeps
+    # 16 bytes a parameter on every GPU (120 GiB before any activation) and cannot fit.
+    others = {m[0]: (float(m[1]), m[2]) for m in re.findall(
+        r"^  (\w[\w +()-]*?) +(\d+\.\d\d) GiB (fits|too big)$", proc.stdout, re.MULTILINE)}
+    assert list(others) == ["ddp", "ddp + checkpointing", "fsdp", "fsdp + checkpointing",
+                            "hsdp (8-way shards)", "hsdp + checkpointing (8-way shards)"], proc.stdout
+    assert others["fsdp + checkpointing"] == (rows["total"], "fits")
+    assert others["ddp"][1] == "too big" and others["ddp"][0] > 120
+    assert others["hsdp + checkpointing (8-way shards)"] == others["fsdp + checkpointing"]  # one node
+    assert others["fsdp"][0] > others["fsdp + checkpointing"][0]
+
     small = cli("estimate", "--config", config, "--gpu-mem", "16")  # 14.4 GiB usable
     assert small.returncode == 0, small.stderr
     assert small.stdout.splitlines()[-1].startswith(f"does not fit: {rows['total']:.2f} GiB > 14.4 GiB "

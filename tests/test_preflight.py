@@ -4,6 +4,8 @@
 from __future__ import annotations
 
 import json
+import os
+import re
 
 import pytest
 import yaml
@@ -59,19 +61,31 @@ def stopped(tmp_path, home):
     return path, control.parent
 
 
-def test_a_slow_node_stop_comes_back_as_a_continuation_without_it(stopped, capfd):
+def test_a_slow_node_stop_comes_back_as_a_continuation_without_it(stopped, tmp_path, monkeypatch, capfd):
+    """What train.slurm runs after its step (`llmtrain requeue`), with sbatch and scontrol
+    recording their calls: no requeue in place (Slurm keeps a running job's ExcNodeList), a
+    continuation job with the trainer's list after the user's own --exclude (the last one wins)."""
     config, run_dir = stopped
-    # exit 3: not requeued in place (Slurm keeps a running job's ExcNodeList), a continuation
-    assert main(["requeue-decision", str(run_dir), "7", "--restarts", "1", "--max-requeues", "2"]) == 3
-    assert capfd.readouterr().out == ("requeueing job 7 without node2, node3 (slow in the preflight) "
-                                      "as a continuation job (requeue 2 of at most 2)\n")
-    assert main(["sbatch-command", "continuation", "--config", str(config), "--script", "train.slurm",
-                 "--after", "7", "--shell"]) == 0
-    # The trainer's list (the job's own exclusions and the slow node) comes after the user's: it wins.
-    assert "--exclude=node3 --exclude=node2,node3 --dependency=afterany:7" in capfd.readouterr().out
-    # Another job's stop excludes nothing; out of requeues, nothing comes back.
-    assert main(["sbatch-command", "continuation", "--config", str(config), "--script", "train.slurm",
-                 "--after", "8", "--shell"]) == 0
-    assert "--exclude=node3 --dependency=afterany:8" in capfd.readouterr().out
-    assert main(["requeue-decision", str(run_dir), "7", "--restarts", "2", "--max-requeues", "2"]) == 1
-    assert capfd.readouterr().out.startswith("not requeueing: the job was requeued 2 times already")
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    for tool, reply in (("sbatch", "99;cluster"), ("scontrol", "")):
+        (bin_dir / tool).write_text(f'#!/bin/sh\necho "$@" >>"{tmp_path}/{tool}.calls"\necho "{reply}"\n')
+        (bin_dir / tool).chmod(0o755)
+    monkeypatch.setenv("PATH", f"{bin_dir}:{os.environ['PATH']}")
+
+    def requeue(job: str, restarts: int) -> str:
+        capfd.readouterr()
+        assert main(["requeue", str(run_dir), job, "--config", str(config), "--script", "train.slurm",
+                     "--restarts", str(restarts), "--max-requeues", "2", "--", "--resume-hint"]) == 0
+        return re.sub(r"^\d\d:\d\d:\d\d ", "", capfd.readouterr().out, flags=re.MULTILINE)
+
+    assert requeue("7", 1) == (
+        "requeueing job 7 without node2, node3 (slow in the preflight) as a continuation job (requeue 2 "
+        "of at most 2)\nslow node left out; submitted continuation job 99 (starts when this job ends)\n")
+    assert not (tmp_path / "scontrol.calls").exists()
+    sbatch = (tmp_path / "sbatch.calls").read_text()
+    assert "--exclude=node3 --exclude=node2,node3 --dependency=afterany:7 train.slurm --resume-hint" in sbatch
+    # Out of requeues, nothing comes back; another job's stop is not this job's to act on.
+    assert requeue("7", 2).startswith("not requeueing: the job was requeued 2 times already")
+    assert requeue("8", 0) == ""
+    assert (tmp_path / "sbatch.calls").read_text() == sbatch and not (tmp_path / "scontrol.calls").exists()

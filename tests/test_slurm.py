@@ -21,6 +21,7 @@ from conftest import REPO, cli, losses, read_metrics, tiny_config
 from trackers import tensorboard_scalars, wandb_runs
 
 pytestmark = pytest.mark.slow
+SLOW_NODE2 = {"LLMTRAIN_TEST_SLOW_HOST": "node2"}  # the preflight's test hook: node2 looks slow
 
 
 @pytest.fixture
@@ -60,9 +61,10 @@ def wait_for(job_id: str, timeout: float = 240) -> str:
 
 def test_two_node_job_completes_with_everything_in_the_run_dir(job_config):
     """2 nodes x 2 processes, data not prepared yet: a CPU prepare job runs first and training
-    waits for it (afterok). (2 nodes x 1 process: the preemption trials' reference run.)"""
+    waits for it (afterok). (2 nodes x 1 process: the preemption trials' reference run.) node2
+    is slowed on purpose: the preflight names it, and training goes on."""
     config = job_config(train={"global_batch_size": 8, "micro_batch_size": 2})
-    out = submit("--config", config, "--nodes", 2, "--procs-per-node", 2)
+    out = submit("--config", config, "--nodes", 2, "--procs-per-node", 2, env={**os.environ, **SLOW_NODE2})
     assert "prepare_job_id" in out, out
     assert wait_for(out["job_id"]) == "COMPLETED"
     run_dir = Path(out["run_dir"])
@@ -80,6 +82,20 @@ def test_two_node_job_completes_with_everything_in_the_run_dir(job_config):
     status = cli("status", out["job_id"])
     assert f"job: {out['job_id']} COMPLETED" in status.stdout
     assert "progress: step 8/8 (100%)" in status.stdout and "step-00000008 (latest)" in status.stdout
+
+    record = run_dir / "preflight" / f"{out['job_id']}-0.json"
+    named = re.search(r"preflight: node2 is slow: (\S+) TFLOP/s matmul vs (\S+) on the others \(below "
+                      r"0\.7x\); training on it anyway \(slurm\.exclude_slow_nodes: true leaves it "
+                      r"out\); figures in (.*)$", log, re.MULTILINE)
+    assert named and named.group(3) == str(record), log
+    assert re.search(r"preflight: node1 \(2 ranks\): matmul \S+ TFLOP/s .* all-reduce \S+ GB/s", log)
+    assert "node1 is slow" not in log
+    figures = json.loads(record.read_text())
+    nodes = figures["nodes"]
+    assert sorted(nodes) == ["node1", "node2"] and list(figures["slow"]) == ["node2"]
+    assert 0 < nodes["node2"]["matmul_tflops"] < 0.7 * nodes["node1"]["matmul_tflops"]
+    assert all(n["all_reduce_busbw_gbps"] > 0 for n in nodes.values())
+    assert sorted(r["node"] for r in figures["ranks"]) == ["node1", "node1", "node2", "node2"]
 
 
 def test_a_crashing_rank_fails_the_job_promptly(job_config, tmp_path):
@@ -190,12 +206,19 @@ def test_a_sweep_runs_its_points_as_one_throttled_array_and_its_status_shows_the
     trained from its own value; `sweep status` shows each point's state, step and eval loss."""
     config = job_config(run={"name": "sw"}, train={"max_steps": 4, "eval_every": 2})
     cli("prepare", "--config", config, check=True)
-    proc = cli("sweep", "--config", config, "--grid", "train.lr=1e-3,3e-3,1e-2", "--max-parallel", "2")
+    grid = ["--grid", "train.lr=1e-3,3e-3,1e-2"]
+    proc = cli("sweep", "--config", config, *grid, "--max-parallel", "2", "--", "--hold")
     assert proc.returncode == 0, proc.stderr
     out = dict(re.findall(r"^(\w+): (.*)$", proc.stdout, re.MULTILINE))
     array = out["array_job_id"].split()[0]
     queued = subprocess.run(["scontrol", "show", "job", array], capture_output=True, text=True).stdout
     assert "ArrayTaskId=0-2%2 ArrayTaskThrottle=2" in queued, queued  # 3 tasks, 2 at a time
+    # Held in the queue: each point's status says pending, and the same sweep again is refused.
+    point = Path(out["sweep_dir"]).parent / "sw-2"
+    assert cli("status", point, check=True).stdout.splitlines()[1].startswith(f"state: pending (job {array})")
+    again = cli("sweep", "--config", config, *grid)
+    assert again.returncode == 1 and again.stderr.startswith("error: run 'sw-0' is pending now"), again.stderr
+    subprocess.run(["scontrol", "release", array], check=True)
     deadline = time.monotonic() + 240
     while subprocess.run(["squeue", "-h", "-j", array], capture_output=True, text=True).stdout.strip():
         assert time.monotonic() < deadline, "the sweep's array did not finish in 240 s"
@@ -525,28 +548,6 @@ def test_where_requeue_is_refused_a_continuation_job_finishes_the_run(trials):
 
 
 # The preflight's test hook: the ranks on node2 report a tenth of their matmul speed.
-SLOW_NODE2 = {"LLMTRAIN_TEST_SLOW_HOST": "node2"}
-
-
-def test_preflight_names_a_node_slowed_on_purpose_and_training_goes_on(job_config):
-    config = job_config(run={"name": "slowed"}, slurm={"nodes": 2, "procs_per_node": 1})
-    cli("prepare", "--config", config, check=True)
-    job = submit("--config", config, env={**os.environ, **SLOW_NODE2})
-    assert wait_for(job["job_id"]) == "COMPLETED"
-    log = Path(job["log"]).read_text()
-    record = Path(job["run_dir"]) / "preflight" / f"{job['job_id']}-0.json"
-    named = re.search(r"preflight: node2 is slow: (\S+) TFLOP/s matmul vs (\S+) on the others \(below "
-                      r"0\.7x\); training on it anyway \(slurm\.exclude_slow_nodes: true leaves it "
-                      r"out\); figures in (.*)$", log, re.MULTILINE)
-    assert named and named.group(3) == str(record), log
-    assert re.search(r"preflight: node1 \(1 rank\): matmul \S+ TFLOP/s .* all-reduce \S+ GB/s", log)
-    assert "node1 is slow" not in log and "done: 8 steps" in log
-    figures = json.loads(record.read_text())
-    nodes = figures["nodes"]
-    assert sorted(nodes) == ["node1", "node2"] and list(figures["slow"]) == ["node2"]
-    assert 0 < nodes["node2"]["matmul_tflops"] < 0.7 * nodes["node1"]["matmul_tflops"]
-    assert all(n["all_reduce_busbw_gbps"] > 0 for n in nodes.values())
-    assert sorted(r["node"] for r in figures["ranks"]) == ["node1", "node2"]
 
 
 def test_with_exclude_slow_nodes_the_run_comes_back_without_the_slow_node(job_config):

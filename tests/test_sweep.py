@@ -65,3 +65,25 @@ def test_a_local_sweep_trains_each_point_in_turn_and_the_table_shows_them_all(tm
         assert re.search(rf"^\| {i} \| lrs-{i} \| {re.escape(', '.join(point['overrides']))} \| finished "
                          rf"\| 2 \| {evals[-1]:.4f} \|$", table, re.MULTILINE), table
     assert len(set(evals)) == 3  # three different trainings, not one run three times
+
+
+def test_a_sweep_of_other_points_under_the_same_name_is_refused(tmp_path, write_config):
+    """Point i would resume the earlier sweep's run i, trained with other values."""
+    config = write_config(tiny_config(run={"name": "lrs", "dir": str(tmp_path / "runs")}))
+    record = tmp_path / "runs" / "lrs-sweep" / "sweep.json"
+    record.parent.mkdir(parents=True)
+    record.write_text(json.dumps({"name": "lrs", "points": [{"index": 0, "overrides": ["train.lr=1e-3"]}]}))
+    proc = cli("sweep", "--config", config, "--local", "--grid", "train.lr=1e-2")
+    assert (proc.returncode, proc.stderr.splitlines()) == (2, [
+        f"run.name: a sweep 'lrs' with other points exists ({record}); choose another run.name, or "
+        f"give the same --grid to continue it"])
+    proc = cli("sweep", "--config", config, "--local", "--dry-run", "--grid", "train.lr=1e-3")
+    assert (proc.returncode, proc.stderr) == (1, "error: --dry-run: prints the sbatch lines of a Slurm "
+                                                 "sweep; a --local sweep has none\n")
+    assert not (tmp_path / "runs" / "lrs-0").exists()
+
+
+def test_frozen_configs_of_one_process_never_share_a_name():
+    from llmtrain.login.submit import stamp
+    names = [stamp() for _ in range(3)]
+    assert len(set(names)) == 3 and all(re.fullmatch(r"\d{8}-\d{6}-\d+(\.\d+)?", n) for n in names), names

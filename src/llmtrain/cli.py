@@ -7,10 +7,13 @@
     llmtrain export --run-dir DIR [--step N] --out DIR [--dtype fp32|bf16|fp16]
     llmtrain generate (--model DIR | --run-dir DIR [--step N]) --prompt TEXT [--chat]
     llmtrain status RUN_DIR|JOB_ID [--follow]
-    llmtrain control RUN_DIR save|stop
+    llmtrain control RUN_DIR save|stop|profile
     llmtrain download [--config FILE] [--model ID] [--dataset ID] [--force] ...
     llmtrain sbatch-command prepare|train|continuation --config FILE --script PATH [...] [-- ARGS]
-    llmtrain requeue-decision RUN_DIR JOB_ID --restarts N    # train.slurm, after its step
+    llmtrain submit --config FILE [--set ...] [--dry-run | --local] [-- SBATCH ARGS]   # submit.sh
+    llmtrain sweep --config FILE --grid SECTION.KEY=V,V ... [--local];  llmtrain sweep status DIR
+    llmtrain bench --config FILE (--nprocs 1,2,4 | --nodes 1,2,4);  llmtrain plot RUN_DIR ...
+    llmtrain requeue RUN_DIR JOB_ID --config F --script S --restarts N --max-requeues M   # train.slurm
     llmtrain --version
 
 A config is always `--config FILE` (check-config also takes it as its one positional argument),
@@ -41,7 +44,8 @@ def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else list(argv)
     # check-config and sbatch-command take sbatch arguments after `--`, verbatim (they start
     # with dashes, which argparse would read as its own options).
-    split = argv[:1] in (["check-config"], ["sbatch-command"], ["submit"], ["sweep"]) and "--" in argv
+    split = argv[:1] in (["check-config"], ["sbatch-command"], ["submit"], ["sweep"], ["requeue"]) \
+        and "--" in argv
     sbatch_args = argv[argv.index("--") + 1:] if split else []
     if argv[:2] == ["sweep", "status"]:  # `llmtrain sweep status DIR` reads as it is typed
         argv = ["sweep-status", *argv[2:]]
@@ -246,15 +250,20 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--shell", action="store_true", help="print the line shell-quoted instead")
     p.set_defaults(func=cmd_sbatch_command)
 
-    p = sub.add_parser("requeue-decision", help="after a job's step: whether the trainer asked for "
-                       "a requeue and slurm.max_requeues allows it (exit 0: requeue, 1: do not, "
-                       "3: a continuation job without the slow nodes the trainer named)")
+    p = sub.add_parser("requeue", help="after a job's step (train.slurm): requeue it if its trainer "
+                       "asked and slurm.max_requeues allows, else a continuation job; arguments after "
+                       "-- go to the continuation's batch script")
     p.add_argument("run_dir", help="the run's directory")
     p.add_argument("job_id", help="this job's id ($SLURM_JOB_ID)")
+    p.add_argument("--config", required=True, metavar="FILE", help="the frozen config the job "
+                   "trains from; a continuation trains from it too (required)")
+    p.add_argument("--script", required=True, help="the batch script, train.slurm (required)")
     p.add_argument("--restarts", type=int, required=True, help="requeues and continuations so "
                    "far (required)")
     p.add_argument("--max-requeues", type=int, required=True, help="slurm.max_requeues (required)")
-    p.set_defaults(func=cmd_requeue_decision)
+    p.add_argument("--continuation", type=int, default=int(os.environ.get("LLMTRAIN_CONTINUATION", 0)),
+                   help="continuation jobs before this one (default: $LLMTRAIN_CONTINUATION or 0)")
+    p.set_defaults(func=cmd_requeue)
 
     p = sub.add_parser("prepare", help="tokenize and pack the dataset (idempotent)")
     _config(p)
@@ -406,10 +415,12 @@ def _get(cfg, key: str):
         return cfg.run_dir
     if key == "world_size":
         return cfg.world_size
-    if key in ("prepared_dir", "prepared"):
-        from .data.loader import prepared_path, read_manifest
-        path = prepared_path(cfg)
-        return path if key == "prepared_dir" else ("yes" if read_manifest(path) else "no")
+    if key == "prepared_dir":
+        from .data.loader import prepared_path
+        return prepared_path(cfg)
+    if key == "prepared":
+        from .login.submit import is_prepared
+        return "yes" if is_prepared(cfg) else "no"
     section, _, name = key.partition(".")
     try:
         value = getattr(getattr(cfg, section), name)
@@ -479,16 +490,19 @@ def cmd_submit(args) -> int:
     print("\n".join(submit.submitted_lines(job)), flush=True)
     if args.dry_run:  # what one GPU will need, before anything waits in the queue
         from .estimate import report
+        from .login.slurm import with_extra_args
         try:
-            cfg = load_config(args.config, args.overrides)
+            cfg = with_extra_args(load_config(args.config, args.overrides), args.sbatch_args)
             print("memory estimate (llmtrain estimate):\n" + "\n".join(f"  {line}" for line in report(cfg)))
-        except UserError as e:
+        except Exception as e:  # noqa: BLE001 -- the dry run's answer stands without it
             print(f"memory estimate: not available ({e})")
     return 0
 
 
 def cmd_sweep(args) -> int:
     from .login import sweep
+    if args.local and args.dry_run:
+        raise UserError("--dry-run: prints the sbatch lines of a Slurm sweep; a --local sweep has none")
     if args.local:
         done, codes = sweep.sweep_local(args.config, args.overrides, args.grid, args.nproc)
     else:
@@ -526,16 +540,18 @@ def cmd_sbatch_command(args) -> int:
     import shlex
     from pathlib import Path
 
-    from .login.slurm import excluded_nodes, sbatch_command, with_extra_args
-    home = os.environ.get("LLMTRAIN_HOME")
-    if not home:
-        raise UserError("LLMTRAIN_HOME is not set; source the env.sh that setup.sh wrote")
+    from .login.slurm import continuation_command, sbatch_command, with_extra_args
+    home = _home()
     cfg = with_extra_args(load_config(args.config, args.overrides), args.sbatch_args)
-    if args.job == "continuation" and (exclude := excluded_nodes(cfg.run_dir, args.after)):
-        cfg = with_extra_args(cfg, [f"--exclude={','.join(exclude)}"])  # after the user's: it wins
-    cmd = sbatch_command(cfg, args.job, script=Path(args.script), frozen=Path(args.frozen or args.config),
-                         home=home, after=args.after, dependency=args.dependency,
-                         continuation=args.continuation)
+    frozen = Path(args.frozen or args.config)
+    if args.job == "continuation":
+        if not args.after:
+            raise UserError("--after: a continuation job waits for the job it continues; give its id")
+        cmd = continuation_command(cfg, args.after, script=Path(args.script), frozen=frozen, home=home,
+                                   continuation=args.continuation)
+    else:
+        cmd = sbatch_command(cfg, args.job, script=Path(args.script), frozen=frozen, home=home,
+                             after=args.after, dependency=args.dependency, continuation=args.continuation)
     if args.shell:
         print(shlex.join(cmd))
     else:
@@ -543,16 +559,20 @@ def cmd_sbatch_command(args) -> int:
     return 0
 
 
-def cmd_requeue_decision(args) -> int:
+def _home() -> str:
+    home = os.environ.get("LLMTRAIN_HOME")
+    if not home:
+        raise UserError("LLMTRAIN_HOME is not set; source the env.sh that setup.sh wrote")
+    return home
+
+
+def cmd_requeue(args) -> int:
     from pathlib import Path
 
-    from .login.slurm import excluded_nodes, requeue_decision
-    requeue, line = requeue_decision(Path(args.run_dir), args.job_id, args.restarts, args.max_requeues)
-    if line:
-        print(line)
-    if not requeue:
-        return 1
-    return 3 if excluded_nodes(Path(args.run_dir), args.job_id) else 0
+    from .login.slurm import come_back
+    return come_back(Path(args.run_dir), args.job_id, args.restarts, args.max_requeues,
+                     config=Path(args.config), script=Path(args.script), home=_home(),
+                     continuation=args.continuation, script_args=args.sbatch_args)
 
 
 def cmd_download(args) -> int:

@@ -638,6 +638,9 @@ def validate(cfg: Config, world_size: int | None = None, written: dict | None = 
         p.append(f"slurm.slow_node_ratio: must be in (0, 1) (got {s.slow_node_ratio})")
     if s.exclude_slow_nodes and not s.preflight:
         p.append("slurm.exclude_slow_nodes: needs slurm.preflight: true, which finds the slow nodes")
+    if s.exclude_slow_nodes and s.max_requeues < 1:
+        p.append("slurm.exclude_slow_nodes: the job comes back without a slow node as a requeue, and "
+                 "slurm.max_requeues is 0; allow at least 1, or turn exclude_slow_nodes off")
     if t.keep_checkpoints < 2:
         p.append(f"train.keep_checkpoints: must be >= 2, so a damaged newest checkpoint has a "
                  f"fallback (got {t.keep_checkpoints})")

@@ -298,6 +298,7 @@ def report(cfg: Config, gpu_mem_gib: float | None = None, world_size: int | None
     what = _descriptions(cfg, est, shape)
     lines += [f"{row:<16} {getattr(est, name) / GIB:>7.2f}  {what[name]}" for name, row in ROWS.items()]
     lines.append(f"{'total':<16} {est.total / GIB:>7.2f}  at the peak: {est.phase} (each row at that moment)")
+    lines += alternatives(cfg, est.world_size, shape, gpu[1] * (1 - HEADROOM) if gpu else None)
     if gpu is None:
         return lines + ["no GPU memory to compare with: pass --gpu-mem GIB, or name the GPU in "
                         "slurm.extra_args (--gres=gpu:h100:4)"]
@@ -315,6 +316,29 @@ def report(cfg: Config, gpu_mem_gib: float | None = None, world_size: int | None
                     f"largest micro batch that fits: {best} (train.micro_batch_size is {t.micro_batch_size}; "
                     f"it must divide the global batch per GPU, {t.global_batch_size} / {est.world_size} "
                     f"= {t.global_batch_size // est.world_size})"]
+
+
+def alternatives(cfg: Config, world: int, shape: ModelShape, usable_gib: float | None) -> list[str]:
+    """One line per strategy (ddp, fsdp, hsdp) x activation checkpointing (off, every layer):
+    the total per GPU at this world size and micro batch, to see what another choice would need."""
+    import dataclasses
+    cells = []
+    for strategy in ("ddp", "fsdp", "hsdp"):
+        for ac in (False, True):
+            alt = dataclasses.replace(
+                cfg, parallel=dataclasses.replace(cfg.parallel, strategy=strategy),
+                model=dataclasses.replace(cfg.model, activation_checkpointing=ac,
+                                          activation_checkpointing_every=1))
+            try:
+                total = estimate(alt, world, shape=shape).total / GIB
+            except UserError:  # hsdp's shard size does not divide this world size
+                continue
+            fits = "" if usable_gib is None else (" fits" if total <= usable_gib else " too big")
+            name = f"{strategy}{' + checkpointing' if ac else ''}"
+            if strategy == "hsdp":
+                name += f" ({shard_size(alt, world)}-way shards)"
+            cells.append(f"  {name:<38} {total:>8.2f} GiB{fits}")
+    return [f"other setups, {world} ranks (total per GPU):", *cells]
 
 
 def _descriptions(cfg: Config, est: Estimate, shape: ModelShape) -> dict[str, str]:

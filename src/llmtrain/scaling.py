@@ -43,10 +43,13 @@ def scaling_table(config: str, overrides: list[str], nprocs: list[int], steps: i
     return render([measure(cfg, config, overrides, n, steps, warmup) for cfg, n in zip(cfgs, nprocs)])
 
 
+def bench_root(cfg: Config) -> Path:
+    return Path(cfg.run.dir) / f"{cfg.run.name}-scaling"
+
+
 def bench_sets(cfg: Config, overrides: list[str], name: str, steps: int) -> list[str]:
     """The overrides of one row's run: a fresh, short run that evaluates and saves nothing."""
-    root = Path(cfg.run.dir) / f"{cfg.run.name}-scaling"
-    return [*overrides, f"run.dir={root}", f"run.name={name}", "train.resume=none", "train.epochs=null",
+    return [*overrides, f"run.dir={bench_root(cfg)}", f"run.name={name}", "train.resume=none", "train.epochs=null",
             f"train.max_steps={steps}", "train.warmup_steps=0", "train.log_every=1", "train.eval_every=0",
             "train.checkpoint_every=0", "metrics.plot_every_eval=false", "metrics.tensorboard=false",
             "metrics.wandb=null", "profile.start_step=null"]
@@ -59,14 +62,12 @@ def measured(run_dir: Path, nprocs: int, warmup: int, label: str = "") -> Row:
 
 
 def measure(cfg: Config, config: str, overrides: list[str], n: int, steps: int, warmup: int) -> Row:
-    sets = bench_sets(cfg, overrides, f"{n}p", steps)
-    run_dir = Path(cfg.run.dir) / f"{cfg.run.name}-scaling" / f"{n}p"
-    cmd = [sys.executable, "-m", "llmtrain.training.torchrun", "--standalone", "--nproc-per-node", str(n),
-           "-m", "llmtrain", "train", "--config", config, *(x for s in sets for x in ("--set", s))]
+    from .login.submit import thread_share, torchrun_command
+    run_dir = bench_root(cfg) / f"{n}p"
     print(f"bench: {n} process{'es' if n > 1 else ''}, {steps} steps ...", file=sys.stderr, flush=True)
-    proc = subprocess.run(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
-                          env={**os.environ, "OMP_NUM_THREADS": os.environ.get(
-                              "OMP_NUM_THREADS", str(max(1, len(os.sched_getaffinity(0)) // n)))})
+    proc = subprocess.run(torchrun_command(n, config, bench_sets(cfg, overrides, f"{n}p", steps)),
+                          stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
+                          env={**os.environ, "OMP_NUM_THREADS": thread_share(n)})
     if proc.returncode != 0:
         last = [line for line in proc.stderr.splitlines() if line.startswith("error:")] or proc.stderr.splitlines()[-1:]
         raise UserError(f"bench: the run on {n} processes failed ({run_dir}): "
@@ -76,23 +77,25 @@ def measure(cfg: Config, config: str, overrides: list[str], n: int, steps: int, 
 
 def slurm_table(config: str, overrides: list[str], nodes: list[int], steps: int, warmup: int) -> str:
     """The rows as Slurm jobs on 1, 2, ... nodes, queued one after another, then waited for."""
-    from .login.submit import submit
+    from .login.submit import refusals, submit
     if steps <= warmup:
         raise UserError(f"--steps: must be more than --warmup ({warmup}) (got {steps})")
     if not nodes or any(n < 1 for n in nodes):
         raise UserError(f"--nodes: a comma-separated list of node counts >= 1, like 1,2,4 (got {nodes})")
-    cfgs = [load_config(config, [*overrides, f"slurm.nodes={n}"]) for n in nodes]  # every one checked first
+    cfgs = [load_config(config, [*overrides, f"slurm.nodes={n}"]) for n in nodes]
+    for cfg in cfgs:  # every row checked before any is queued (the cluster may lack 64 nodes)
+        refusals(cfg, config, offline=True, launch=False, cluster=True)
     jobs, after = [], None
     for cfg, n in zip(cfgs, nodes):
         job = submit(config, [*bench_sets(cfg, overrides, f"{n}n", steps), f"slurm.nodes={n}"],
                      dependency=after and f"afterany:{after}")
-        print(f"bench: {n} node{'s' if n > 1 else ''} x {cfg.slurm.procs_per_node or 1}, {steps} steps: "
+        print(f"bench: {n} node{'s' if n > 1 else ''} x {cfg.world_size // n}, {steps} steps: "
               f"job {job.job_id} ...", file=sys.stderr, flush=True)
         jobs.append((job, cfg))
         after = job.job_id
     rows = []
     for job, cfg in jobs:
-        n, per = cfg.slurm.nodes, cfg.slurm.procs_per_node or 1
+        n, per = cfg.slurm.nodes, cfg.world_size // cfg.slurm.nodes  # procs_per_node, else the GPUs
         if (state := job.wait(poll_s=2)) != "finished":
             raise UserError(f"bench: the job on {n} node(s) is {state}: {job.status().splitlines()[1]} "
                             f"(log: {job.log})")

@@ -16,7 +16,7 @@ GPUs per job in MaxTRESPerJob). What none of them shows is left to sbatch.
 
 from __future__ import annotations
 
-import os
+import getpass
 import re
 import subprocess
 from dataclasses import dataclass
@@ -83,8 +83,8 @@ def cluster_problems(cfg: Config) -> list[str]:
     if seconds(s.time) > limit:
         p.append(f"slurm.time: asks {s.time}; {key} allows at most {format_limit(limit)}; lower "
                  f"slurm.time (a requeue continues the run) or choose another partition")
-    return p + partition_problems(cfg, partition, key, _partition_rules(partition)) + \
-        accounting_problems(cfg, _sacctmgr)
+    p += partition_problems(cfg, partition, key, _partition_rules(partition))
+    return p + accounting_problems(cfg, _sacctmgr)
 
 
 def partition_problems(cfg: Config, partition: str, key: str, rules: dict[str, str]) -> list[str]:
@@ -109,7 +109,7 @@ def accounting_problems(cfg: Config, sacctmgr) -> list[str]:
     answers); sacctmgr(args) -> its -nP output, or None."""
     s, p = cfg.slurm, []
     if s.account:
-        out = sacctmgr(["show", "assoc", f"user={os.environ.get('USER', '')}", "format=Account"])
+        out = sacctmgr(["show", "assoc", f"user={getpass.getuser()}", "format=Account"])
         accounts = sorted({line.strip() for line in (out or "").splitlines() if line.strip()})
         if out is not None and accounts and s.account not in accounts:
             p.append(f"slurm.account: you have no association with account {s.account!r} (yours: "

@@ -28,6 +28,9 @@ in slurm.extra_args, so a continuation asks for what the first job asked for. No
 from __future__ import annotations
 
 import dataclasses
+import subprocess
+import sys
+import time
 from pathlib import Path
 
 from ..config import Config, read_json
@@ -141,3 +144,46 @@ def excluded_nodes(run_dir: Path, job_id: str | None) -> list[str]:
         return []
     exclude = stop.get("exclude")
     return [str(node) for node in exclude] if isinstance(exclude, list) else []
+
+
+def continuation_command(cfg: Config, after: str, *, script: Path, frozen: Path, home: str,
+                         continuation: int = 0) -> list[str]:
+    """The train job again, after job `after` ends; without the nodes its trainer asked to leave
+    out (after the user's own sbatch arguments: the last --exclude wins)."""
+    if exclude := excluded_nodes(cfg.run_dir, after):
+        cfg = with_extra_args(cfg, [f"--exclude={','.join(exclude)}"])
+    return sbatch_command(cfg, "continuation", script=script, frozen=frozen, home=home, after=after,
+                          continuation=continuation)
+
+
+def come_back(run_dir: Path, job_id: str, restarts: int, max_requeues: int, *, config: Path,
+              script: Path, home: str, continuation: int, script_args: list[str]) -> int:
+    """After the job's step (train.slurm): requeue the job if its trainer asked and requeues
+    remain (`scontrol requeue`); where Slurm refuses, or to leave a slow node out (Slurm refuses to
+    change a running job's ExcNodeList, and a requeue ends the batch script before it could
+    change the requeued one's), submit a continuation job instead. Each decision is one line.
+    Returns 1 only when a continuation was needed and sbatch refused it."""
+    def say(line: str) -> None:
+        print(f"{time.strftime('%H:%M:%S')} {line}", flush=True)
+
+    requeue, line = requeue_decision(run_dir, job_id, restarts, max_requeues)
+    if line:
+        say(line)
+    if not requeue:
+        return 0
+    if excluded_nodes(run_dir, job_id):
+        why = "slow node left out"
+    elif subprocess.run(["scontrol", "requeue", job_id]).returncode == 0:
+        return 0
+    else:
+        why = "requeue refused"
+    from ..config import load_config
+    cmd = continuation_command(load_config(config), job_id, script=script, frozen=config, home=home,
+                               continuation=continuation)
+    proc = subprocess.run([*cmd, *script_args], stdout=subprocess.PIPE, text=True)
+    if proc.returncode != 0 or not proc.stdout.strip():
+        print("error: sbatch refused the continuation job (above); submit the run again to resume it",
+              file=sys.stderr, flush=True)
+        return 1
+    say(f"{why}; submitted continuation job {proc.stdout.strip().split(';')[0]} (starts when this job ends)")
+    return 0

@@ -67,14 +67,16 @@ def status(target: str, follow: bool = False, interval: float = 10.0) -> None:
 
 
 def resolve_target(target: str) -> tuple[Path, str | None]:
-    if re.fullmatch(r"\d+", target):
+    if re.fullmatch(r"\d+(_\d+)?", target):  # a job, or a job array's task (squeue's 4242_3)
         fields = _scontrol(target)
-        if not fields.get("StdOut"):
+        if not fields.get("StdOut") or not fields.get("ArrayTaskId", "0").isdigit():  # unsplit tasks
             raise UserError(f"job {target}: unknown to Slurm (it forgets finished jobs after "
-                            f"MinJobAge); pass the run directory instead")
+                            f"MinJobAge), or an array task that has not started; pass the run "
+                            f"directory instead")
         # The log is <run_dir>/<name>-<jobid>.out (submit.sh): a prepare job stands for its run.
         run_dir = Path(fields["StdOut"]).parent
-        return run_dir, None if fields.get("JobName", "").startswith("prepare-") else target
+        job = fields.get("JobId", target)
+        return run_dir, None if fields.get("JobName", "").startswith("prepare-") else job
     run_dir = Path(target)
     if not run_dir.is_dir():
         raise UserError(f"{target}: no such run directory, and not a job id")
@@ -95,13 +97,33 @@ def latest_job(run_dir: Path) -> str | None:
 
 
 def _queued_jobs(run_dir: Path) -> dict[str, str]:
-    """The run's jobs in Slurm's queue, and their states."""
+    """The run's jobs in Slurm's queue, and their states: those named as the run, and a sweep
+    point's task of its job array (named as the sweep; submitted/array.json says which)."""
     if not shutil.which("squeue"):
         return {}
     out = _run(["squeue", "-h", "-n", _run_name(run_dir), "-o", "%i|%T"]) or ""
     jobs = dict(line.split("|", 1) for line in out.split() if "|" in line)
-    return {job: state for job, state in jobs.items()
-            if Path(_scontrol(job).get("StdOut", "/")).parent.resolve() == run_dir.resolve()}
+    queued = {job: state for job, state in jobs.items()
+              if Path(_scontrol(job).get("StdOut", "/")).parent.resolve() == run_dir.resolve()}
+    task = read_json(run_dir / "submitted" / ARRAY_TASK)
+    if isinstance(task, dict) and "array_job_id" in task:
+        queued.update({job: state for index, (job, state) in array_tasks(str(task["array_job_id"])).items()
+                       if index == str(task.get("index"))})
+    return queued
+
+
+ARRAY_TASK = "array.json"  # in a sweep point's run_dir/submitted: {"array_job_id", "index"}
+
+
+def array_tasks(array_job_id: str) -> dict[str, tuple[str, str]]:
+    """{task index: (its job id, state)} of a job array's tasks still in Slurm's queue (a task
+    not started yet has the array's id)."""
+    out = _run(["squeue", "-h", "-r", "-j", array_job_id, "-o", "%K|%A|%T"]) if shutil.which("squeue") else None
+    tasks = {}
+    for line in (out or "").splitlines():
+        index, job_id, state = (line.split("|") + ["", ""])[:3]
+        tasks[index] = (job_id, state)
+    return tasks
 
 
 def job_state(job_id: str) -> tuple[str, str, str]:

@@ -22,6 +22,7 @@ waits for it (afterok). No torch here.
 from __future__ import annotations
 
 import dataclasses
+import itertools
 import os
 import shutil
 import signal
@@ -110,8 +111,14 @@ def freeze(cfg: Config, path: Path, source: str | os.PathLike) -> None:
     write_atomic(path, f"# frozen by llmtrain submit from {source}\n" + dump_yaml(cfg))
 
 
+_stamps = itertools.count()
+
+
 def stamp() -> str:
-    return f"{time.strftime('%Y%m%d-%H%M%S')}-{os.getpid()}"
+    """The frozen config's name: time and pid, and a count after the first in this process (two
+    submissions within a second from one notebook never share a file)."""
+    n = next(_stamps)
+    return f"{time.strftime('%Y%m%d-%H%M%S')}-{os.getpid()}" + (f".{n}" if n else "")
 
 
 def is_prepared(cfg: Config) -> bool:
@@ -124,7 +131,7 @@ def submit(config: str | os.PathLike, overrides: list[str] | tuple[str, ...] = (
            dry_run: bool = False, script: str | os.PathLike | None = None) -> Job:
     """Validate the run and queue it on Slurm (a prepare job first where the data is not
     prepared); with dry_run, compute the sbatch lines (Job.commands) and queue nothing."""
-    home, script = _slurm_environment(script)
+    home, script = slurm_environment(script)
     cfg = load_config(config, list(overrides))
     # A run that trains or waits now is refused, unless this job waits for one (--dependency).
     refusals(cfg, config, offline=True, launch=not dependency, cluster=True)
@@ -135,15 +142,16 @@ def submit(config: str | os.PathLike, overrides: list[str] | tuple[str, ...] = (
     job = Job(None, cfg.run.name, cfg.run_dir, frozen)
     after = None
     if not is_prepared(cfg):  # one CPU job tokenizes the data first
-        job.prepare_job_id = after = _sbatch(job, sbatch_command(
+        job.prepare_job_id = after = sbatch(job.commands, sbatch_command(
             cfg, "prepare", script=script, frozen=frozen, home=home, dependency=dependency), dry_run)
-    job.job_id = _sbatch(job, sbatch_command(cfg, "train", script=script, frozen=frozen, home=home,
-                                             after=after, dependency=None if after else dependency),
-                         dry_run)
+    job.job_id = sbatch(job.commands, sbatch_command(
+        cfg, "train", script=script, frozen=frozen, home=home, after=after,
+        dependency=None if after else dependency), dry_run)
     return job
 
 
-def _slurm_environment(script) -> tuple[str, Path]:
+def slurm_environment(script) -> tuple[str, Path]:
+    """(LLMTRAIN_HOME, the batch script) for the jobs; one line for what is missing."""
     home = os.environ.get("LLMTRAIN_HOME")
     if not home:
         raise UserError("LLMTRAIN_HOME is not set; source the env.sh that setup.sh wrote")
@@ -158,9 +166,9 @@ def _slurm_environment(script) -> tuple[str, Path]:
     return home, Path(script)
 
 
-def _sbatch(job: Job, cmd: list[str], dry_run: bool) -> str:
-    """Run one sbatch line (recorded in job.commands); the job id it prints."""
-    job.commands.append(cmd)
+def sbatch(commands: list[list[str]], cmd: list[str], dry_run: bool) -> str:
+    """Run one sbatch line (appended to `commands`); the job id it prints."""
+    commands.append(cmd)
     if dry_run:
         return DRY_RUN_JOB_ID
     proc = subprocess.run(cmd, stdout=subprocess.PIPE, text=True)  # sbatch's errors go to stderr
@@ -200,39 +208,60 @@ def run_local(config: str | os.PathLike, overrides: list[str] | tuple[str, ...] 
     from ..data.prepare import prepare
     prepare(cfg)
     print(f"run_dir: {cfg.run_dir}", flush=True)
-    # torchrun sets OMP_NUM_THREADS=1 when it starts several processes: each gets its share of
-    # the CPUs this process may use (its affinity mask) instead, unless the user chose a number.
-    env = dict(os.environ)
-    env.setdefault("OMP_NUM_THREADS", str(max(1, len(os.sched_getaffinity(0)) // nproc)))
-    print(f"torchrun: {nproc} process(es) x {env['OMP_NUM_THREADS']} thread(s) (OMP_NUM_THREADS)",
-          flush=True)
+    env = {**os.environ, "OMP_NUM_THREADS": thread_share(nproc)}
+    threads = f"{env['OMP_NUM_THREADS']} thread(s) (OMP_NUM_THREADS)"
+    print(f"torchrun: {nproc} process(es) x {threads}" if nproc > 1 else
+          f"one process (no torchrun needed) x {threads}", flush=True)
+    # Only what this launch records counts: an earlier launch's error line or stop goes first.
     error_file = cfg.run_dir / "logs" / "error.txt"
-    error_file.unlink(missing_ok=True)
-    # --standalone: a private rendezvous on a free local port, so two local runs never meet.
+    for old in (error_file, cfg.run_dir / "control" / "exit.json"):
+        old.unlink(missing_ok=True)
     # torchrun ignores SIGINT (it is told not to take it over: its own handling ends in a
-    # SignalException traceback); Ctrl-C reaches this process, which writes the stop switch.
-    cmd = [sys.executable, "-m", "llmtrain.training.torchrun", "--signals-to-handle",
-           "SIGTERM,SIGHUP,SIGQUIT", "--standalone", "--nproc-per-node", str(nproc), "-m", "llmtrain",
-           "train", "--config", str(config), *(x for o in overrides for x in ("--set", o))]
-    child = subprocess.Popen(cmd, env=env, preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_IGN))
-    forward = {sig: signal.signal(sig, lambda s, _: child.send_signal(s))
-               for sig in (signal.SIGTERM, signal.SIGHUP)}  # a killed launcher stops torchrun too
+    # SignalException traceback), and so do the workers it starts: the terminal's Ctrl-C reaches
+    # this process, which writes the stop switch, each time it is pressed. One process is the
+    # trainer alone (a group of one), without a launcher's start-up.
+    cmd = (torchrun_command(nproc, config, overrides, ["--signals-to-handle", "SIGTERM,SIGHUP,SIGQUIT"])
+           if nproc > 1 else train_command(config, overrides))
+    before = {signal.SIGINT: signal.signal(signal.SIGINT, lambda *_: ask_to_stop(cfg.run_dir))}
     try:
-        while True:
-            try:
-                rc = child.wait()
-                break
-            except KeyboardInterrupt:
-                print("interrupted: asking the trainer to save and stop at the next step",
-                      file=sys.stderr, flush=True)
-                (cfg.run_dir / "control").mkdir(parents=True, exist_ok=True)
-                (cfg.run_dir / "control" / "stop").write_text("user\n")
+        child = subprocess.Popen(cmd, env=env,
+                                 preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_IGN))
+        for sig in (signal.SIGTERM, signal.SIGHUP):  # a killed launcher stops torchrun too
+            before[sig] = signal.signal(sig, lambda s, _: child.send_signal(s))
+        rc = child.wait()
     finally:
-        for sig, handler in forward.items():
+        for sig, handler in before.items():
             signal.signal(sig, handler)
+    rc = 128 - rc if rc < 0 else rc  # killed by signal N: 128 + N, as a shell says
     if rc:  # the trainer's own line last, below torchrun's failure summary
         if error_file.exists():
             sys.stderr.write(error_file.read_text())
         return rc
     print(f"run_dir: {cfg.run_dir}")
     return 0
+
+
+def ask_to_stop(run_dir: Path) -> None:
+    print("interrupted: asking the trainer to save and stop at the next step", file=sys.stderr, flush=True)
+    from ..rundir import write_atomic
+    (run_dir / "control").mkdir(parents=True, exist_ok=True)
+    write_atomic(run_dir / "control" / "stop", "user\n")
+
+
+def train_command(config: str | os.PathLike, overrides: list[str]) -> list[str]:
+    return [sys.executable, "-m", "llmtrain", "train", "--config", str(config),
+            *(x for o in overrides for x in ("--set", o))]
+
+
+def torchrun_command(nproc: int, config: str | os.PathLike, overrides: list[str],
+                     options: list[str] = ()) -> list[str]:
+    """llmtrain's torchrun (no launcher traceback) training `config` on `nproc` local processes.
+    --standalone: a private rendezvous on a free local port, so two local runs never meet."""
+    return [sys.executable, "-m", "llmtrain.training.torchrun", *options, "--standalone",
+            "--nproc-per-node", str(nproc), "-m", *train_command(config, overrides)[2:]]
+
+
+def thread_share(nproc: int) -> str:
+    """OMP_NUM_THREADS for each of nproc local processes: their share of the CPUs this process
+    may use (its affinity mask), unless the user chose a number (torchrun would set 1)."""
+    return os.environ.get("OMP_NUM_THREADS") or str(max(1, len(os.sched_getaffinity(0)) // nproc))

@@ -29,7 +29,8 @@ from pathlib import Path
 
 from ..config import Config, ConfigError, UserError, load_config, read_json
 from .slurm import sbatch_command, with_extra_args
-from .submit import Job, _sbatch, _slurm_environment, freeze, is_prepared, refusals, run_local, stamp
+from .status import ARRAY_TASK, array_tasks
+from .submit import freeze, is_prepared, refusals, run_local, sbatch, slurm_environment, stamp
 
 RECORD = "sweep.json"
 
@@ -96,6 +97,11 @@ def plan(config: str | os.PathLike, overrides: list[str], grid: list[str]) -> tu
     sweep = Sweep(name, Path(cfgs[0].run.dir) / f"{name}-sweep",
                   [{"index": i, "overrides": point, "run_name": cfg.run.name, "run_dir": str(cfg.run_dir)}
                    for i, (point, cfg) in enumerate(zip(todo, cfgs))])
+    earlier = read_json(sweep.dir / RECORD)
+    if isinstance(earlier, dict) and [p.get("overrides") for p in earlier.get("points", [])] != todo:
+        # point i would resume the other sweep's run i, trained with other values
+        raise ConfigError([f"run.name: a sweep {name!r} with other points exists ({sweep.dir / RECORD}); "
+                           f"choose another run.name, or give the same --grid to continue it"])
     return sweep, cfgs
 
 
@@ -104,7 +110,7 @@ def sweep_slurm(config: str | os.PathLike, overrides: list[str], grid: list[str]
                 script: str | os.PathLike | None = None) -> Sweep:
     if max_parallel < 1:
         raise UserError(f"--max-parallel: must be >= 1 (got {max_parallel})")
-    home, script = _slurm_environment(script)
+    home, script = slurm_environment(script)
     sweep, cfgs = plan(config, overrides, grid)
     for i, cfg in enumerate(cfgs):  # every point may start: downloaded, not live; the request fits
         refusals(cfg, config, offline=True, launch=True, cluster=i == 0)
@@ -114,24 +120,26 @@ def sweep_slurm(config: str | os.PathLike, overrides: list[str], grid: list[str]
         sweep.dir.mkdir(parents=True, exist_ok=True)
         for cfg in cfgs:
             freeze(cfg, cfg.run_dir / "submitted" / f"{st}.yaml", config)
-    job = Job(None, sweep.name, sweep.dir, sweep.dir)  # collects the sbatch lines
     unprepared = {}
     for cfg in cfgs:
         if not is_prepared(cfg):
             from ..data.loader import prepared_path
             unprepared.setdefault(prepared_path(cfg), cfg)
     for cfg in unprepared.values():  # one CPU job per distinct dataset to tokenize
-        sweep.prepare_job_ids.append(_sbatch(job, sbatch_command(
+        sweep.prepare_job_ids.append(sbatch(sweep.commands, sbatch_command(
             cfg, "prepare", script=script, home=home,
             frozen=cfg.run_dir / "submitted" / f"{st}.yaml"), dry_run))
     template = dataclasses.replace(cfgs[0], run=dataclasses.replace(cfgs[0].run, name=f"{sweep.name}-%a"))
-    sweep.array_job_id = _sbatch(job, sbatch_command(
+    sweep.array_job_id = sbatch(sweep.commands, sbatch_command(
         template, "train", script=script, home=home, array=f"0-{len(cfgs) - 1}%{max_parallel}",
         frozen=template.run_dir / "submitted" / f"{st}.yaml",
         after=":".join(sweep.prepare_job_ids) or None), dry_run)
-    sweep.commands = job.commands
     if not dry_run:
+        from ..rundir import write_atomic
         _write_record(sweep)
+        for point in sweep.points:  # llmtrain status finds a task that has not started by these
+            write_atomic(Path(point["run_dir"]) / "submitted" / ARRAY_TASK,
+                         json.dumps({"array_job_id": sweep.array_job_id, "index": point["index"]}) + "\n")
     return sweep
 
 
@@ -178,7 +186,7 @@ def status_table(sweep: Sweep) -> str:
     """One row per point: its state (as `llmtrain status` judges it), step, latest eval loss."""
     from ..metrics import read_metrics
     from .status import assess, latest_job
-    queued = _array_tasks(sweep.array_job_id)
+    queued = array_tasks(sweep.array_job_id) if sweep.array_job_id else {}
     rows = []
     for point in sweep.points:
         run_dir = Path(point["run_dir"])
@@ -203,16 +211,3 @@ def status_table(sweep: Sweep) -> str:
     lines.append("compare: llmtrain plot " + " ".join(p["run_dir"] for p in sweep.points)
                  + f" --out {sweep.dir}/plot.png")
     return "\n".join(lines)
-
-
-def _array_tasks(array_job_id: str | None) -> dict[str, tuple[str, str]]:
-    """{task index: (its job id, state)} for the array's tasks still in Slurm's queue."""
-    if not array_job_id:
-        return {}
-    from .status import _run
-    out = _run(["squeue", "-h", "-r", "-j", array_job_id, "-o", "%K|%A|%T"]) or ""
-    tasks = {}
-    for line in out.splitlines():
-        index, job_id, state = (line.split("|") + ["", ""])[:3]
-        tasks[index] = (job_id, state)
-    return tasks

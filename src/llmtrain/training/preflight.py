@@ -77,6 +77,9 @@ def run(cfg: Config, world: World, log: Log) -> str:
     mine = {"rank": world.rank, "local_rank": world.local_rank, "node": me,
             "matmul_tflops": matmul_tflops(world.device, slowed),
             "all_reduce_busbw_gbps": all_reduce_busbw(world.device, world.world_size)}
+    if world.device.type == "cuda":  # its matrices freed: the run's peak memory is the run's own
+        torch.cuda.empty_cache()
+        torch.cuda.reset_peak_memory_stats(world.device)
     ranks: list = [None] * world.world_size
     dist.all_gather_object(ranks, mine)
     nodes = by_node(ranks)
