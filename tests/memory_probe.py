@@ -7,14 +7,15 @@ For each case the model, loss head, optimizer and step are the trainer's own (pa
 chunk_head, build_optimizer, forward_backward, optimizer_step) on random tokens; two steps run
 first (optimizer state, DDP's rebuilt buckets), then one step under torch's memory tracker
 (MemTracker; FSDPMemTracker for FSDP2), which counts every tensor's storage as the CUDA caching
-allocator would (torch.cuda.max_memory_allocated). Writes OUT_DIR/rank-R.json:
-{case: {"peak": bytes, "parts": {category: bytes at the peak}}}.
+allocator would (torch.cuda.max_memory_allocated; on CUDA that figure too). Writes
+OUT_DIR/rank-R.json: {case: {"peak": bytes, "parts": {category: bytes}, "cuda_max_allocated"}}.
 """
 
 from __future__ import annotations
 
 import gc
 import json
+import os
 import sys
 from pathlib import Path
 
@@ -53,10 +54,15 @@ def measure(cfg, world) -> dict:
     tracker = FSDPMemTracker(model, optimizer) if sharded else MemTracker()
     step()
     step(None if sharded else tracker)
+    cuda = world.device.type == "cuda"
+    if cuda:  # the allocator's own count of the same step, for the GPU test
+        torch.cuda.synchronize()
+        torch.cuda.reset_peak_memory_stats(world.device)
     with tracker:
         step()
     snapshot = tracker.get_tracker_snapshot("peak")[world.device]
-    return {"peak": snapshot["Total"], "parts": {str(getattr(k, "value", k)): v for k, v in snapshot.items()}}
+    return {"peak": snapshot["Total"], "parts": {str(getattr(k, "value", k)): v for k, v in snapshot.items()},
+            **({"cuda_max_allocated": torch.cuda.max_memory_allocated(world.device)} if cuda else {})}
 
 
 def main() -> None:
@@ -64,7 +70,8 @@ def main() -> None:
     figures, world = {}, None
     for case in cases:
         name, _, overrides = case.partition("=")
-        cfg = load_config(config, overrides.split(",") if overrides else [], world_size=2)
+        cfg = load_config(config, overrides.split(",") if overrides else [],
+                          world_size=int(os.environ.get("WORLD_SIZE", 1)))
         world = world or distributed.init(cfg)
         figures[name] = measure(cfg, world)
         gc.collect()  # the case's model and optimizer, before the next one's
