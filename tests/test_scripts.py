@@ -305,3 +305,19 @@ def test_ctrl_c_on_a_local_run_saves_stops_and_exits_0(tmp_path):
     assert (run_dir / "checkpoints" / f"step-{stop['step']:08d}" / "meta.json").is_file()
     assert "interrupted: asking the trainer to save and stop at the next step" in err
     assert "Traceback" not in err and f"stopping at step {stop['step']} (user)" in out
+
+
+def test_one_local_process_runs_alone_even_inside_another_launcher(tmp_path):
+    """--nproc 1 runs the trainer without torchrun, as a group of one: rank variables left by an
+    outer launcher (an srun or torchrun shell) must not make it wait for ranks that never come."""
+    cfg = tiny_config(run={"name": "alone", "dir": str(tmp_path / "runs")},
+                      data={"prepared_dir": str(tmp_path / "prepared")},
+                      train={"max_steps": 2, "warmup_steps": 1, "eval_every": 0})
+    config = tmp_path / "alone.yaml"
+    config.write_text(yaml.safe_dump(cfg))
+    env = {**os.environ, "RANK": "1", "WORLD_SIZE": "4", "LOCAL_RANK": "1", "MASTER_ADDR": "127.0.0.1",
+           "MASTER_PORT": "9", "TORCHELASTIC_RUN_ID": "outer"}
+    proc = bash(REPO / "submit.sh", "--local", "--config", config, "--nproc", 1, env=env)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "one process (no torchrun needed)" in proc.stdout and "done: 2 steps" in proc.stdout
+    assert [r["step"] for r in read_metrics(tmp_path / "runs" / "alone") if r["kind"] == "train"] == [1, 2]

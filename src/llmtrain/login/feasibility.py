@@ -109,7 +109,11 @@ def accounting_problems(cfg: Config, sacctmgr) -> list[str]:
     answers); sacctmgr(args) -> its -nP output, or None."""
     s, p = cfg.slurm, []
     if s.account:
-        out = sacctmgr(["show", "assoc", f"user={getpass.getuser()}", "format=Account"])
+        try:
+            user = getpass.getuser()
+        except (OSError, KeyError):  # no USER/LOGNAME and no passwd entry: ask for nobody
+            user = ""
+        out = sacctmgr(["show", "assoc", f"user={user}", "format=Account"]) if user else None
         accounts = sorted({line.strip() for line in (out or "").splitlines() if line.strip()})
         if out is not None and accounts and s.account not in accounts:
             p.append(f"slurm.account: you have no association with account {s.account!r} (yours: "

@@ -177,13 +177,18 @@ def come_back(run_dir: Path, job_id: str, restarts: int, max_requeues: int, *, c
         return 0
     else:
         why = "requeue refused"
-    from ..config import load_config
-    cmd = continuation_command(load_config(config), job_id, script=script, frozen=config, home=home,
-                               continuation=continuation)
+    from ..config import ConfigError, load_config
+    again = "submit the run again to resume it"
+    try:
+        cfg = load_config(config)
+    except (ConfigError, OSError) as e:  # the frozen config gone or unreadable since the start
+        problems = e.problems if isinstance(e, ConfigError) else [str(e)]
+        print(f"error: no continuation job: {config}: {'; '.join(problems)}; {again}", file=sys.stderr, flush=True)
+        return 1
+    cmd = continuation_command(cfg, job_id, script=script, frozen=config, home=home, continuation=continuation)
     proc = subprocess.run([*cmd, *script_args], stdout=subprocess.PIPE, text=True)
     if proc.returncode != 0 or not proc.stdout.strip():
-        print("error: sbatch refused the continuation job (above); submit the run again to resume it",
-              file=sys.stderr, flush=True)
+        print(f"error: sbatch refused the continuation job (above); {again}", file=sys.stderr, flush=True)
         return 1
     say(f"{why}; submitted continuation job {proc.stdout.strip().split(';')[0]} (starts when this job ends)")
     return 0

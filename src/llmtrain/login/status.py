@@ -128,15 +128,21 @@ def array_tasks(array_job_id: str) -> dict[str, tuple[str, str]]:
 
 def job_state(job_id: str) -> tuple[str, str, str]:
     """(state, Slurm's reason, which tool said so)."""
+    # An array's id also matches its other tasks (the last task started runs under the array's
+    # own id): the line whose own job id is this one, else the first (pending, unsplit tasks).
     if shutil.which("squeue"):
-        out = _run(["squeue", "-h", "-j", job_id, "-o", "%T|%r"])
+        out = _run(["squeue", "-h", "-j", job_id, "-o", "%A|%T|%r"])
         if out:
-            state, _, reason = out.splitlines()[0].partition("|")
-            return state, reason, "squeue"
+            lines = [line.split("|", 2) for line in out.splitlines() if line.count("|") == 2]
+            if lines:
+                _, state, reason = next((x for x in lines if x[0] == job_id), lines[0])
+                return state, reason, "squeue"
     if shutil.which("sacct"):
-        out = _run(["sacct", "-n", "-X", "-P", "-j", job_id, "-o", "State"])
+        out = _run(["sacct", "-n", "-X", "-P", "-j", job_id, "-o", "JobIDRaw,State"])
         if out and "disabled" not in out:
-            return out.splitlines()[0].split()[0], "", "sacct"
+            rows = [line.split("|") for line in out.splitlines() if "|" in line]
+            if rows:
+                return next((r for r in rows if r[0] == job_id), rows[0])[1].split()[0], "", "sacct"
     fields = _scontrol(job_id)
     if fields.get("JobState"):
         return fields["JobState"], fields.get("Reason", ""), "scontrol"

@@ -31,11 +31,13 @@ import sys
 import time
 from pathlib import Path
 
-from ..config import Config, ConfigError, UserError, dump_yaml, load_config, local_path, on_disk, \
-    tokenizer_source
+from ..config import (Config, ConfigError, UserError, dump_yaml, load_config, local_path, on_disk,
+                      read_json, tokenizer_source)
 from .slurm import sbatch_command, with_extra_args
 
 DRY_RUN_JOB_ID = "DRY_RUN_JOB_ID"
+LAUNCHER_VARS = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "GROUP_RANK", "ROLE_RANK",
+                 "ROLE_WORLD_SIZE", "GROUP_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
 
 
 @dataclasses.dataclass
@@ -90,9 +92,12 @@ def refusals(cfg: Config, config: str | os.PathLike, *, offline: bool, launch: b
     if offline and missing:
         raise ConfigError(missing)
     if launch and cfg.run_dir.is_dir():
-        from .status import assess, latest_job
+        from .status import ARRAY_TASK, assess, latest_job
         job = latest_job(cfg.run_dir)
         verdict = assess(cfg.run_dir, job)
+        task = read_json(cfg.run_dir / "submitted" / ARRAY_TASK) or {}
+        if job and str(task.get("array_job_id")) == job:  # a sweep point's task not started yet
+            job = f"{job}_{task.get('index')}"
         if verdict.state in ("running", "pending"):
             after = f"submit with --dependency afterany:{job} to continue after it, " if job else ""
             raise UserError(f"run {cfg.run.name!r} is {verdict.state} now ({verdict.text}); {after}"
@@ -209,6 +214,8 @@ def run_local(config: str | os.PathLike, overrides: list[str] | tuple[str, ...] 
     prepare(cfg)
     print(f"run_dir: {cfg.run_dir}", flush=True)
     env = {**os.environ, "OMP_NUM_THREADS": thread_share(nproc)}
+    if nproc == 1:  # a group of one: not a rank of an outer launcher (srun, torchrun) we run in
+        env = {k: v for k, v in env.items() if k not in LAUNCHER_VARS and not k.startswith("TORCHELASTIC_")}
     threads = f"{env['OMP_NUM_THREADS']} thread(s) (OMP_NUM_THREADS)"
     print(f"torchrun: {nproc} process(es) x {threads}" if nproc > 1 else
           f"one process (no torchrun needed) x {threads}", flush=True)
@@ -224,7 +231,9 @@ def run_local(config: str | os.PathLike, overrides: list[str] | tuple[str, ...] 
            if nproc > 1 else train_command(config, overrides))
     before = {signal.SIGINT: signal.signal(signal.SIGINT, lambda *_: ask_to_stop(cfg.run_dir))}
     try:
-        child = subprocess.Popen(cmd, env=env,
+        # One process gets a session of its own, as torchrun's workers do: the terminal's
+        # Ctrl-C reaches this launcher only, however many times it is pressed.
+        child = subprocess.Popen(cmd, env=env, start_new_session=nproc == 1,
                                  preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_IGN))
         for sig in (signal.SIGTERM, signal.SIGHUP):  # a killed launcher stops torchrun too
             before[sig] = signal.signal(sig, lambda s, _: child.send_signal(s))
@@ -233,8 +242,8 @@ def run_local(config: str | os.PathLike, overrides: list[str] | tuple[str, ...] 
         for sig, handler in before.items():
             signal.signal(sig, handler)
     rc = 128 - rc if rc < 0 else rc  # killed by signal N: 128 + N, as a shell says
-    if rc:  # the trainer's own line last, below torchrun's failure summary
-        if error_file.exists():
+    if rc:  # the trainer's own line last, below torchrun's failure summary (one process: said)
+        if nproc > 1 and error_file.exists():
             sys.stderr.write(error_file.read_text())
         return rc
     print(f"run_dir: {cfg.run_dir}")

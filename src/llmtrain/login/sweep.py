@@ -25,6 +25,7 @@ import dataclasses
 import itertools
 import json
 import os
+import signal
 from pathlib import Path
 
 from ..config import Config, ConfigError, UserError, load_config, read_json
@@ -130,16 +131,22 @@ def sweep_slurm(config: str | os.PathLike, overrides: list[str], grid: list[str]
             cfg, "prepare", script=script, home=home,
             frozen=cfg.run_dir / "submitted" / f"{st}.yaml"), dry_run))
     template = dataclasses.replace(cfgs[0], run=dataclasses.replace(cfgs[0].run, name=f"{sweep.name}-%a"))
-    sweep.array_job_id = sbatch(sweep.commands, sbatch_command(
-        template, "train", script=script, home=home, array=f"0-{len(cfgs) - 1}%{max_parallel}",
-        frozen=template.run_dir / "submitted" / f"{st}.yaml",
-        after=":".join(sweep.prepare_job_ids) or None), dry_run)
-    if not dry_run:
-        from ..rundir import write_atomic
-        _write_record(sweep)
-        for point in sweep.points:  # llmtrain status finds a task that has not started by these
-            write_atomic(Path(point["run_dir"]) / "submitted" / ARRAY_TASK,
-                         json.dumps({"array_job_id": sweep.array_job_id, "index": point["index"]}) + "\n")
+    # From the array's sbatch to its records, Ctrl-C waits: a queued array nobody can find would be
+    # queued again by the next try.
+    interrupt = signal.signal(signal.SIGINT, signal.SIG_IGN)
+    try:
+        sweep.array_job_id = sbatch(sweep.commands, sbatch_command(
+            template, "train", script=script, home=home, array=f"0-{len(cfgs) - 1}%{max_parallel}",
+            frozen=template.run_dir / "submitted" / f"{st}.yaml",
+            after=":".join(sweep.prepare_job_ids) or None), dry_run)
+        if not dry_run:
+            from ..rundir import write_atomic
+            _write_record(sweep)
+            for point in sweep.points:  # llmtrain status finds a task that has not started by these
+                write_atomic(Path(point["run_dir"]) / "submitted" / ARRAY_TASK,
+                             json.dumps({"array_job_id": sweep.array_job_id, "index": point["index"]}) + "\n")
+    finally:
+        signal.signal(signal.SIGINT, interrupt)
     return sweep
 
 
