@@ -2,7 +2,8 @@
 # Fetch the Hugging Face model and dataset of a run onto the shared filesystem, on the login
 # node (compute nodes usually have no internet). Complete downloads are skipped next time.
 #
-#   bash download_data_model.sh [--config FILE] [--model ID] [--dataset ID] [--force]
+#   bash download_data_model.sh [--config FILE] [--model ID] [--dataset ID] [--allow-pattern GLOB]
+#                               [--dataset-allow-pattern GLOB] [--force]
 set -euo pipefail
 
 REPO="$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)"
@@ -17,7 +18,11 @@ Usage: bash download_data_model.sh [options]
   --dataset ID           dataset repo id instead [DATASET_NAME]
   --revision REV         model branch, tag or commit [REVISION] (default: main)
   --dataset-revision REV dataset revision [DATASET_REVISION] (default: main)
-  --allow-pattern GLOB   only matching files, repeatable [ALLOW_PATTERNS, space-separated]
+  --allow-pattern GLOB   only the model's files matching, repeatable [ALLOW_PATTERNS,
+                         space-separated], e.g. '*.safetensors' --allow-pattern '*.json'
+  --dataset-allow-pattern GLOB
+                         only the dataset's files matching, repeatable
+                         [DATASET_ALLOW_PATTERNS], e.g. 'data/train-*'
   --force                download again even if complete [FORCE_REFRESH=1]
 
 Gated models: set HF_TOKEN or log in once with `hf auth login`; the token is never printed.
@@ -38,11 +43,13 @@ main() {
   [[ -n "${DATASET_REVISION:-}" ]] && args+=(--dataset-revision "$DATASET_REVISION")
   read -ra patterns <<<"${ALLOW_PATTERNS:-}"  # split on spaces, never glob
   for pattern in "${patterns[@]}"; do args+=(--allow-pattern "$pattern"); done
+  read -ra patterns <<<"${DATASET_ALLOW_PATTERNS:-}"
+  for pattern in "${patterns[@]}"; do args+=(--dataset-allow-pattern "$pattern"); done
   [[ "${FORCE_REFRESH:-0}" == 1 ]] && args+=(--force)
   while (($#)); do
     case "$1" in
       --config) config="${2:?--config needs a file}"; shift 2 ;;
-      --model | --dataset | --revision | --dataset-revision | --allow-pattern)
+      --model | --dataset | --revision | --dataset-revision | --allow-pattern | --dataset-allow-pattern)
         args+=("$1" "${2:?$1 needs a value}"); shift 2 ;;
       --force) args+=(--force); shift ;;
       -h | --help) usage; exit 0 ;;

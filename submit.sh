@@ -25,7 +25,7 @@ Usage: bash submit.sh [options] [-- extra sbatch arguments]
   --dependency SPEC   sbatch --dependency, e.g. afterok:123
   --dry-run           print the sbatch command(s) and submit nothing
   --local             run on this machine with torchrun instead of Slurm
-  --nproc N           --local: processes to start (default: slurm.procs_per_node)
+  --nproc N           --local: processes to start (default: slurm.procs_per_node, else 1)
 
 Prints job_id:, run_dir:, config:, log: and watch: lines (run_dir: only, with --local).
 EOF

@@ -154,12 +154,21 @@ def test_gated_model_uses_the_token_and_never_prints_it(env, config, hub):
 
 def test_flags_and_env_override_the_config(env, config, hub):
     hub.repos[("model", "other/model")] = Repo(hub.repos[("model", "org/tiny")].files)
+    hub.repos[("dataset", "org/other")] = Repo(hub.repos[("dataset", "org/stories")].files)
     out = download({**env, "MODEL_NAME": "other/model", "ALLOW_PATTERNS": "*.json"}, "--config", config)
     assert out.returncode == 0, out.stderr
     got = Path(env["LLMTRAIN_HOME"]) / "models" / "other" / "model"
     assert sorted(p.name for p in got.iterdir() if not p.name.startswith(".")) == sorted(
         n for n in hub.repos[("model", "other/model")].files if n.endswith(".json"))
     assert not (Path(env["LLMTRAIN_HOME"]) / "models" / "org").exists()
+    # The model's patterns leave the config's dataset whole; the dataset's own patterns filter it.
+    data = Path(env["LLMTRAIN_HOME"]) / "datasets" / "org" / "stories"
+    assert (data / "data" / "train-00000-of-00001.parquet").is_file() and (data / "README.md").is_file()
+    out = download(env, "--config", config, "--dataset", "org/other", "--dataset-allow-pattern", "data/*")
+    assert out.returncode == 0, out.stderr
+    got = Path(env["LLMTRAIN_HOME"]) / "datasets" / "org" / "other"
+    assert sorted(str(p.relative_to(got)) for p in got.rglob("*") if p.is_file()
+                  and not p.name.startswith(".")) == ["data/train-00000-of-00001.parquet"]
 
 
 def test_no_network_is_one_line_and_leaves_no_empty_folder(env, tmp_path):

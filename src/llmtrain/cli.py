@@ -233,7 +233,7 @@ def parser() -> argparse.ArgumentParser:
     p.set_defaults(func=cmd_sweep_status)
 
     p = sub.add_parser("sbatch-command", help="print the sbatch command line of a run's job, "
-                       "NUL-separated, for submit.sh and train.slurm to run (no torch)")
+                       "NUL-separated (--shell: quoted, for reading); no torch")
     p.add_argument("job", choices=["prepare", "train", "continuation"], help="prepare: tokenize "
                    "on one CPU node; train: the training job; continuation: train again after "
                    "the job --after names ends, where requeue is refused")
@@ -365,7 +365,11 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--revision", help="model revision: branch, tag or commit (default: main)")
     p.add_argument("--dataset-revision", help="dataset revision (default: main)")
     p.add_argument("--allow-pattern", action="append", dest="allow_patterns", metavar="GLOB",
-                   help="only files matching (repeatable), e.g. '*.safetensors' (default: all)")
+                   help="only the model's files matching (repeatable), e.g. '*.safetensors' "
+                   "(default: all)")
+    p.add_argument("--dataset-allow-pattern", action="append", dest="dataset_allow_patterns",
+                   metavar="GLOB", help="only the dataset's files matching (repeatable), e.g. "
+                   "'data/train-*' (default: all)")
     p.add_argument("--force", action="store_true", help="download again even if complete")
     p.set_defaults(func=cmd_download)
     return ap
@@ -583,8 +587,10 @@ def cmd_download(args) -> int:
         raise UserError("nothing to download: the config names no hub ids (only local paths); "
                         "or pass --model / --dataset")
     for repo_type, repo_id in todo:
-        revision = args.dataset_revision if repo_type == "dataset" else args.revision
-        download(repo_type, repo_id, revision, args.allow_patterns, args.force)
+        if repo_type == "dataset":
+            download(repo_type, repo_id, args.dataset_revision, args.dataset_allow_patterns, args.force)
+        else:
+            download(repo_type, repo_id, args.revision, args.allow_patterns, args.force)
     return 0
 
 

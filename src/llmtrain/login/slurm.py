@@ -1,4 +1,5 @@
-"""The sbatch command lines of a run, computed from its config; submit.sh and train.slurm run them.
+"""The sbatch command lines of a run, computed from its config; `llmtrain submit`, `sweep` and
+`requeue` (train.slurm's continuation) run them.
 
     llmtrain sbatch-command train --config FILE [--set ...] [--frozen F] [--after ID] [-- ARGS]
 
