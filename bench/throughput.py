@@ -1,14 +1,15 @@
 """llmtrain's training throughput against a minimal PyTorch loop and the Hugging Face Trainer,
 interleaved in one run; and each one's start-up.
 
-    python bench/throughput.py [--rounds 5] [--nproc 1 2] [--startup 5]
+    python bench/throughput.py [--rounds 5] [--nproc 1 2] [--startup 5] [--variant KEY=VALUE,...]
 
 For each process count, alternates rounds of bench/plain_loop.py, bench/hf_trainer.py and
 `llmtrain train` on the same model (Llama, 4 layers x 256 hidden), micro batch 8, seq_len 256,
 fp32, fused AdamW, clipping, and compares the median tokens/s of the steady-state windows (the
 first window of each round, with warm-up, is dropped). Targets: >= 0.98x the plain loop, >= 1.0x
 the HF Trainer. --startup N: the wall time of N one-step runs of each, process start to exit
-(median). Needs an environment from setup.sh.
+(median). --variant adds a side: llmtrain with those `--set` overrides (an A/B of its settings,
+interleaved with the rest). Needs an environment from setup.sh.
 """
 
 from __future__ import annotations
@@ -64,17 +65,19 @@ def run_peer(script: str, nproc: int) -> list[float]:
     return json.loads(out.strip().splitlines()[-1])["tokens_per_sec"][1:]
 
 
-def llmtrain_command(config: Path, nproc: int, steps: int) -> list[str]:
+def llmtrain_command(config: Path, nproc: int, steps: int, overrides: tuple[str, ...] = ()) -> list[str]:
     cmd = launcher(nproc) + ["-m", "llmtrain", "train", "--config", str(config), "--set", f"train.max_steps={steps}"]
+    for override in overrides:
+        cmd += ["--set", override]
     if steps == 1:  # as the peers' one step: no warmup to speak of, no checkpoint at the end
         cmd += ["--set", "train.warmup_steps=0", "--set", "train.checkpoint_every=0"]
     return cmd
 
 
-def run_llmtrain(config: Path, nproc: int) -> list[float]:
+def run_llmtrain(config: Path, nproc: int, overrides: tuple[str, ...] = ()) -> list[float]:
     run_dir = Path(yaml.safe_load(config.read_text())["run"]["dir"]) / f"bench-{nproc}"
     shutil.rmtree(run_dir, ignore_errors=True)  # a fresh run each round, not a resume of the last
-    subprocess.run(llmtrain_command(config, nproc, STEPS), capture_output=True, text=True, check=True)
+    subprocess.run(llmtrain_command(config, nproc, STEPS, overrides), capture_output=True, text=True, check=True)
     lines = [json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().splitlines()]
     return [x["tokens_per_sec"] for x in lines if x["kind"] == "train"][1:]
 
@@ -91,6 +94,8 @@ def main() -> None:
     ap.add_argument("--rounds", type=int, default=5)
     ap.add_argument("--nproc", type=int, nargs="+", default=[1, 2])
     ap.add_argument("--startup", type=int, default=0, help="one-step runs of each to time (0: none)")
+    ap.add_argument("--variant", action="append", default=[], metavar="KEY=VALUE,...",
+                    help="another llmtrain side with these overrides (repeatable)")
     args = ap.parse_args()
     if "LLMTRAIN_HOME" not in os.environ:
         sys.exit("bench: source the env.sh that setup.sh wrote first")
@@ -102,10 +107,12 @@ def main() -> None:
             runs = {"plain loop": lambda: run_peer("plain_loop.py", nproc),
                     "HF Trainer": lambda: run_peer("hf_trainer.py", nproc),
                     "llmtrain": lambda: run_llmtrain(config, nproc)}
+            for variant in args.variant:
+                runs[f"llmtrain {variant}"] = lambda v=variant: run_llmtrain(config, nproc, tuple(v.split(",")))
             windows = {name: [] for name in runs}
             order = list(runs)
             for r in range(args.rounds):  # interleaved, each side first in turn: drift hits all alike
-                for name in order[r % 3:] + order[:r % 3]:
+                for name in order[r % len(order):] + order[:r % len(order)]:
                     windows[name] += runs[name]()
             median = {name: statistics.median(w) for name, w in windows.items()}
             label = "1 process" if nproc == 1 else f"{nproc}-process DDP"
@@ -113,6 +120,10 @@ def main() -> None:
                   + f"; llmtrain / plain loop {median['llmtrain'] / median['plain loop']:.3f}, "
                   f"llmtrain / HF Trainer {median['llmtrain'] / median['HF Trainer']:.3f} "
                   f"(medians of {len(windows['llmtrain'])} windows of {WINDOW} steps each)", flush=True)
+            for variant in args.variant:
+                m = median[f"llmtrain {variant}"]
+                print(f"  llmtrain with {variant}: {m / median['llmtrain']:.3f}x the default, "
+                      f"{m / median['plain loop']:.3f}x the plain loop", flush=True)
             if args.startup:
                 run_dir = Path(tmp) / "runs" / f"bench-{nproc}"
                 starts = {"plain loop": lambda: wall(peer_command("plain_loop.py", nproc, 1)),

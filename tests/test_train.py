@@ -90,14 +90,14 @@ def test_run_directory_holds_what_a_user_looks_for(setup, ddp):
                for line in progress)
 
 
-@pytest.mark.parametrize("strategy,prefetch", [("ddp", 0), ("fsdp", 2)])
+@pytest.mark.parametrize("strategy,prefetch", [("ddp", 2), ("fsdp", 0)])
 def test_a_step_that_does_not_log_never_waits_for_the_device(setup, ddp, strategy, prefetch):
     """Counted step by step (tests/sync_probe.py): host reads of tensor values (each a wait for
     the device on a GPU) and Python-level collectives. A step that neither logs, evaluates nor
     saves has one collective, the agreement, and at most one read: the previous step's three
-    flags, long done. The losses equal the reference run's (every step logged, batches read
-    ahead; DDP without reading ahead: exactly): the lag and the prefetch change when the host
-    looks, not what trains."""
+    flags, long done. The losses equal the reference run's (every step logged, batches read on
+    the training thread, the CPU default; DDP reading two steps ahead: exactly): the lag and the
+    prefetch change when the host looks, not what trains."""
     root, config = setup
     name, out = f"probe-{strategy}-{prefetch}", root / f"probe-{strategy}-{prefetch}"
     cmd = torchrun_command(2, "train", "--config", config, "--set", f"run.name={name}",

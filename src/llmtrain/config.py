@@ -133,7 +133,9 @@ class DataConfig:
     seq_len: int = 1024  # tokens per training sample
     prepared_dir: str = "${LLMTRAIN_HOME}/prepared"  # root of prepared (tokenized) datasets
     num_proc: Optional[int] = None  # tokenizer processes; None: the cores this process may use, at most 64
-    prefetch_steps: int = 2  # steps of batches read ahead on a background thread; 0: on the training one
+    # steps of batches read ahead on a background thread; 0: on the training one; None: 2 on GPUs,
+    # 0 on CPUs (no copy to hide there, and the thread costs a CPU run ~3%: doc/benchmarks.md)
+    prefetch_steps: Optional[int] = None
 
     @property
     def samples(self) -> bool:
@@ -664,7 +666,7 @@ def validate(cfg: Config, world_size: int | None = None, written: dict | None = 
                  f"samples are always masked from each other)")
     if d.samples and d.text_unit != "line":
         p.append(f"data.text_unit: for data.format text only (got {d.text_unit} with format {d.format})")
-    if d.prefetch_steps < 0:
+    if d.prefetch_steps is not None and d.prefetch_steps < 0:
         p.append(f"data.prefetch_steps: must be >= 0 (got {d.prefetch_steps})")
     if s.gpus_per_node < 0:
         p.append(f"slurm.gpus_per_node: must be >= 0 (got {s.gpus_per_node})")

@@ -229,7 +229,7 @@ def loop(cfg: Config, world: World, watch: Watchdog, log: Log, job: Job) -> None
     faults = Faults.from_env(world)
     control = Control(cfg, world, log)
     prefetch = Prefetcher(job.train_data, sampler, job.accum, seq_len, world.device,
-                          cfg.data.prefetch_steps)
+                          prefetch_depth(cfg, world.device))
     failed = True
     try:
         pending: Agreement | None = None  # the previous step's, when nothing made the host read it
@@ -305,6 +305,15 @@ def loop(cfg: Config, world: World, watch: Watchdog, log: Log, job: Job) -> None
     if plots and reason == "done":  # a stopping job's time is the final checkpoint's
         plots.refresh(state.step)  # a run without evaluation is drawn at its end
         plots.close()
+
+
+def prefetch_depth(cfg: Config, device) -> int:
+    """data.prefetch_steps, or by default 2 on a GPU (pinned batches copied while the previous
+    step runs) and 0 on a CPU, where there is no copy to hide and a reading thread competes with
+    the compute threads (a one-process CPU run measured ~3% slower with it: doc/benchmarks.md)."""
+    if cfg.data.prefetch_steps is not None:
+        return cfg.data.prefetch_steps
+    return 2 if device.type == "cuda" else 0
 
 
 def ending(reason: str, step: int) -> str:
