@@ -5,6 +5,7 @@ from __future__ import annotations
 import bz2
 import gzip
 import json
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -50,6 +51,12 @@ def test_prepare_packs_every_document_with_eos(home, tmp_path, write_config, tok
     assert tokens[-1] == tokenizer.eos_token_id
     assert manifest["dtype"] == "uint16" and manifest["tokenizer"]["vocab_size"] == len(tokenizer)
     assert not list(folder.parent.glob("*.tmp-*"))
+    # The held-out split's indices and the tokenized documents (4 bytes a token) are gone with
+    # the temporary folder: none is left in the datasets cache beside the source's Arrow copy.
+    import datasets
+    cached = Path(datasets.load_dataset("text", data_files=[str(src)], split="train").cache_files[0]["filename"])
+    assert [p.name for p in cached.parent.iterdir() if p.name.startswith("cache-")] == []
+    assert sorted(p.name for p in folder.iterdir()) == ["manifest.json", "train-00000.bin", "validation-00000.bin"]
 
 
 def test_prepare_is_idempotent_and_keyed_by_its_inputs(home, tmp_path, write_config, capsys):
@@ -102,9 +109,12 @@ def test_prepare_reads_each_source_format(home, tmp_path, write_config, tokenize
     cfg = config_for(write_config, dataset, validation_fraction=0.0)
     if fmt == "hub_snapshot":
         assert cfg.data.dataset == "org/stories"
+    files = sorted(src.rglob("*")) if src.is_dir() else None
     manifest = json.loads((prepare(cfg, log=lambda _: None) / "manifest.json").read_text())
     assert manifest["splits"]["train"]["tokens"] == expected_tokens(tokenizer, DOCS)
     assert list(manifest["splits"]) == ["train"]
+    if files is not None:  # nothing written into the dataset's folder (map's cache files went there)
+        assert sorted(src.rglob("*")) == files
 
 
 def test_shards_read_as_one_stream(home, tmp_path, write_config, monkeypatch):

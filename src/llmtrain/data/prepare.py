@@ -53,8 +53,6 @@ def prepare(cfg: Config, log=print) -> Path:
     bos = bos_to_add(cfg, tokenizer, tok_dir)
     encode = samples.encoder(cfg, tokenizer, bos) if cfg.data.samples else None
     t0 = time.time()
-    splits = load_splits(cfg)
-    log(describe_layout(cfg, tokenizer, bos))
     tmp = final.with_name(f"{final.name}.tmp-{os.getpid()}")
     shutil.rmtree(tmp, ignore_errors=True)
     try:
@@ -62,6 +60,11 @@ def prepare(cfg: Config, log=print) -> Path:
     except OSError as e:
         raise PrepareError(f"data.prepared_dir: cannot create {tmp.parent} ({e.strerror}); "
                            f"choose a writable folder") from None
+    # The datasets library's intermediate files (the held-out split's indices, the tokenized
+    # documents: 4 bytes a token) go here and with it, not into its cache or next to a saved
+    # dataset, where they would stay on the shared filesystem for good.
+    scratch = tmp / "scratch"
+    scratch.mkdir()
     dtype = np.uint16 if len(tokenizer) <= np.iinfo(np.uint16).max + 1 else np.uint32
     manifest = {
         "format": FORMAT_VERSION,
@@ -76,20 +79,24 @@ def prepare(cfg: Config, log=print) -> Path:
         "splits": {},
     }
     try:
+        splits = load_splits(cfg, scratch)
+        log(describe_layout(cfg, tokenizer, bos))
         if cfg.data.samples:
             manifest["samples"] = {"train_on": cfg.data.train_on, "truncation": cfg.data.truncation,
                                    "packing": cfg.data.packing, "seq_len": cfg.data.seq_len}
         for split, ds in splits.items():
             if cfg.data.samples:
-                ids, trained, offsets = samples.flatten(tokenize(ds, tokenizer, cfg, encode))
+                ids, trained, offsets = samples.flatten(tokenize(ds, tokenizer, cfg, scratch / split, encode))
                 part = samples.write_rows(ids, trained, offsets, tmp, split, dtype, cfg.data.seq_len + 1,
                                           pad_id(tokenizer), cfg.data.packing, cfg.data.truncation,
                                           SHARD_TOKENS)
                 log(samples.summary(split, part, cfg.data.seq_len, cfg.data.truncation))
             else:
-                part = pack(tokenize(ds, tokenizer, cfg), tmp, split, dtype, tokenizer.eos_token_id, bos)
+                part = pack(tokenize(ds, tokenizer, cfg, scratch / split), tmp, split, dtype,
+                            tokenizer.eos_token_id, bos)
             manifest["splits"][split] = part
             manifest["splits"][split]["dataset_fingerprint"] = ds._fingerprint
+        shutil.rmtree(scratch)  # the datasets above map its files: unlinked, still readable
         manifest["seconds"] = round(time.time() - t0, 1)
         (tmp / MANIFEST).write_text(json.dumps(manifest, indent=2) + "\n")
         try:
@@ -113,9 +120,9 @@ def prepare(cfg: Config, log=print) -> Path:
     return final
 
 
-def load_splits(cfg: Config) -> dict:
+def load_splits(cfg: Config, scratch: Path) -> dict:
     """Train and (if asked for) validation documents: the validation source's, or a seeded
-    share of the dataset's documents held out."""
+    share of the dataset's documents held out (its index files in `scratch`)."""
     import datasets
 
     # We report a load failure ourselves, in one line; the library would log it a second time.
@@ -137,7 +144,9 @@ def load_splits(cfg: Config) -> dict:
         raise PrepareError(f"data.validation_fraction: leaves no training documents "
                            f"({len(ds)} documents); give the evaluation documents their own "
                            f"file in data.validation, or set validation_fraction: 0")
-    parts = ds.train_test_split(test_size=n_val, shuffle=True, seed=0)
+    parts = ds.train_test_split(test_size=n_val, shuffle=True, seed=0,
+                                train_indices_cache_file_name=str(scratch / "train-indices.arrow"),
+                                test_indices_cache_file_name=str(scratch / "validation-indices.arrow"))
     return {"train": parts["train"], "validation": parts["test"]}
 
 
@@ -261,21 +270,24 @@ def default_num_proc() -> int:
     return min(DEFAULT_MAX_PROC, cores)
 
 
-def tokenize(ds, tokenizer, cfg: Config, encode=None):
-    """Each document's token ids, in data.num_proc processes, with the backend tokenizer's batch
-    encoder (no offsets, no attention masks: only the ids are kept); or `encode`'s columns
-    (samples.encoder: ids and trained flags)."""
+def tokenize(ds, tokenizer, cfg: Config, scratch: Path, encode=None):
+    """Each document's token ids (int32), in data.num_proc processes, with the backend
+    tokenizer's batch encoder (no offsets, no attention masks: only the ids are kept); or
+    `encode`'s columns (samples.encoder: ids and trained flags). Written as Arrow files named
+    after `scratch`."""
+    import pyarrow as pa
     field, backend = cfg.data.text_field, tokenizer.backend_tokenizer
 
     if encode is None:
         def encode(batch):
             encodings = backend.encode_batch_fast([t or "" for t in batch[field]], add_special_tokens=False)
-            return {"ids": [e.ids for e in encodings]}
+            return pa.table({"ids": pa.array([e.ids for e in encodings], type=pa.list_(pa.int32()))})
 
     num_proc = cfg.data.num_proc or default_num_proc()
     num_proc = max(1, min(num_proc, len(ds) // 1000 or 1))  # tiny datasets: no worker pool
     return ds.map(encode, batched=True, num_proc=num_proc if num_proc > 1 else None,
-                  remove_columns=ds.column_names, desc="tokenize")
+                  remove_columns=ds.column_names, desc="tokenize",
+                  cache_file_name=f"{scratch}-tokenized.arrow")
 
 
 def pad_id(tokenizer) -> int:
