@@ -5,6 +5,7 @@ from __future__ import annotations
 import bz2
 import gzip
 import json
+import time
 from pathlib import Path
 
 import numpy as np
@@ -40,6 +41,7 @@ def test_prepare_packs_every_document_with_eos(home, tmp_path, write_config, tok
     src.write_text("\n".join(DOCS) + "\n")
     cfg = config_for(write_config, src, validation_fraction=0.1)
     folder = prepare(cfg, log=lambda _: None)
+    prepared_at = time.time()
 
     manifest = json.loads((folder / "manifest.json").read_text())
     train, val = manifest["splits"]["train"], manifest["splits"]["validation"]
@@ -51,12 +53,37 @@ def test_prepare_packs_every_document_with_eos(home, tmp_path, write_config, tok
     assert tokens[-1] == tokenizer.eos_token_id
     assert manifest["dtype"] == "uint16" and manifest["tokenizer"]["vocab_size"] == len(tokenizer)
     assert not list(folder.parent.glob("*.tmp-*"))
-    # The held-out split's indices and the tokenized documents (4 bytes a token) are gone with
-    # the temporary folder: none is left in the datasets cache beside the source's Arrow copy.
+    # The source's Arrow copy, the held-out split's indices and the tokenized documents (4 bytes
+    # a token) are gone with the temporary folder: the datasets cache holds no copy of this
+    # source until the test's own load makes one.
     import datasets
     cached = Path(datasets.load_dataset("text", data_files=[str(src)], split="train").cache_files[0]["filename"])
+    assert cached.stat().st_mtime > prepared_at
     assert [p.name for p in cached.parent.iterdir() if p.name.startswith("cache-")] == []
     assert sorted(p.name for p in folder.iterdir()) == ["manifest.json", "train-00000.bin", "validation-00000.bin"]
+
+
+def test_a_killed_prepares_folder_on_this_host_is_removed_by_the_next(home, tmp_path, write_config):
+    """SIGKILL (the out-of-memory killer, a time limit) runs no cleanup: the next prepare of the
+    same data removes the folder of a process that is gone on this host, and leaves the folder
+    of another host's prepare, which may still run."""
+    import socket
+    import subprocess
+    src = tmp_path / "docs.txt"
+    src.write_text("\n".join(DOCS) + "\n")
+    cfg = config_for(write_config, src)
+    final = prepared_path(cfg)
+    gone = subprocess.Popen(["true"])
+    gone.wait()
+    dead = final.with_name(f"{final.name}.tmp-{socket.gethostname()}-{gone.pid}")
+    other = final.with_name(f"{final.name}.tmp-elsewhere-{gone.pid}")
+    for folder in (dead, other):
+        (folder / "scratch").mkdir(parents=True)
+        (folder / "train-00000.bin").write_bytes(b"\0" * 64)
+    lines = []
+    assert prepare(cfg, log=lines.append) == final
+    assert not dead.exists() and other.exists()
+    assert f"removed {dead}: left by a prepare that was killed" in lines
 
 
 def test_prepare_is_idempotent_and_keyed_by_its_inputs(home, tmp_path, write_config, capsys):

@@ -16,7 +16,7 @@ from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 from conftest import DEMO, assert_same_curve, cli, read_metrics, tiny_config, torchrun
 from llmtrain.config import load_config
 from llmtrain.data.loader import Batch, document_positions, open_prepared, open_split
-from llmtrain.data.samples import chat_sample, plan_rows, prompt_completion_sample
+from llmtrain.data.samples import chat_sample, columns, plan_rows, prompt_completion_sample, trained_targets
 from llmtrain.model.attention import causal_attention, document_mask
 from llmtrain.model.loss import IGNORE, lm_loss
 
@@ -79,6 +79,23 @@ def test_prompt_completion_trains_the_completion_and_eos(tmp_path):
     assert trained_spans(tok, ids, trained) == [" 5.<|endoftext|>"]
     ids, trained = prompt_completion_sample(tok, "Hi", " there", bos=7, eos=eos, train_on="all")
     assert ids[0] == 7 and trained == [1] * len(ids)
+
+
+def test_trained_targets_are_counted_the_same_in_chunks_of_samples():
+    """Each sample's targets (flags after its first token, within its kept length), summed a
+    chunk of samples at a time, equal the plain per-sample sums, empty samples included; the
+    columns prepare stores are int32 ids and uint8 flags in lists with 64-bit offsets."""
+    rng = np.random.default_rng(0)
+    full = rng.integers(0, 12, size=50)
+    offsets = np.concatenate([[0], np.cumsum(full)])
+    trained = rng.integers(0, 2, size=int(offsets[-1])).astype(np.uint8)
+    lengths = np.minimum(full, 7)
+    want = [int(trained[offsets[i] + 1:offsets[i] + lengths[i]].sum()) for i in range(50)]
+    for chunk in (1, 3, 16384):
+        assert trained_targets(trained, offsets, lengths, chunk=chunk).tolist() == want
+    table = columns([([5, 6, 7], [0, 1, 1]), ([], [])])
+    assert [str(table.schema.field(c).type) for c in ("ids", "trained")] == ["large_list<item: int32>",
+                                                                            "large_list<item: uint8>"]
 
 
 def test_best_fit_packing_fills_rows_and_keeps_every_sample_once():

@@ -6,8 +6,12 @@ line, or per file with data.text_unit: file), takes the validation documents fro
 data.validation (a split or files) or holds out a share of the documents, tokenizes with the
 model's fast tokenizer in parallel, puts BOS before (data.add_bos) and EOS after every
 document, and packs each split into one contiguous token stream cut into shards. Everything is
-written into `<final>.tmp-<pid>` and renamed at the end, so a crash never leaves a folder
-that looks prepared; a folder whose manifest exists is reused.
+written into `<final>.tmp-<host>-<pid>` and renamed at the end, so a crash never leaves a
+folder that looks prepared; a folder whose manifest exists is reused. The datasets library's
+own files (its Arrow copy of the source, the held-out indices, the tokenized documents) go to
+`scratch/` inside the temporary folder and are removed with it: a 100B-token corpus leaves no
+terabyte in the datasets cache. A temporary folder a killed prepare left on this host is
+removed by the next one.
 """
 
 from __future__ import annotations
@@ -15,6 +19,7 @@ from __future__ import annotations
 import json
 import os
 import shutil
+import socket
 import time
 from pathlib import Path
 
@@ -53,16 +58,17 @@ def prepare(cfg: Config, log=print) -> Path:
     bos = bos_to_add(cfg, tokenizer, tok_dir)
     encode = samples.encoder(cfg, tokenizer, bos) if cfg.data.samples else None
     t0 = time.time()
-    tmp = final.with_name(f"{final.name}.tmp-{os.getpid()}")
+    remove_abandoned(final, log)
+    tmp = final.with_name(f"{final.name}.tmp-{socket.gethostname()}-{os.getpid()}")
     shutil.rmtree(tmp, ignore_errors=True)
     try:
         tmp.mkdir(parents=True)
     except OSError as e:
         raise PrepareError(f"data.prepared_dir: cannot create {tmp.parent} ({e.strerror}); "
                            f"choose a writable folder") from None
-    # The datasets library's intermediate files (the held-out split's indices, the tokenized
-    # documents: 4 bytes a token) go here and with it, not into its cache or next to a saved
-    # dataset, where they would stay on the shared filesystem for good.
+    # The datasets library's files (the source's Arrow copy, the held-out split's indices, the
+    # tokenized documents: 4 bytes a token) go here and with it, not into its cache or next to
+    # a saved dataset, where they would stay on the shared filesystem for good.
     scratch = tmp / "scratch"
     scratch.mkdir()
     dtype = np.uint16 if len(tokenizer) <= np.iinfo(np.uint16).max + 1 else np.uint32
@@ -120,6 +126,28 @@ def prepare(cfg: Config, log=print) -> Path:
     return final
 
 
+def remove_abandoned(final: Path, log) -> None:
+    """Temporary folders of `final` that a prepare on this host left when it was killed (out of
+    memory, a time limit: no cleanup runs): their process is gone. Other hosts' are theirs."""
+    host = socket.gethostname()
+    for tmp in final.parent.glob(f"{final.name}.tmp-{host}-*"):
+        pid = tmp.name.rpartition("-")[2]
+        if not pid.isdigit() or pid_alive(int(pid)):
+            continue
+        shutil.rmtree(tmp, ignore_errors=True)
+        log(f"removed {tmp}: left by a prepare that was killed")
+
+
+def pid_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # someone else's process
+        return True
+    return True
+
+
 def load_splits(cfg: Config, scratch: Path) -> dict:
     """Train and (if asked for) validation documents: the validation source's, or a seeded
     share of the dataset's documents held out (its index files in `scratch`)."""
@@ -129,12 +157,12 @@ def load_splits(cfg: Config, scratch: Path) -> dict:
     datasets.logging.set_verbosity(datasets.logging.CRITICAL)
     d = cfg.data
     src = local_path(d.dataset, "datasets")
-    ds = _read(src, d.split, "dataset", cfg, datasets)
+    ds = _read(src, d.split, "dataset", cfg, datasets, scratch)
     if d.validation is not None:
         if is_split_name(d.validation):
-            val = _read(src, d.validation, "validation", cfg, datasets)
+            val = _read(src, d.validation, "validation", cfg, datasets, scratch)
         else:
-            val = _read(Path(d.validation), "train", "validation", cfg, datasets)
+            val = _read(Path(d.validation), "train", "validation", cfg, datasets, scratch)
         return {"train": ds, "validation": val}
     frac = d.holdout_fraction
     if frac == 0:
@@ -150,7 +178,7 @@ def load_splits(cfg: Config, scratch: Path) -> dict:
     return {"train": parts["train"], "validation": parts["test"]}
 
 
-def _read(src: Path, split: str, key: str, cfg: Config, datasets):
+def _read(src: Path, split: str, key: str, cfg: Config, datasets, scratch: Path):
     """One source's documents as a dataset with the single column text_field."""
     if is_glob(str(src)):
         if not source_files(str(src)):
@@ -161,7 +189,7 @@ def _read(src: Path, split: str, key: str, cfg: Config, datasets):
     elif src.is_file() and src.stat().st_size == 0:
         raise PrepareError(f"data.{key}: {src} is empty; point it at a file with documents")
     try:
-        ds = _load(src, split, key, cfg, datasets)
+        ds = _load(src, split, key, cfg, datasets, scratch)
     except (datasets.exceptions.DatasetGenerationError, ValueError, OSError) as e:
         cause = e.__cause__ or e
         if "sample_by" in str(e):  # the builder of a folder of parquet/json files has no such option
@@ -199,9 +227,13 @@ def _is_message_list(feature, datasets) -> bool:
             and {"role", "content"} <= set(inner))
 
 
-def _load(src: Path, split: str, key: str, cfg: Config, datasets):
+def _load(src: Path, split: str, key: str, cfg: Config, datasets, scratch: Path):
     # text_unit: file reads each .txt file whole, newlines kept (the text builder's sample_by)
     text = {"sample_by": "document"} if cfg.data.text_unit == "file" else {}
+    # The builders' Arrow copy of the source goes to the scratch folder, written by as many
+    # processes as there are files (and cores): a corpus is converted once per prepare.
+    procs = cfg.data.num_proc or default_num_proc()
+    build = {"cache_dir": str(scratch / "source")}
     if src.is_dir() and any((src / f).exists() for f in
                             ("state.json", "dataset_info.json", "dataset_dict.json")):
         ds = datasets.load_from_disk(str(src))
@@ -215,7 +247,8 @@ def _load(src: Path, split: str, key: str, cfg: Config, datasets):
         return ds
     files = source_files(str(src))
     if files is None:  # a folder (a hub snapshot): the library finds its files and splits
-        return datasets.load_dataset(str(src), split=split, **text)
+        return datasets.load_dataset(str(src), split=split, **build, **text,
+                                     num_proc=procs if procs > 1 else None)
     suffixes = sorted({file_suffix(f) for f in files})
     unknown = [x for x in suffixes if x not in FILE_BUILDERS]
     if unknown:
@@ -226,8 +259,9 @@ def _load(src: Path, split: str, key: str, cfg: Config, datasets):
         raise PrepareError(f"data.{key}: {src} matches files of several formats "
                            f"({', '.join(suffixes)}); use one format per source")
     builder = builders.pop()
-    return datasets.load_dataset(builder, data_files=[str(f) for f in files], split="train",
-                                 **(text if builder == "text" else {}))
+    procs = min(procs, len(files))
+    return datasets.load_dataset(builder, data_files=[str(f) for f in files], split="train", **build,
+                                 num_proc=procs if procs > 1 else None, **(text if builder == "text" else {}))
 
 
 def _split_key(key: str) -> str:

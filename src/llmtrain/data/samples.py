@@ -98,14 +98,21 @@ def encoder(cfg: Config, tokenizer, bos: int | None):
                               f"(an instruct model's), or data.format prompt_completion")
 
         def encode(batch):
-            out = [chat_sample(tokenizer, conv, d.train_on) for conv in batch[d.messages_field]]
-            return {"ids": [o[0] for o in out], "trained": [o[1] for o in out]}
+            return columns([chat_sample(tokenizer, conv, d.train_on) for conv in batch[d.messages_field]])
     else:
         def encode(batch):
-            out = [prompt_completion_sample(tokenizer, p, c, bos, tokenizer.eos_token_id, d.train_on)
-                   for p, c in zip(batch[d.prompt_field], batch[d.completion_field])]
-            return {"ids": [o[0] for o in out], "trained": [o[1] for o in out]}
+            return columns([prompt_completion_sample(tokenizer, p, c, bos, tokenizer.eos_token_id, d.train_on)
+                            for p, c in zip(batch[d.prompt_field], batch[d.completion_field])])
     return encode
+
+
+def columns(samples: list[tuple[list[int], list[int]]]):
+    """A batch of (ids, trained flags) as an Arrow table: int32 ids and uint8 flags (5 bytes a
+    token, not the 16 of Python ints' int64), in large lists (int64 offsets: a split may hold
+    more than 2^31 tokens, where flatten's concatenation of int32-offset lists overflows)."""
+    import pyarrow as pa
+    return pa.table({"ids": pa.array([s[0] for s in samples], type=pa.large_list(pa.int32())),
+                     "trained": pa.array([s[1] for s in samples], type=pa.large_list(pa.uint8()))})
 
 
 # ---------------------------------------------------------------------------------------------
@@ -140,12 +147,7 @@ def fit(ids: np.ndarray, trained: np.ndarray, offsets: np.ndarray, capacity: int
     full = np.diff(offsets)
     long = full > capacity
     lengths = np.minimum(full, capacity) if truncation == "truncate" else full
-    # Trained targets per sample: flags after each sample's first token, within its kept length.
-    flags = trained.astype(np.int64)
-    flags[offsets[:-1][full > 0]] = 0
-    kept_end = offsets[:-1] + lengths
-    cum = np.concatenate([[0], np.cumsum(flags)])
-    targets = cum[kept_end] - cum[offsets[:-1]]
+    targets = trained_targets(trained, offsets, lengths)
     keep = ~long if truncation == "drop" else np.ones(len(lengths), dtype=bool)
     untrained = keep & (targets == 0)
     keep &= ~untrained
@@ -153,6 +155,22 @@ def fit(ids: np.ndarray, trained: np.ndarray, offsets: np.ndarray, capacity: int
               "dropped_long": int(long.sum()) if truncation == "drop" else 0,
               "dropped_untrained": int(untrained.sum())}
     return np.flatnonzero(keep), lengths, counts
+
+
+def trained_targets(trained: np.ndarray, offsets: np.ndarray, lengths: np.ndarray,
+                    chunk: int = 16384) -> np.ndarray:
+    """Each sample's trained targets: its flags after its first token, within its first
+    `lengths[i]` tokens. A running sum over `chunk` samples at a time, so that a split of
+    billions of tokens never needs an int64 copy of all its flags."""
+    out = np.zeros(len(lengths), dtype=np.int64)
+    for lo in range(0, len(lengths), chunk):
+        hi = min(lo + chunk, len(lengths))
+        base = offsets[lo]
+        cum = np.concatenate([[0], np.cumsum(trained[base:offsets[hi]], dtype=np.int64)])
+        starts = offsets[lo:hi] - base
+        ends = starts + lengths[lo:hi]
+        out[lo:hi] = cum[ends] - cum[np.minimum(starts + 1, ends)]
+    return out
 
 
 def write_rows(ids: np.ndarray, trained: np.ndarray, offsets: np.ndarray, folder: Path, split: str,
@@ -203,10 +221,10 @@ def flatten(ds) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     table = ds.with_format("arrow")[:]
     id_col, flag_col = (table.column(c).combine_chunks() for c in ("ids", "trained"))
     if isinstance(id_col, pa.ChunkedArray):  # an empty table
-        return np.zeros(0, np.int64), np.zeros(0, np.uint8), np.zeros(1, np.int64)
+        return np.zeros(0, np.int32), np.zeros(0, np.uint8), np.zeros(1, np.int64)
     offsets = id_col.offsets.to_numpy().astype(np.int64)
     ids = pc.list_flatten(id_col).to_numpy(zero_copy_only=False)
-    trained = pc.list_flatten(flag_col).to_numpy(zero_copy_only=False).astype(np.uint8)
+    trained = pc.list_flatten(flag_col).to_numpy(zero_copy_only=False).astype(np.uint8, copy=False)
     return ids, trained, offsets - offsets[0]
 
 
