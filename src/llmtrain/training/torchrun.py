@@ -7,10 +7,22 @@ submit.sh --local and train.slurm start training through it."""
 from __future__ import annotations
 
 import logging
+import os
 import sys
 
-from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
-from torch.distributed.run import main
+# The same end-of-run race in C++: the other agent's last store operation finds the socket
+# closed, and c10d logs a warning with a 30-frame stack dump. This agent process only (c10
+# reads TORCH_CPP_LOG_LEVEL once, when torch loads) logs C++ errors but not warnings; the
+# workers it starts get the variable as the user set it.
+_USER_CPP_LOG_LEVEL = os.environ.get("TORCH_CPP_LOG_LEVEL")
+os.environ["TORCH_CPP_LOG_LEVEL"] = "ERROR"
+from torch.distributed.elastic.multiprocessing.errors import ChildFailedError  # noqa: E402
+from torch.distributed.run import main  # noqa: E402
+
+if _USER_CPP_LOG_LEVEL is None:
+    del os.environ["TORCH_CPP_LOG_LEVEL"]
+else:
+    os.environ["TORCH_CPP_LOG_LEVEL"] = _USER_CPP_LOG_LEVEL
 
 
 class _EndOfRunRace(logging.Filter):
