@@ -200,13 +200,9 @@ def parser() -> argparse.ArgumentParser:
     _overrides(p)
     p.add_argument("--dependency", metavar="SPEC", help="sbatch --dependency of the first job, "
                    "e.g. afterok:123 (default: none)")
-    p.add_argument("--dry-run", action="store_true", help="print the sbatch command line(s) and "
-                   "the memory estimate; submit nothing")
-    p.add_argument("--local", action="store_true", help="train on this machine under torchrun "
-                   "instead of Slurm")
-    p.add_argument("--nproc", type=int, help="--local: processes to start (default: "
-                   "slurm.procs_per_node, else 1)")
-    p.add_argument("--script", help="the batch script (default: $LLMTRAIN_REPO/train.slurm)")
+    _launch(p, dry_run="print the sbatch command line(s) and the memory estimate; submit nothing",
+            local="train on this machine under torchrun instead of Slurm",
+            nproc="--local: processes to start")
     p.set_defaults(func=cmd_submit)
 
     p = sub.add_parser("sweep", help="one run per point of a grid: a Slurm job array with at "
@@ -218,12 +214,8 @@ def parser() -> argparse.ArgumentParser:
                    "(required, repeatable)")
     p.add_argument("--max-parallel", type=int, default=4, help="points Slurm runs at once (the "
                    "array's %%limit)")
-    p.add_argument("--dry-run", action="store_true", help="print the sbatch command line(s); "
-                   "submit nothing")
-    p.add_argument("--local", action="store_true", help="train the points here, one after another")
-    p.add_argument("--nproc", type=int, help="--local: processes per point (default: "
-                   "slurm.procs_per_node, else 1)")
-    p.add_argument("--script", help="the batch script (default: $LLMTRAIN_REPO/train.slurm)")
+    _launch(p, dry_run="print the sbatch command line(s); submit nothing",
+            local="train the points here, one after another", nproc="--local: processes per point")
     p.set_defaults(func=cmd_sweep)
 
     p = sub.add_parser("sweep-status", help="`llmtrain sweep status SWEEP_DIR`: each point's state, "
@@ -373,6 +365,14 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--force", action="store_true", help="download again even if complete")
     p.set_defaults(func=cmd_download)
     return ap
+
+
+def _launch(p: argparse.ArgumentParser, dry_run: str, local: str, nproc: str) -> None:
+    """The options of the commands that queue jobs or train here instead: submit and sweep."""
+    p.add_argument("--dry-run", action="store_true", help=dry_run)
+    p.add_argument("--local", action="store_true", help=local)
+    p.add_argument("--nproc", type=int, help=f"{nproc} (default: slurm.procs_per_node, else 1)")
+    p.add_argument("--script", help="the batch script (default: $LLMTRAIN_REPO/train.slurm)")
 
 
 def _config(p: argparse.ArgumentParser) -> None:
@@ -587,10 +587,9 @@ def cmd_download(args) -> int:
         raise UserError("nothing to download: the config names no hub ids (only local paths); "
                         "or pass --model / --dataset")
     for repo_type, repo_id in todo:
-        if repo_type == "dataset":
-            download(repo_type, repo_id, args.dataset_revision, args.dataset_allow_patterns, args.force)
-        else:
-            download(repo_type, repo_id, args.revision, args.allow_patterns, args.force)
+        revision, patterns = ((args.dataset_revision, args.dataset_allow_patterns) if repo_type == "dataset"
+                              else (args.revision, args.allow_patterns))
+        download(repo_type, repo_id, revision, patterns, args.force)
     return 0
 
 

@@ -28,6 +28,7 @@ import numpy as np
 from ..config import (FILE_BUILDERS, Config, UserError, file_suffix, is_glob, is_split_name,
                       local_path, source_files, tokenizer_source)
 from . import samples
+from ..rundir import pid_alive
 from .loader import FORMAT_VERSION, MANIFEST, fingerprint, prepared_path, read_manifest
 
 SHARD_TOKENS = 1 << 28  # 256M tokens: 512 MiB of uint16 per shard file
@@ -132,20 +133,11 @@ def remove_abandoned(final: Path, log) -> None:
     host = socket.gethostname()
     for tmp in final.parent.glob(f"{final.name}.tmp-{host}-*"):
         pid = tmp.name.rpartition("-")[2]
-        if not pid.isdigit() or pid_alive(int(pid)):
+        if not pid.isdigit() or pid_alive(pid):
             continue
         shutil.rmtree(tmp, ignore_errors=True)
         log(f"removed {tmp}: left by a prepare that was killed")
 
-
-def pid_alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:  # someone else's process
-        return True
-    return True
 
 
 def load_splits(cfg: Config, scratch: Path) -> dict:
@@ -232,7 +224,7 @@ def _load(src: Path, split: str, key: str, cfg: Config, datasets, scratch: Path)
     text = {"sample_by": "document"} if cfg.data.text_unit == "file" else {}
     # The builders' Arrow copy of the source goes to the scratch folder, written by as many
     # processes as there are files (and cores): a corpus is converted once per prepare.
-    procs = cfg.data.num_proc or default_num_proc()
+    procs = num_proc(cfg)
     build = {"cache_dir": str(scratch / "source")}
     if src.is_dir() and any((src / f).exists() for f in
                             ("state.json", "dataset_info.json", "dataset_dict.json")):
@@ -294,9 +286,11 @@ def bos_to_add(cfg: Config, tokenizer, tok_dir: Path) -> int | None:
     return bos
 
 
-def default_num_proc() -> int:
-    """The cores this process may run on (a Slurm allocation, taskset), at most DEFAULT_MAX_PROC:
-    on a shared login node, prepare should not take every core unasked."""
+def num_proc(cfg: Config) -> int:
+    """data.num_proc, or the cores this process may run on (a Slurm allocation, taskset), at most
+    DEFAULT_MAX_PROC: on a shared login node, prepare should not take every core unasked."""
+    if cfg.data.num_proc:
+        return cfg.data.num_proc
     try:
         cores = len(os.sched_getaffinity(0))
     except AttributeError:  # not Linux
@@ -317,9 +311,8 @@ def tokenize(ds, tokenizer, cfg: Config, scratch: Path, encode=None):
             encodings = backend.encode_batch_fast([t or "" for t in batch[field]], add_special_tokens=False)
             return pa.table({"ids": pa.array([e.ids for e in encodings], type=pa.list_(pa.int32()))})
 
-    num_proc = cfg.data.num_proc or default_num_proc()
-    num_proc = max(1, min(num_proc, len(ds) // 1000 or 1))  # tiny datasets: no worker pool
-    return ds.map(encode, batched=True, num_proc=num_proc if num_proc > 1 else None,
+    procs = max(1, min(num_proc(cfg), len(ds) // 1000 or 1))  # tiny datasets: no worker pool
+    return ds.map(encode, batched=True, num_proc=procs if procs > 1 else None,
                   remove_columns=ds.column_names, desc="tokenize",
                   cache_file_name=f"{scratch}-tokenized.arrow")
 
