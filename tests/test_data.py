@@ -5,6 +5,7 @@ from __future__ import annotations
 import bz2
 import gzip
 import json
+import shutil
 import time
 from pathlib import Path
 
@@ -61,6 +62,34 @@ def test_prepare_packs_every_document_with_eos(home, tmp_path, write_config, tok
     assert cached.stat().st_mtime > prepared_at
     assert [p.name for p in cached.parent.iterdir() if p.name.startswith("cache-")] == []
     assert sorted(p.name for p in folder.iterdir()) == ["manifest.json", "train-00000.bin", "validation-00000.bin"]
+
+
+def test_held_out_documents_are_a_seeded_sample_and_both_splits_keep_the_source_order(
+        home, tmp_path, write_config, tokenizer):
+    """Both splits read the source front to back (a shuffled split reads a corpus's Arrow copy at
+    random): each split's stream is its documents in the source's order, the held-out ones drawn
+    from all over the source, the same ones on every prepare."""
+    src = tmp_path / "docs.txt"
+    src.write_text("\n".join(DOCS) + "\n")
+    folder = prepare(config_for(write_config, src, validation_fraction=0.1), log=lambda _: None)
+    manifest = json.loads((folder / "manifest.json").read_text())
+
+    def documents(split):
+        stream = TokenStream(folder, manifest, split)
+        text = tokenizer.decode(stream.read(0, stream.num_tokens))
+        return text.split(tokenizer.eos_token)[:-1]
+
+    train, val = documents("train"), documents("validation")
+    held = [i for i, doc in enumerate(DOCS) if doc in set(val)]
+    assert val == [DOCS[i] for i in held] and len(held) == 30
+    assert train == [doc for i, doc in enumerate(DOCS) if i not in held]
+    assert held[0] < 30 and held[-1] >= 270  # spread over the source, not its first or last 30
+    first = {p.name: p.read_bytes() for p in folder.glob("*.bin")}
+    shutil.rmtree(folder)
+    # Another prepare, in two tokenizing processes this time: the same bytes.
+    again = prepare(config_for(write_config, src, validation_fraction=0.1, num_proc=2), log=lambda _: None)
+    assert again == folder
+    assert {p.name: p.read_bytes() for p in again.glob("*.bin")} == first
 
 
 def test_a_killed_prepares_folder_on_this_host_is_removed_by_the_next(home, tmp_path, write_config):

@@ -34,7 +34,7 @@ from ..config import (COMPRESSED, Config, UserError, is_glob, is_split_name, loc
 if TYPE_CHECKING:
     import torch
 
-FORMAT_VERSION = 1
+FORMAT_VERSION = 2  # 2: held-out documents and the rest in source order (1: shuffled)
 MANIFEST = "manifest.json"
 
 
@@ -76,7 +76,7 @@ def fingerprint(cfg: Config) -> str:
         "split": d.split,
         "text_field": d.text_field,
         "text_unit": d.text_unit,
-        **({"format": d.format, "columns": d.columns, "train_on": d.train_on, "truncation": d.truncation,
+        **({"data_format": d.format, "columns": d.columns, "train_on": d.train_on, "truncation": d.truncation,
             "packing": d.packing, "seq_len": d.seq_len} if d.samples else {}),
         "add_bos": d.add_bos,  # auto decides by the tokenizer, whose files are hashed below
         "validation": validation,

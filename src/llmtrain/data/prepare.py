@@ -16,6 +16,7 @@ removed by the next one.
 
 from __future__ import annotations
 
+import itertools
 import json
 import os
 import shutil
@@ -34,6 +35,9 @@ from .loader import FORMAT_VERSION, MANIFEST, fingerprint, prepared_path, read_m
 SHARD_TOKENS = 1 << 28  # 256M tokens: 512 MiB of uint16 per shard file
 PACK_DOCS = 16384  # documents per batch read back for packing
 DEFAULT_MAX_PROC = 64  # tokenizer processes by default, at most (data.num_proc: any)
+# Text per tokenizing process by default, at least (~2M tokens, a second or two of one): starting
+# a pool costs ~0.3 s, more than a small validation split takes in the process that has it.
+PROC_BYTES = 8 << 20
 
 
 class PrepareError(UserError):
@@ -142,7 +146,7 @@ def remove_abandoned(final: Path, log) -> None:
 
 def load_splits(cfg: Config, scratch: Path) -> dict:
     """Train and (if asked for) validation documents: the validation source's, or a seeded
-    share of the dataset's documents held out (its index files in `scratch`)."""
+    share of the dataset's documents held out (index files in `scratch`), in source order."""
     import datasets
 
     # We report a load failure ourselves, in one line; the library would log it a second time.
@@ -164,10 +168,14 @@ def load_splits(cfg: Config, scratch: Path) -> dict:
         raise PrepareError(f"data.validation_fraction: leaves no training documents "
                            f"({len(ds)} documents); give the evaluation documents their own "
                            f"file in data.validation, or set validation_fraction: 0")
-    parts = ds.train_test_split(test_size=n_val, shuffle=True, seed=0,
-                                train_indices_cache_file_name=str(scratch / "train-indices.arrow"),
-                                test_indices_cache_file_name=str(scratch / "validation-indices.arrow"))
-    return {"train": parts["train"], "validation": parts["test"]}
+    # A seeded sample of the documents, and the rest, each in the source's order: both read the
+    # source's Arrow copy front to back (a shuffled split would read a 400 GB copy on a shared
+    # filesystem one document at a time, at random). The order of documents in the stream does
+    # not reach training: the loader draws its windows in a seeded permutation every epoch.
+    held = np.zeros(len(ds), dtype=bool)
+    held[np.random.default_rng(0).choice(len(ds), n_val, replace=False)] = True
+    return {split: ds.select(np.flatnonzero(mask), indices_cache_file_name=str(scratch / f"{split}-indices.arrow"))
+            for split, mask in (("train", ~held), ("validation", held))}
 
 
 def _read(src: Path, split: str, key: str, cfg: Config, datasets, scratch: Path):
@@ -299,22 +307,39 @@ def num_proc(cfg: Config) -> int:
 
 
 def tokenize(ds, tokenizer, cfg: Config, scratch: Path, encode=None):
-    """Each document's token ids (int32), in data.num_proc processes, with the backend
-    tokenizer's batch encoder (no offsets, no attention masks: only the ids are kept); or
-    `encode`'s columns (samples.encoder: ids and trained flags). Written as Arrow files named
-    after `scratch`."""
+    """Each document's token ids (int32), in data.num_proc processes (by default one per
+    PROC_BYTES of text, up to the cores), with the backend tokenizer's batch encoder (no offsets,
+    no attention masks: only the ids are kept); or `encode`'s columns (samples.encoder: ids and
+    trained flags). Written as Arrow files named after `scratch`."""
     import pyarrow as pa
     field, backend = cfg.data.text_field, tokenizer.backend_tokenizer
 
     if encode is None:
         def encode(batch):
             encodings = backend.encode_batch_fast([t or "" for t in batch[field]], add_special_tokens=False)
-            return pa.table({"ids": pa.array([e.ids for e in encodings], type=pa.list_(pa.int32()))})
+            return pa.table({"ids": int32_lists([e.ids for e in encodings])})
 
-    procs = max(1, min(num_proc(cfg), len(ds) // 1000 or 1))  # tiny datasets: no worker pool
+    procs = num_proc(cfg) if cfg.data.num_proc else min(num_proc(cfg), text_bytes(ds) // PROC_BYTES)
+    procs = max(1, min(procs, len(ds)))
     return ds.map(encode, batched=True, num_proc=procs if procs > 1 else None,
                   remove_columns=ds.column_names, desc="tokenize",
                   cache_file_name=f"{scratch}-tokenized.arrow")
+
+
+def int32_lists(lists: list[list[int]]):
+    """Python lists of ints as an Arrow list<int32> column, through numpy: pa.array walks every
+    int through its type inference and takes 7x longer (10% of a tokenizer process's time)."""
+    import pyarrow as pa
+    lengths = np.fromiter(map(len, lists), dtype=np.int64, count=len(lists))
+    offsets = np.zeros(len(lists) + 1, dtype=np.int32)
+    np.cumsum(lengths, out=offsets[1:])
+    values = np.fromiter(itertools.chain.from_iterable(lists), dtype=np.int32, count=int(offsets[-1]))
+    return pa.ListArray.from_arrays(pa.array(offsets), pa.array(values))
+
+
+def text_bytes(ds) -> int:
+    """About how many bytes of text `ds` holds (its share of the Arrow table it selects from)."""
+    return ds.data.nbytes * len(ds) // max(1, ds.data.num_rows)
 
 
 def pad_id(tokenizer) -> int:
