@@ -168,7 +168,7 @@ def cli(*args: str, check: bool = False, env: dict | None = None) -> subprocess.
         sys.stdout.flush()
         sys.stderr.flush()
         saved = {fd: os.dup(fd) for fd in (1, 2)}
-        streams, environ = (sys.stdout, sys.stderr), os.environ
+        streams = (sys.stdout, sys.stderr)
         os.dup2(out.fileno(), 1)
         os.dup2(err.fileno(), 2)
         sys.stdout, sys.stderr = (io.TextIOWrapper(io.FileIO(fd, "w", closefd=False),
@@ -182,10 +182,6 @@ def cli(*args: str, check: bool = False, env: dict | None = None) -> subprocess.
             for stream in (sys.stdout, sys.stderr):
                 stream.flush()
             sys.stdout, sys.stderr = streams
-            if os.environ is not environ:  # datasets' map(num_proc > 1) swaps in a copy of it
-                current, os.environ = dict(os.environ), environ
-                environ.clear()
-                environ.update(current)
             for fd, copy in saved.items():
                 os.dup2(copy, fd)
                 os.close(copy)

@@ -5,6 +5,7 @@ from __future__ import annotations
 import bz2
 import gzip
 import json
+import os
 import shutil
 import time
 from pathlib import Path
@@ -87,7 +88,9 @@ def test_held_out_documents_are_a_seeded_sample_and_both_splits_keep_the_source_
     first = {p.name: p.read_bytes() for p in folder.glob("*.bin")}
     shutil.rmtree(folder)
     # Another prepare, in two tokenizing processes this time: the same bytes.
+    environ = os.environ
     again = prepare(config_for(write_config, src, validation_fraction=0.1, num_proc=2), log=lambda _: None)
+    assert os.environ is environ  # datasets' map(num_proc=2) puts a copy in its place; put back
     assert again == folder
     assert {p.name: p.read_bytes() for p in again.glob("*.bin")} == first
 
@@ -390,6 +393,30 @@ def test_validation_from_the_datasets_own_split(home, write_config, tokenizer):
         prepare(config_for(write_config, "org/stories", validation="test", validation_fraction=None),
                 log=lambda _: None)
     assert str(e.value) == f"data.validation: no split 'test' in {src} (splits: ['train', 'validation'])"
+
+
+def test_a_prepared_folder_trains_without_its_source(home, tmp_path, write_config):
+    """data.prepared (what submit freezes into a job's config): the run reads that folder and
+    never the source's files, which may be deleted once prepared; the kind of data is checked."""
+    src = tmp_path / "docs.txt"
+    src.write_text("\n".join(DOCS) + "\n")
+    folder = prepare(config_for(write_config, src), log=lambda _: None)
+    src.unlink()
+    given = {"dataset": str(src), "prepared": str(folder)}
+    path = write_config(tiny_config(data=given, train={"max_steps": 3, "eval_every": 0,
+                                                       "checkpoint_every": 0}))
+    assert cli("check-config", "--config", path).returncode == 0
+    cli("train", "--config", path, check=True)
+    [last] = [r for r in read_metrics(load_config(path).run_dir) if r["kind"] == "train"][-1:]
+    assert last["step"] == 3 and np.isfinite(last["loss"])
+
+    proc = cli("check-config", "--config", write_config(tiny_config(data={"dataset": str(src)}), "gone.yaml"))
+    assert proc.returncode == 2 and f"data.dataset: no such file or folder (got '{src}')" in proc.stderr
+    chat = write_config(tiny_config(data={**given, "format": "chat"}), "chat.yaml")
+    proc = cli("check-config", "--config", chat)
+    assert proc.returncode == 2 and proc.stderr.splitlines()[0] == (
+        f"data.prepared: {folder} holds a text stream, not chat samples; prepare the samples "
+        f"(set data.prepared: null) or set data.format: text")
 
 
 def test_training_unprepared_data_says_how_to_prepare(home, write_config):

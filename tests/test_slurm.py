@@ -7,6 +7,7 @@ import json
 import os
 import re
 import shlex
+import shutil
 import subprocess
 import time
 from concurrent.futures import ThreadPoolExecutor
@@ -17,7 +18,9 @@ import numpy as np
 import pytest
 import yaml
 
-from conftest import REPO, cli, losses, read_metrics, tiny_config
+from conftest import DEMO, REPO, cli, losses, read_metrics, tiny_config
+from llmtrain.config import load_config
+from llmtrain.data.loader import prepared_path
 from trackers import tensorboard_scalars, wandb_runs
 
 pytestmark = pytest.mark.slow
@@ -30,7 +33,8 @@ def job_config(tmp_path, cluster):
     def make(**sections) -> Path:
         root = tmp_path / "shared fs"
         run = {"name": "slurm", "dir": str(root / "runs"), **sections.pop("run", {})}
-        cfg = tiny_config(run=run, data={"prepared_dir": str(root / "prepared")}, **sections)
+        data = {"prepared_dir": str(root / "prepared"), **sections.pop("data", {})}
+        cfg = tiny_config(run=run, data=data, **sections)
         cfg["slurm"].setdefault("cpus_per_node", 1)  # of the 8 declared: jobs share the nodes
         path = tmp_path / "job.yaml"
         path.write_text(yaml.safe_dump(cfg))
@@ -164,14 +168,19 @@ def test_dry_run_prints_the_exact_sbatch_command(job_config):
     assert not subprocess.run(["squeue", "-h", "-n", "dry"], capture_output=True, text=True).stdout
 
 
-def test_the_job_trains_the_config_that_was_submitted(job_config):
-    """Submitted (with a --set), edited while the job waits: the job trains what was validated."""
-    config = job_config(train={"max_steps": 8, "eval_every": 0})
+def test_the_job_trains_the_config_that_was_submitted(job_config, tmp_path):
+    """Submitted (with a --set), edited while the job waits: the job trains what was validated.
+    The source is deleted while it waits too: the job reads the prepared folder submit found."""
+    source = tmp_path / "stories.txt"
+    shutil.copyfile(DEMO / "stories.txt", source)
+    config = job_config(train={"max_steps": 8, "eval_every": 0}, data={"dataset": str(source)})
     cli("prepare", "--config", config, check=True)
     out = submit("--config", config, "--set", "train.log_every=4", "--", "--hold")
     frozen = Path(out["config"].split(" (the jobs train")[0])
     assert frozen.parent == Path(out["run_dir"]) / "submitted" and frozen.is_file()
+    assert yaml.safe_load(frozen.read_text())["data"]["prepared"] == str(prepared_path(load_config(config)))
     config.write_text(config.read_text().replace("max_steps: 8", "max_steps: 2"))
+    source.unlink()
     subprocess.run(["scontrol", "release", out["job_id"]], check=True)
     assert wait_for(out["job_id"]) == "COMPLETED"
     train = [r["step"] for r in read_metrics(Path(out["run_dir"])) if r["kind"] == "train"]

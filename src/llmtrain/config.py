@@ -132,6 +132,10 @@ class DataConfig:
     add_bos: Literal["auto", True, False] = "auto"  # BOS before each document; auto: if bos != eos
     seq_len: int = 1024  # tokens per training sample
     prepared_dir: str = "${LLMTRAIN_HOME}/prepared"  # root of prepared (tokenized) datasets
+    # the prepared folder to train from; None: the one data.dataset's files and the data options
+    # name under prepared_dir. llmtrain submit writes it into the frozen config: the jobs read
+    # this folder and never touch the source (a requeue trains on after the source is deleted).
+    prepared: Optional[str] = None
     num_proc: Optional[int] = None  # tokenizer processes; None: the cores this process may use, at most 64
     # steps of batches read ahead on a background thread; 0: on the training one; None: 2 on GPUs,
     # 0 on CPUs (no copy to hide there, and the thread costs a CPU run ~3%: doc/benchmarks.md)
@@ -506,12 +510,12 @@ def _did_you_mean(name: str, choices) -> str:
 _PATH_KEYS = {
     "run": ("dir",),
     "model": ("name_or_path", "tokenizer"),
-    "data": ("dataset", "validation", "prepared_dir"),
+    "data": ("dataset", "validation", "prepared_dir", "prepared"),
     "train": ("resume",),
 }
 _NOT_PATHS = ("auto", "none")
 # Path keys that are never a hub id: `runs` or `ckpt/step-00000100` is a folder next to the config.
-_ONLY_PATHS = ("run.dir", "data.prepared_dir", "train.resume")
+_ONLY_PATHS = ("run.dir", "data.prepared_dir", "data.prepared", "train.resume")
 
 
 def _expand(value: str, base: Path, hub: bool = True) -> str:
@@ -688,8 +692,26 @@ def validate(cfg: Config, world_size: int | None = None, written: dict | None = 
     p += _check_model(cfg, written)
     p += _check_attention(cfg)
     p += _check_resume(cfg)
-    p += _check_data(d, Path(cfg.path).parent, written)
+    from .data.loader import given_prepared
+    manifest = given_prepared(cfg)
+    p += _check_prepared(d, manifest) if manifest else _check_data(d, Path(cfg.path).parent, written)
     return p
+
+
+def _check_prepared(d: DataConfig, manifest: dict) -> list[str]:
+    """A prepared folder to train from (data.prepared) instead of the source: its kind of data."""
+    made = manifest.get("samples")
+    if made is None and d.samples:
+        return [f"data.prepared: {d.prepared} holds a text stream, not {d.format} samples; prepare "
+                f"the samples (set data.prepared: null) or set data.format: text"]
+    if made is not None and not d.samples:
+        return [f"data.prepared: {d.prepared} holds fine-tuning samples, not a text stream "
+                f"(got data.format text); set data.format to the samples' format"]
+    if made is not None and made["seq_len"] != d.seq_len:
+        return [f"data.seq_len: {d.prepared} holds samples in rows of {made['seq_len']} tokens "
+                f"(got {d.seq_len}); set data.seq_len: {made['seq_len']}, or data.prepared: null "
+                f"to prepare them again"]
+    return []
 
 
 def _got(key: str, value: str, written: dict | None) -> str:
@@ -848,9 +870,13 @@ def _check_resume(cfg: Config) -> list[str]:
     p = [f"train.resume: checkpoint {folder / pointer} does not match this config: {key} differs "
          f"({saved[key]!r} -> {value!r}); {fix}" for key, value in now.items()
          if key in saved and saved[key] != value]
-    if "data_fingerprint" in saved and on_disk(cfg.data.dataset, "datasets"):
-        from .data.loader import fingerprint  # numpy, no torch
-        if fingerprint(cfg) != saved["data_fingerprint"]:
+    if "data_fingerprint" in saved:
+        from .data.loader import fingerprint, given_prepared  # numpy, no torch
+        if manifest := given_prepared(cfg):
+            now = manifest["fingerprint"]
+        else:
+            now = fingerprint(cfg) if on_disk(cfg.data.dataset, "datasets") else None
+        if now not in (None, saved["data_fingerprint"]):
             p.append(f"train.resume: checkpoint {folder / pointer} was trained on other data (the "
                      f"dataset's files, the tokenizer or the data options changed); {fix}")
     return p

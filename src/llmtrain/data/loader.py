@@ -89,6 +89,10 @@ def fingerprint(cfg: Config) -> str:
 
 
 def prepared_path(cfg: Config, fp: str | None = None) -> Path:
+    """The config's prepared folder: data.prepared, or the one the source's fingerprint names
+    under data.prepared_dir; with `fp`, the folder that fingerprint names."""
+    if fp is None and cfg.data.prepared:
+        return Path(cfg.data.prepared)
     source = Path(cfg.data.dataset)
     if is_glob(cfg.data.dataset):  # /data/shakespeare/*.txt -> shakespeare
         source = _glob_root(source)
@@ -97,6 +101,11 @@ def prepared_path(cfg: Config, fp: str | None = None) -> Path:
         name = name.removesuffix(suffix)
     name = re.sub(r"[^\w.-]+", "_", name) or "data"
     return Path(cfg.data.prepared_dir) / f"{name}-{fp or fingerprint(cfg)}"
+
+
+def given_prepared(cfg: Config) -> dict | None:
+    """The manifest of data.prepared, when it is set and prepared: then nothing reads the source."""
+    return read_manifest(Path(cfg.data.prepared)) if cfg.data.prepared else None
 
 
 def _sha256(path: Path) -> str | None:

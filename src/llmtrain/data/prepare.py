@@ -45,8 +45,14 @@ class PrepareError(UserError):
 
 
 def prepare(cfg: Config, log=print) -> Path:
+    if cfg.data.prepared and read_manifest(Path(cfg.data.prepared)) is not None:
+        log(f"prepared data is up to date: {cfg.data.prepared}")
+        return Path(cfg.data.prepared)
     fp = fingerprint(cfg)
     final = prepared_path(cfg, fp)
+    if cfg.data.prepared and Path(cfg.data.prepared) != final:  # the source changed since submit
+        raise PrepareError(f"data.prepared: {cfg.data.prepared} is not prepared, and data.dataset's "
+                           f"files with these data options make {final} instead; submit again")
     if read_manifest(final) is not None:
         log(f"prepared data is up to date: {final}")
         return final
@@ -321,9 +327,18 @@ def tokenize(ds, tokenizer, cfg: Config, scratch: Path, encode=None):
 
     procs = num_proc(cfg) if cfg.data.num_proc else min(num_proc(cfg), text_bytes(ds) // PROC_BYTES)
     procs = max(1, min(procs, len(ds)))
-    return ds.map(encode, batched=True, num_proc=procs if procs > 1 else None,
-                  remove_columns=ds.column_names, desc="tokenize",
-                  cache_file_name=f"{scratch}-tokenized.arrow")
+    environ = os.environ
+    try:
+        return ds.map(encode, batched=True, num_proc=procs if procs > 1 else None,
+                      remove_columns=ds.column_names, desc="tokenize",
+                      cache_file_name=f"{scratch}-tokenized.arrow")
+    finally:
+        # map(num_proc > 1) leaves a copy of os.environ in its place: whoever holds the original
+        # object (a notebook's, a test fixture's) would no longer see the environment change.
+        if os.environ is not environ:
+            current, os.environ = dict(os.environ), environ
+            environ.clear()
+            environ.update(current)
 
 
 def int32_lists(lists: list[list[int]]):

@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import dataclasses
 import itertools
+import json
 import os
 import shutil
 import signal
@@ -82,12 +83,14 @@ def refusals(cfg: Config, config: str | os.PathLike, *, offline: bool, launch: b
     """Notes on what is not downloaded yet; raises ConfigError/UserError for what may not run:
     with offline, a model/tokenizer/dataset not on disk; with launch, a run that is running or
     queued now; with cluster, a request no partition or node can meet."""
+    from ..data.loader import given_prepared
+    source_needed = given_prepared(cfg) is None  # data.prepared, prepared: the source may be gone
     missing = list(dict.fromkeys(
         f"{what}: {source} is not downloaded yet (looked in {local_path(source, kind)}); "
         f"run: bash download_data_model.sh --config {config}"
         for source, kind, what in ((cfg.model.name_or_path, "models", "model.name_or_path"),
                                    (tokenizer_source(cfg), "models", "model.tokenizer"),
-                                   (cfg.data.dataset, "datasets", "data.dataset"))
+                                   (cfg.data.dataset if source_needed else None, "datasets", "data.dataset"))
         if source and not on_disk(source, kind)))
     if offline and missing:
         raise ConfigError(missing)
@@ -110,8 +113,13 @@ def refusals(cfg: Config, config: str | os.PathLike, *, offline: bool, launch: b
 
 
 def freeze(cfg: Config, path: Path, source: str | os.PathLike) -> None:
-    """The resolved config (overrides applied, paths absolute), for a job to train from."""
+    """The resolved config (overrides applied, paths absolute), for a job to train from; with
+    the prepared folder it names (data.prepared), found here once: no rank of the job reads the
+    source's files (a corpus of thousands of files, stat-ed by every rank), and a requeue trains
+    on after the source is gone."""
+    from ..data.loader import prepared_path
     from ..rundir import write_atomic
+    cfg = dataclasses.replace(cfg, data=dataclasses.replace(cfg.data, prepared=str(prepared_path(cfg))))
     path.parent.mkdir(parents=True, exist_ok=True)
     write_atomic(path, f"# frozen by llmtrain submit from {source}\n" + dump_yaml(cfg))
 
@@ -211,7 +219,8 @@ def run_local(config: str | os.PathLike, overrides: list[str] | tuple[str, ...] 
     cfg = load_config(config, overrides, world_size=nproc)
     refusals(cfg, config, offline=True, launch=True, cluster=False)
     from ..data.prepare import prepare
-    prepare(cfg)
+    # The ranks train from this folder, found once here: none of them reads the source's files.
+    overrides.append(f"data.prepared={json.dumps(str(prepare(cfg)))}")  # quoted: any path is YAML text
     print(f"run_dir: {cfg.run_dir}", flush=True)
     env = {**os.environ, "OMP_NUM_THREADS": thread_share(nproc)}
     if nproc == 1:  # a group of one: not a rank of an outer launcher (srun, torchrun) we run in
