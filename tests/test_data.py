@@ -412,6 +412,15 @@ def test_a_prepared_folder_trains_without_its_source(home, tmp_path, write_confi
 
     proc = cli("check-config", "--config", write_config(tiny_config(data={"dataset": str(src)}), "gone.yaml"))
     assert proc.returncode == 2 and f"data.dataset: no such file or folder (got '{src}')" in proc.stderr
+    other = AutoTokenizer.from_pretrained(DEMO / "tokenizer")
+    other.add_tokens(["<extra>"])
+    other.save_pretrained(tmp_path / "other-tokenizer")
+    proc = cli("check-config", "--config", write_config(tiny_config(
+        data=given, model={"tokenizer": str(tmp_path / "other-tokenizer")}), "other.yaml"))
+    assert proc.returncode == 2 and proc.stderr.splitlines()[0] == (
+        f"data.prepared: {folder} was tokenized by {DEMO / 'tokenizer'}, another tokenizer than "
+        f"this model's ({tmp_path / 'other-tokenizer'}); set data.prepared: null to prepare the "
+        f"data with this one")
     chat = write_config(tiny_config(data={**given, "format": "chat"}), "chat.yaml")
     proc = cli("check-config", "--config", chat)
     assert proc.returncode == 2 and proc.stderr.splitlines()[0] == (

@@ -694,13 +694,21 @@ def validate(cfg: Config, world_size: int | None = None, written: dict | None = 
     p += _check_resume(cfg)
     from .data.loader import given_prepared
     manifest = given_prepared(cfg)
-    p += _check_prepared(d, manifest) if manifest else _check_data(d, Path(cfg.path).parent, written)
+    p += _check_prepared(cfg, manifest) if manifest else _check_data(d, Path(cfg.path).parent, written)
     return p
 
 
-def _check_prepared(d: DataConfig, manifest: dict) -> list[str]:
-    """A prepared folder to train from (data.prepared) instead of the source: its kind of data."""
-    made = manifest.get("samples")
+def _check_prepared(cfg: Config, manifest: dict) -> list[str]:
+    """A prepared folder to train from (data.prepared) instead of the source: its tokenizer and
+    its kind of data."""
+    from .data.loader import tokenizer_sha256
+    d, made, source = cfg.data, manifest.get("samples"), tokenizer_source(cfg)
+    tok_dir = local_path(source, "models") if source else None
+    if tok_dir and (tok_dir / "tokenizer.json").exists() and \
+            tokenizer_sha256(tok_dir) != manifest["tokenizer"].get("sha256"):
+        return [f"data.prepared: {d.prepared} was tokenized by {manifest['tokenizer']['path']}, another "
+                f"tokenizer than this model's ({tok_dir}); set data.prepared: null to prepare the "
+                f"data with this one"]
     if made is None and d.samples:
         return [f"data.prepared: {d.prepared} holds a text stream, not {d.format} samples; prepare "
                 f"the samples (set data.prepared: null) or set data.format: text"]

@@ -81,7 +81,7 @@ def fingerprint(cfg: Config) -> str:
         "add_bos": d.add_bos,  # auto decides by the tokenizer, whose files are hashed below
         "validation": validation,
         "validation_fraction": d.holdout_fraction,
-        "tokenizer": _sha256(tok_dir / "tokenizer.json"),
+        "tokenizer": tokenizer_sha256(tok_dir),
         "tokenizer_config": _sha256(tok_dir / "tokenizer_config.json"),
         **({"chat_template": _sha256(tok_dir / "chat_template.jinja")} if d.format == "chat" else {}),
     }
@@ -106,6 +106,11 @@ def prepared_path(cfg: Config, fp: str | None = None) -> Path:
 def given_prepared(cfg: Config) -> dict | None:
     """The manifest of data.prepared, when it is set and prepared: then nothing reads the source."""
     return read_manifest(Path(cfg.data.prepared)) if cfg.data.prepared else None
+
+
+def tokenizer_sha256(tok_dir: Path) -> str | None:
+    """The tokenizer's vocabulary and merges, hashed: what decides the token ids."""
+    return _sha256(tok_dir / "tokenizer.json")
 
 
 def _sha256(path: Path) -> str | None:

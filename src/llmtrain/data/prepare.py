@@ -30,7 +30,7 @@ from ..config import (FILE_BUILDERS, Config, UserError, file_suffix, is_glob, is
                       local_path, source_files, tokenizer_source)
 from . import samples
 from ..rundir import pid_alive
-from .loader import FORMAT_VERSION, MANIFEST, fingerprint, prepared_path, read_manifest
+from .loader import FORMAT_VERSION, MANIFEST, fingerprint, prepared_path, read_manifest, tokenizer_sha256
 
 SHARD_TOKENS = 1 << 28  # 256M tokens: 512 MiB of uint16 per shard file
 PACK_DOCS = 16384  # documents per batch read back for packing
@@ -91,7 +91,8 @@ def prepare(cfg: Config, log=print) -> Path:
                    "validation": cfg.data.validation,
                    "validation_fraction": cfg.data.holdout_fraction},
         "tokenizer": {"path": str(tok_dir), "vocab_size": len(tokenizer),
-                      "eos_token_id": tokenizer.eos_token_id, "added_bos_token_id": bos},
+                      "eos_token_id": tokenizer.eos_token_id, "added_bos_token_id": bos,
+                      "sha256": tokenizer_sha256(tok_dir)},
         "dtype": np.dtype(dtype).name,
         "splits": {},
     }
