@@ -4,6 +4,7 @@ other, and a loss that is the mean over every trained token of the step however 
 from __future__ import annotations
 
 import json
+import os
 import random
 
 import numpy as np
@@ -174,6 +175,18 @@ def test_prepare_lays_samples_out_in_rows_with_their_flags(tmp_path, monkeypatch
     cut = [tok.decode(s) for s in samples if len(s) == 97]
     assert len(samples) == part["samples"] and len(cut) == part["truncated"] > 0
     assert set(whole) <= rendered and all(any(r.startswith(c) for r in rendered) for c in cut)
+
+
+def test_samples_prepared_by_two_processes_are_the_same_rows(tmp_path, monkeypatch):
+    _, manifest, one, _ = prepared_rows(tmp_path, monkeypatch, "one")
+    environ = os.environ
+    _, again, two, _ = prepared_rows(tmp_path, monkeypatch, "two", num_proc=2,
+                                     prepared_dir=str(tmp_path / "again"))
+    assert os.environ is environ  # datasets' map(num_proc=2) leaves a copy in its place: put back
+    n = manifest["splits"]["train"]["rows"]
+    assert again["splits"]["train"]["rows"] == n
+    a, b = one.batch(np.arange(n), 96), two.batch(np.arange(n), 96)
+    assert all(np.array_equal(getattr(a, k), getattr(b, k)) for k in ("tokens", "trained", "positions"))
 
 
 def test_truncation_cuts_or_leaves_out_long_samples_and_says_so(tmp_path, monkeypatch):

@@ -3,15 +3,16 @@
 Loads the source with `datasets` (a hub snapshot folder of parquet/jsonl/txt, a save_to_disk
 folder, or files: one, or a glob's matches, compressed or not; plain text is one document per
 line, or per file with data.text_unit: file), takes the validation documents from
-data.validation (a split or files) or holds out a share of the documents, tokenizes with the
-model's fast tokenizer in parallel, puts BOS before (data.add_bos) and EOS after every
-document, and packs each split into one contiguous token stream cut into shards. Everything is
-written into `<final>.tmp-<host>-<pid>` and renamed at the end, so a crash never leaves a
-folder that looks prepared; a folder whose manifest exists is reused. The datasets library's
-own files (its Arrow copy of the source, the held-out indices, the tokenized documents) go to
-`scratch/` inside the temporary folder and are removed with it: a 100B-token corpus leaves no
-terabyte in the datasets cache. A temporary folder a killed prepare left on this host is
-removed by the next one.
+data.validation (a split or files) or holds out a share of the documents, and writes each
+split as one contiguous token stream cut into shards: worker processes tokenize contiguous
+chunks of documents with the model's fast tokenizer, BOS before (data.add_bos) and EOS after
+every document, each chunk straight into its shard file (fine-tuning samples: data/samples.py
+lays them out in rows). Everything is written into `<final>.tmp-<host>-<pid>` and renamed at
+the end, so a crash never leaves a folder that looks prepared; a folder whose manifest exists
+is reused. The datasets library's own files (its Arrow copy of the source, the held-out
+indices, tokenized samples) go to `scratch/` inside the temporary folder and are removed with
+it: a 100B-token corpus leaves no terabyte in the datasets cache. A temporary folder a killed
+prepare left on this host is removed by the next one.
 """
 
 from __future__ import annotations
@@ -33,7 +34,8 @@ from ..rundir import pid_alive
 from .loader import FORMAT_VERSION, MANIFEST, fingerprint, prepared_path, read_manifest, tokenizer_sha256
 
 SHARD_TOKENS = 1 << 28  # 256M tokens: 512 MiB of uint16 per shard file
-PACK_DOCS = 16384  # documents per batch read back for packing
+ENCODE_DOCS = 1000  # documents per call of the batch encoder (larger batches run slower)
+CHUNK_BYTES = 256 << 20  # text per shard file of a text split (~64M tokens)
 DEFAULT_MAX_PROC = 64  # tokenizer processes by default, at most (data.num_proc: any)
 # Text per tokenizing process by default, at least (~2M tokens, a second or two of one): starting
 # a pool costs ~0.3 s, more than a small validation split takes in the process that has it.
@@ -77,9 +79,9 @@ def prepare(cfg: Config, log=print) -> Path:
     except OSError as e:
         raise PrepareError(f"data.prepared_dir: cannot create {tmp.parent} ({e.strerror}); "
                            f"choose a writable folder") from None
-    # The datasets library's files (the source's Arrow copy, the held-out split's indices, the
-    # tokenized documents: 4 bytes a token) go here and with it, not into its cache or next to
-    # a saved dataset, where they would stay on the shared filesystem for good.
+    # The datasets library's files (the source's Arrow copy, the held-out split's indices,
+    # tokenized samples) go here and with it, not into its cache or next to a saved dataset,
+    # where they would stay on the shared filesystem for good.
     scratch = tmp / "scratch"
     scratch.mkdir()
     dtype = np.uint16 if len(tokenizer) <= np.iinfo(np.uint16).max + 1 else np.uint32
@@ -104,14 +106,13 @@ def prepare(cfg: Config, log=print) -> Path:
                                    "packing": cfg.data.packing, "seq_len": cfg.data.seq_len}
         for split, ds in splits.items():
             if cfg.data.samples:
-                ids, trained, offsets = samples.flatten(tokenize(ds, tokenizer, cfg, scratch / split, encode))
+                ids, trained, offsets = samples.flatten(tokenize(ds, cfg, scratch / split, encode))
                 part = samples.write_rows(ids, trained, offsets, tmp, split, dtype, cfg.data.seq_len + 1,
                                           pad_id(tokenizer), cfg.data.packing, cfg.data.truncation,
                                           SHARD_TOKENS)
                 log(samples.summary(split, part, cfg.data.seq_len, cfg.data.truncation))
             else:
-                part = pack(tokenize(ds, tokenizer, cfg, scratch / split), tmp, split, dtype,
-                            tokenizer.eos_token_id, bos)
+                part = write_stream(ds, tokenizer, cfg, tmp, split, dtype, tokenizer.eos_token_id, bos)
             manifest["splits"][split] = part
             manifest["splits"][split]["dataset_fingerprint"] = ds._fingerprint
         shutil.rmtree(scratch)  # the datasets above map its files: unlinked, still readable
@@ -313,21 +314,11 @@ def num_proc(cfg: Config) -> int:
     return min(DEFAULT_MAX_PROC, cores)
 
 
-def tokenize(ds, tokenizer, cfg: Config, scratch: Path, encode=None):
-    """Each document's token ids (int32), in data.num_proc processes (by default one per
-    PROC_BYTES of text, up to the cores), with the backend tokenizer's batch encoder (no offsets,
-    no attention masks: only the ids are kept); or `encode`'s columns (samples.encoder: ids and
-    trained flags). Written as Arrow files named after `scratch`."""
-    import pyarrow as pa
-    field, backend = cfg.data.text_field, tokenizer.backend_tokenizer
-
-    if encode is None:
-        def encode(batch):
-            encodings = backend.encode_batch_fast([t or "" for t in batch[field]], add_special_tokens=False)
-            return pa.table({"ids": int32_lists([e.ids for e in encodings])})
-
-    procs = num_proc(cfg) if cfg.data.num_proc else min(num_proc(cfg), text_bytes(ds) // PROC_BYTES)
-    procs = max(1, min(procs, len(ds)))
+def tokenize(ds, cfg: Config, scratch: Path, encode):
+    """`encode`'s columns for every sample (samples.encoder: ids and trained flags), in
+    data.num_proc processes (by default one per PROC_BYTES of text, up to the cores). Written as
+    Arrow files named after `scratch`."""
+    procs = worker_count(ds, cfg)
     environ = os.environ
     try:
         return ds.map(encode, batched=True, num_proc=procs if procs > 1 else None,
@@ -342,20 +333,102 @@ def tokenize(ds, tokenizer, cfg: Config, scratch: Path, encode=None):
             environ.update(current)
 
 
-def int32_lists(lists: list[list[int]]):
-    """Python lists of ints as an Arrow list<int32> column, through numpy: pa.array walks every
-    int through its type inference and takes 7x longer (10% of a tokenizer process's time)."""
-    import pyarrow as pa
-    lengths = np.fromiter(map(len, lists), dtype=np.int64, count=len(lists))
-    offsets = np.zeros(len(lists) + 1, dtype=np.int32)
-    np.cumsum(lengths, out=offsets[1:])
-    values = np.fromiter(itertools.chain.from_iterable(lists), dtype=np.int32, count=int(offsets[-1]))
-    return pa.ListArray.from_arrays(pa.array(offsets), pa.array(values))
+def worker_count(ds, cfg: Config) -> int:
+    """data.num_proc, or one process per PROC_BYTES of text up to the cores (num_proc(cfg))."""
+    procs = num_proc(cfg) if cfg.data.num_proc else min(num_proc(cfg), text_bytes(ds) // PROC_BYTES)
+    return max(1, min(procs, len(ds)))
 
 
 def text_bytes(ds) -> int:
     """About how many bytes of text `ds` holds (its share of the Arrow table it selects from)."""
     return ds.data.nbytes * len(ds) // max(1, ds.data.num_rows)
+
+
+def write_stream(ds, tokenizer, cfg: Config, folder: Path, split: str, dtype, eos: int,
+                 bos: int | None) -> dict:
+    """A text split as its token stream: every document's ids, BOS before (if given) and EOS
+    after each, written straight into the split's shard files, one per chunk of documents. Worker
+    processes take the chunks (contiguous runs of documents, in order) as they free up; the
+    files in chunk order are the stream. Nothing in between: no tokenized copy of the corpus
+    (4 bytes a token) written and read back, no packing pass in one process. Returns the
+    split's manifest part."""
+    from tqdm.auto import tqdm
+    procs = worker_count(ds, cfg)
+    # One chunk per CHUNK_BYTES of text, and with several processes at least 4 a process, so
+    # that none waits long for the last: shard files of ~64M tokens, and a progress bar that
+    # moves on a large corpus.
+    chunks = max(-(-text_bytes(ds) // CHUNK_BYTES), 4 * procs if procs > 1 else 1)
+    bounds = np.linspace(0, len(ds), min(chunks, len(ds)) + 1).astype(int)
+    tasks = [(i, int(a), int(b)) for i, (a, b) in enumerate(zip(bounds[:-1], bounds[1:]))]
+    state = (ds, tokenizer.backend_tokenizer, cfg.data.text_field, folder, split, dtype, eos, bos)
+    bar = tqdm(total=len(ds), desc=f"tokenize {split}" + (f" ({procs} processes)" if procs > 1 else ""),
+               unit=" documents")
+    done = []
+    with bar:
+        if procs == 1:  # here, the tokenizer's own threads on every core
+            _set_chunk_state(*state)
+            results = map(_write_chunk, tasks)
+        else:
+            import multiprocessing
+            pool = multiprocessing.Pool(procs, initializer=_start_worker, initargs=state)
+            results = pool.imap_unordered(_write_chunk, tasks)
+        try:
+            for result in results:
+                done.append(result)
+                bar.update(result[2])
+        finally:
+            _set_chunk_state()
+            if procs > 1:
+                pool.terminate()  # every task is done, or one failed: the others stop now
+                pool.join()
+    shards = [{"file": name, "tokens": tokens} for _, name, _, tokens in sorted(done) if tokens]
+    for _, name, _, tokens in done:
+        if not tokens:  # a chunk of empty documents with no BOS/EOS cannot happen; a memmap of an empty file cannot open
+            (folder / name).unlink()
+    return {"documents": len(ds), "tokens": sum(s["tokens"] for s in shards), "shards": shards}
+
+
+_chunk_state: tuple = ()
+
+
+def _set_chunk_state(*state) -> None:
+    """A worker's share of write_stream: the dataset, tokenizer and where to write (the pool's
+    initializer: sent once per process, not once per chunk)."""
+    global _chunk_state
+    _chunk_state = state
+
+
+def _start_worker(*state) -> None:
+    """A pool's worker: one tokenizer thread (the pool has a process per core; the tokenizer's
+    own threads would start a thread per core in each of them)."""
+    os.environ["TOKENIZERS_PARALLELISM"] = "false"
+    _set_chunk_state(*state)
+
+
+def _write_chunk(task: tuple[int, int, int]) -> tuple[int, str, int, int]:
+    """Documents [start, stop) as one shard file: (index, file name, documents, tokens)."""
+    index, start, stop = task
+    ds, backend, field, folder, split, dtype, eos, bos = _chunk_state
+    name, tokens = f"{split}-{index:05d}.bin", 0
+    with open(folder / name, "wb") as f:
+        for at in range(start, stop, ENCODE_DOCS):
+            texts = ds[at:min(at + ENCODE_DOCS, stop)][field]
+            encodings = backend.encode_batch_fast([t or "" for t in texts], add_special_tokens=False)
+            offsets, values = flat_ids([e.ids for e in encodings])
+            stream = with_bos_eos(offsets, values, bos, eos, dtype)
+            stream.tofile(f)
+            tokens += len(stream)
+    return index, name, stop - start, tokens
+
+
+def flat_ids(lists: list[list[int]]) -> tuple[np.ndarray, np.ndarray]:
+    """Python lists of ints as (offsets, values), through numpy: np.array or pa.array walk every
+    int through their type inference and take 7x longer (10% of a tokenizing process's time)."""
+    lengths = np.fromiter(map(len, lists), dtype=np.int64, count=len(lists))
+    offsets = np.zeros(len(lists) + 1, dtype=np.int64)
+    np.cumsum(lengths, out=offsets[1:])
+    values = np.fromiter(itertools.chain.from_iterable(lists), dtype=np.int32, count=int(offsets[-1]))
+    return offsets, values
 
 
 def pad_id(tokenizer) -> int:
@@ -379,39 +452,6 @@ def describe_layout(cfg: Config, tokenizer, bos: int | None) -> str:
     return (f"{how}; the loss covers {trained if d.train_on == 'completion' else 'every token'} "
             f"(data.train_on: {d.train_on}); "
             f"{'several samples per row' if d.packing else 'one sample per row'} (data.packing)")
-
-
-def pack(ds, folder: Path, split: str, dtype, eos: int, bos: int | None = None) -> dict:
-    """Concatenate every document's ids, BOS before (if given) and EOS after each, into shards
-    of SHARD_TOKENS; return their manifest part."""
-    import pyarrow.compute as pc
-    from tqdm.auto import tqdm
-
-    shards, total, buf, filled = [], 0, np.empty(SHARD_TOKENS, dtype=dtype), 0
-
-    def flush():
-        nonlocal filled
-        if filled:
-            name = f"{split}-{len(shards):05d}.bin"
-            buf[:filled].tofile(folder / name)
-            shards.append({"file": name, "tokens": int(filled)})
-            filled = 0
-
-    # Arrow batches: a batch's documents are a list column, its offsets and its values, put
-    # together with numpy, never a Python loop over documents or tokens.
-    for batch in tqdm(ds.with_format("arrow").iter(batch_size=PACK_DOCS), total=-(-len(ds) // PACK_DOCS),
-                      desc=f"pack {split}", unit="batch"):
-        docs = batch.column("ids").combine_chunks()
-        offsets = docs.offsets.to_numpy()
-        ids = with_bos_eos(offsets - offsets[0], pc.list_flatten(docs).to_numpy(), bos, eos, dtype)
-        while len(ids):
-            take = min(len(ids), SHARD_TOKENS - filled)
-            buf[filled:filled + take] = ids[:take]
-            filled, total, ids = filled + take, total + take, ids[take:]
-            if filled == SHARD_TOKENS:
-                flush()
-    flush()
-    return {"documents": len(ds), "tokens": total, "shards": shards}
 
 
 def with_bos_eos(offsets: np.ndarray, values: np.ndarray, bos: int | None, eos: int, dtype) -> np.ndarray:
