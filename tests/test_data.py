@@ -5,7 +5,9 @@ from __future__ import annotations
 import bz2
 import gzip
 import json
+import os
 import shutil
+import signal
 import time
 from pathlib import Path
 
@@ -208,6 +210,25 @@ def test_failed_prepare_leaves_nothing(home, tmp_path, write_config, monkeypatch
 
     with pytest.raises(PrepareError, match="data.text_field: no column 'body'"):
         prepare(config_for(write_config, src, text_field="body"), log=lambda _: None)
+
+
+def test_a_killed_tokenizing_process_ends_prepare_in_one_line(home, tmp_path, write_config, monkeypatch):
+    """The out-of-memory killer takes a worker: prepare ends at once with one line and leaves
+    nothing (a multiprocessing.Pool would wait for the dead worker's chunk forever)."""
+    src = tmp_path / "docs.txt"
+    src.write_text("\n".join(DOCS) + "\n")
+    path = write_config(tiny_config(data={"dataset": str(src), "num_proc": 2}))
+
+    def killed(*args):
+        os.kill(os.getpid(), signal.SIGKILL)
+
+    monkeypatch.setattr(prepare_mod, "with_bos_eos", killed)  # the forked workers have it too
+    proc = cli("prepare", "--config", path)
+    assert proc.returncode == 1 and "Traceback" not in proc.stderr  # above it: progress bars
+    assert proc.stderr.splitlines()[-1] == (
+        "error: data.num_proc: a tokenizing process of 2 died (killed: out of memory?); give "
+        "prepare more memory, or fewer processes")
+    assert not list(prepared_path(load_config(path)).parent.glob("*"))
 
 
 # ---------------------------------------------------------------------------------------------

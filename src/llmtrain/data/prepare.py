@@ -23,6 +23,7 @@ import os
 import shutil
 import socket
 import time
+from concurrent.futures.process import BrokenProcessPool
 from pathlib import Path
 
 import numpy as np
@@ -369,18 +370,22 @@ def write_stream(ds, tokenizer, cfg: Config, folder: Path, split: str, dtype, eo
             _set_chunk_state(*state)
             results = map(_write_chunk, tasks)
         else:
-            import multiprocessing
-            pool = multiprocessing.Pool(procs, initializer=_start_worker, initargs=state)
-            results = pool.imap_unordered(_write_chunk, tasks)
+            # Not multiprocessing.Pool: it waits forever for the chunk of a worker that was killed
+            # (out of memory); this pool fails at once and ends the other workers.
+            from concurrent.futures import ProcessPoolExecutor, as_completed
+            pool = ProcessPoolExecutor(procs, initializer=_start_worker, initargs=state)
+            results = (f.result() for f in as_completed([pool.submit(_write_chunk, t) for t in tasks]))
         try:
             for result in results:
                 done.append(result)
                 bar.update(result[2])
+        except BrokenProcessPool:
+            raise PrepareError(f"data.num_proc: a tokenizing process of {procs} died (killed: out of "
+                               f"memory?); give prepare more memory, or fewer processes") from None
         finally:
             _set_chunk_state()
             if procs > 1:
-                pool.terminate()  # every task is done, or one failed: the others stop now
-                pool.join()
+                pool.shutdown(cancel_futures=True)
     shards = [{"file": name, "tokens": tokens} for _, name, _, tokens in sorted(done) if tokens]
     for _, name, _, tokens in done:
         if not tokens:  # a chunk of empty documents with no BOS/EOS cannot happen; a memmap of an empty file cannot open
