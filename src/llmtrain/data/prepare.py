@@ -386,10 +386,8 @@ def write_stream(ds, tokenizer, cfg: Config, folder: Path, split: str, dtype, eo
             _set_chunk_state()
             if procs > 1:
                 pool.shutdown(cancel_futures=True)
-    shards = [{"file": name, "tokens": tokens} for _, name, _, tokens in sorted(done) if tokens]
-    for _, name, _, tokens in done:
-        if not tokens:  # a chunk of empty documents with no BOS/EOS cannot happen; a memmap of an empty file cannot open
-            (folder / name).unlink()
+    # Every chunk holds a document, so an EOS at least: no empty file (which no memmap opens).
+    shards = [{"file": name, "tokens": tokens} for _, name, _, tokens in sorted(done)]
     return {"documents": len(ds), "tokens": sum(s["tokens"] for s in shards), "shards": shards}
 
 
