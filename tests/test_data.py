@@ -5,6 +5,7 @@ from __future__ import annotations
 import bz2
 import gzip
 import json
+import multiprocessing
 import os
 import shutil
 import signal
@@ -212,6 +213,8 @@ def test_failed_prepare_leaves_nothing(home, tmp_path, write_config, monkeypatch
         prepare(config_for(write_config, src, text_field="body"), log=lambda _: None)
 
 
+@pytest.mark.skipif(multiprocessing.get_start_method() != "fork",
+                    reason="the workers must inherit the test's patch (forked, not spawned)")
 def test_a_killed_tokenizing_process_ends_prepare_in_one_line(home, tmp_path, write_config, monkeypatch):
     """The out-of-memory killer takes a worker: prepare ends at once with one line and leaves
     nothing (a multiprocessing.Pool would wait for the dead worker's chunk forever)."""
@@ -438,6 +441,16 @@ def test_a_prepared_folder_trains_without_its_source(home, tmp_path, write_confi
         f"data.prepared: {folder} was tokenized by {DEMO / 'tokenizer'}, another tokenizer than "
         f"this model's ({tmp_path / 'other-tokenizer'}); set data.prepared: null to prepare the "
         f"data with this one")
+    # A data option the folder was not made with (a --set, a sweep's grid) is not silently ignored.
+    proc = cli("check-config", "--config", path, "--set", "data.validation_fraction=0.05")
+    assert proc.returncode == 2 and proc.stderr.splitlines()[0] == (
+        f"data.prepared: {folder} was prepared with other data options (validation_fraction 0.02 "
+        f"-> 0.05); set them as the folder has them, or data.prepared: null to prepare the data anew")
+    # A folder from before manifests recorded the tokenizer's hash is taken as it is.
+    manifest = json.loads((folder / "manifest.json").read_text())
+    del manifest["tokenizer"]["sha256"]
+    (folder / "manifest.json").write_text(json.dumps(manifest))
+    assert cli("check-config", "--config", path).returncode == 0
     chat = write_config(tiny_config(data={**given, "format": "chat"}), "chat.yaml")
     proc = cli("check-config", "--config", chat)
     assert proc.returncode == 2 and proc.stderr.splitlines()[0] == (

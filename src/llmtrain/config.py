@@ -136,7 +136,7 @@ class DataConfig:
     # name under prepared_dir. llmtrain submit writes it into the frozen config: the jobs read
     # this folder and never touch the source (a requeue trains on after the source is deleted).
     prepared: Optional[str] = None
-    num_proc: Optional[int] = None  # tokenizer processes; None: the cores this process may use, at most 64
+    num_proc: Optional[int] = None  # tokenizer processes; None: one per 8 MiB of text, up to the cores (at most 64)
     # steps of batches read ahead on a background thread; 0: on the training one; None: 2 on GPUs,
     # 0 on CPUs (no copy to hide there, and the thread costs a CPU run ~3%: doc/benchmarks.md)
     prefetch_steps: Optional[int] = None
@@ -701,11 +701,11 @@ def validate(cfg: Config, world_size: int | None = None, written: dict | None = 
 def _check_prepared(cfg: Config, manifest: dict) -> list[str]:
     """A prepared folder to train from (data.prepared) instead of the source: its tokenizer and
     its kind of data."""
-    from .data.loader import tokenizer_sha256
+    from .data.loader import source_record, tokenizer_sha256
     d, made, source = cfg.data, manifest.get("samples"), tokenizer_source(cfg)
     tok_dir = local_path(source, "models") if source else None
-    if tok_dir and (tok_dir / "tokenizer.json").exists() and \
-            tokenizer_sha256(tok_dir) != manifest["tokenizer"].get("sha256"):
+    made_with = manifest["tokenizer"].get("sha256")  # None: a folder from before it was recorded
+    if made_with and tok_dir and (tok_dir / "tokenizer.json").exists() and tokenizer_sha256(tok_dir) != made_with:
         return [f"data.prepared: {d.prepared} was tokenized by {manifest['tokenizer']['path']}, another "
                 f"tokenizer than this model's ({tok_dir}); set data.prepared: null to prepare the "
                 f"data with this one"]
@@ -719,6 +719,11 @@ def _check_prepared(cfg: Config, manifest: dict) -> list[str]:
         return [f"data.seq_len: {d.prepared} holds samples in rows of {made['seq_len']} tokens "
                 f"(got {d.seq_len}); set data.seq_len: {made['seq_len']}, or data.prepared: null "
                 f"to prepare them again"]
+    recorded, now = manifest.get("source", {}), source_record(cfg)
+    differ = [f"{key} {recorded[key]!r} -> {now[key]!r}" for key in recorded if key in now and recorded[key] != now[key]]
+    if differ:  # an option (a --set, a sweep's grid) the given folder was not made with
+        return [f"data.prepared: {d.prepared} was prepared with other data options ({', '.join(differ)}); "
+                f"set them as the folder has them, or data.prepared: null to prepare the data anew"]
     return []
 
 

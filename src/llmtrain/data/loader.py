@@ -103,6 +103,13 @@ def prepared_path(cfg: Config, fp: str | None = None) -> Path:
     return Path(cfg.data.prepared_dir) / f"{name}-{fp or fingerprint(cfg)}"
 
 
+def source_record(cfg: Config) -> dict:
+    """The data options a prepared folder was made with, as its manifest records them."""
+    d = cfg.data
+    return {"dataset": d.dataset, "split": d.split, "format": d.format, **d.columns,
+            "text_unit": d.text_unit, "validation": d.validation, "validation_fraction": d.holdout_fraction}
+
+
 def given_prepared(cfg: Config) -> dict | None:
     """The manifest of data.prepared, when it is set and prepared: then nothing reads the source."""
     return read_manifest(Path(cfg.data.prepared)) if cfg.data.prepared else None

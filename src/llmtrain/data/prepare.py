@@ -32,7 +32,8 @@ from ..config import (FILE_BUILDERS, Config, UserError, file_suffix, is_glob, is
                       local_path, source_files, tokenizer_source)
 from . import samples
 from ..rundir import pid_alive
-from .loader import FORMAT_VERSION, MANIFEST, fingerprint, prepared_path, read_manifest, tokenizer_sha256
+from .loader import (FORMAT_VERSION, MANIFEST, fingerprint, prepared_path, read_manifest, source_record,
+                     tokenizer_sha256)
 
 SHARD_TOKENS = 1 << 28  # 256M tokens: 512 MiB of uint16 per shard file
 ENCODE_DOCS = 1000  # documents per call of the batch encoder (larger batches run slower)
@@ -89,10 +90,7 @@ def prepare(cfg: Config, log=print) -> Path:
     manifest = {
         "format": FORMAT_VERSION,
         "fingerprint": fp,
-        "source": {"dataset": cfg.data.dataset, "split": cfg.data.split, "format": cfg.data.format,
-                   **cfg.data.columns, "text_unit": cfg.data.text_unit,
-                   "validation": cfg.data.validation,
-                   "validation_fraction": cfg.data.holdout_fraction},
+        "source": source_record(cfg),
         "tokenizer": {"path": str(tok_dir), "vocab_size": len(tokenizer),
                       "eos_token_id": tokenizer.eos_token_id, "added_bos_token_id": bos,
                       "sha256": tokenizer_sha256(tok_dir)},
@@ -179,8 +177,9 @@ def load_splits(cfg: Config, scratch: Path) -> dict:
                            f"file in data.validation, or set validation_fraction: 0")
     # A seeded sample of the documents, and the rest, each in the source's order: both read the
     # source's Arrow copy front to back (a shuffled split would read a 400 GB copy on a shared
-    # filesystem one document at a time, at random). The order of documents in the stream does
-    # not reach training: the loader draws its windows in a seeded permutation every epoch.
+    # filesystem one document at a time, at random). The loader draws its windows in a seeded
+    # permutation every epoch; a window's neighbouring documents are the source's neighbours
+    # (a corpus sorted by domain gives windows of one domain, as nanoGPT-style packing does).
     held = np.zeros(len(ds), dtype=bool)
     held[np.random.default_rng(0).choice(len(ds), n_val, replace=False)] = True
     return {split: ds.select(np.flatnonzero(mask), indices_cache_file_name=str(scratch / f"{split}-indices.arrow"))
@@ -364,7 +363,7 @@ def write_stream(ds, tokenizer, cfg: Config, folder: Path, split: str, dtype, eo
     state = (ds, tokenizer.backend_tokenizer, cfg.data.text_field, folder, split, dtype, eos, bos)
     bar = tqdm(total=len(ds), desc=f"tokenize {split}" + (f" ({procs} processes)" if procs > 1 else ""),
                unit=" documents")
-    done = []
+    done, pool = [], None
     with bar:
         if procs == 1:  # here, the tokenizer's own threads on every core
             _set_chunk_state(*state)
@@ -373,9 +372,11 @@ def write_stream(ds, tokenizer, cfg: Config, folder: Path, split: str, dtype, eo
             # Not multiprocessing.Pool: it waits forever for the chunk of a worker that was killed
             # (out of memory); this pool fails at once and ends the other workers.
             from concurrent.futures import ProcessPoolExecutor, as_completed
-            pool = ProcessPoolExecutor(procs, initializer=_start_worker, initargs=state)
-            results = (f.result() for f in as_completed([pool.submit(_write_chunk, t) for t in tasks]))
+            results = None
         try:
+            if procs > 1:
+                pool = ProcessPoolExecutor(procs, initializer=_start_worker, initargs=state)
+                results = (f.result() for f in as_completed([pool.submit(_write_chunk, t) for t in tasks]))
             for result in results:
                 done.append(result)
                 bar.update(result[2])
@@ -384,7 +385,7 @@ def write_stream(ds, tokenizer, cfg: Config, folder: Path, split: str, dtype, eo
                                f"memory?); give prepare more memory, or fewer processes") from None
         finally:
             _set_chunk_state()
-            if procs > 1:
+            if pool is not None:
                 pool.shutdown(cancel_futures=True)
     # Every chunk holds a document, so an EOS at least: no empty file (which no memmap opens).
     shards = [{"file": name, "tokens": tokens} for _, name, _, tokens in sorted(done)]
