@@ -112,14 +112,20 @@ def refusals(cfg: Config, config: str | os.PathLike, *, offline: bool, launch: b
     return missing
 
 
-def freeze(cfg: Config, path: Path, source: str | os.PathLike) -> None:
-    """The resolved config (overrides applied, paths absolute), for a job to train from; with
-    the prepared folder it names (data.prepared), found here once: no rank of the job reads the
-    source's files (a corpus of thousands of files, stat-ed by every rank), and a requeue trains
-    on after the source is gone."""
+def pin_prepared(cfg: Config) -> Config:
+    """`cfg` with the prepared folder it names (data.prepared), found here once, on the login
+    node: no rank of its jobs reads the source's files (a corpus of thousands of files, stat-ed by
+    every rank), a requeue trains on after the source is gone, and what follows here (is it
+    prepared? the frozen copy) reads data.prepared instead of fingerprinting the source again."""
     from ..data.loader import prepared_path
+    return dataclasses.replace(cfg, data=dataclasses.replace(cfg.data, prepared=str(prepared_path(cfg))))
+
+
+def freeze(cfg: Config, path: Path, source: str | os.PathLike) -> None:
+    """The resolved config (overrides applied, paths absolute, data.prepared pinned), for a job
+    to train from."""
     from ..rundir import write_atomic
-    cfg = dataclasses.replace(cfg, data=dataclasses.replace(cfg.data, prepared=str(prepared_path(cfg))))
+    cfg = pin_prepared(cfg)  # a no-op where the caller pinned it
     path.parent.mkdir(parents=True, exist_ok=True)
     write_atomic(path, f"# frozen by llmtrain submit from {source}\n" + dump_yaml(cfg))
 
@@ -148,7 +154,7 @@ def submit(config: str | os.PathLike, overrides: list[str] | tuple[str, ...] = (
     cfg = load_config(config, list(overrides))
     # A run that trains or waits now is refused, unless this job waits for one (--dependency).
     refusals(cfg, config, offline=True, launch=not dependency, cluster=True)
-    cfg = with_extra_args(cfg, list(sbatch_args))
+    cfg = pin_prepared(with_extra_args(cfg, list(sbatch_args)))
     frozen = cfg.run_dir / "submitted" / f"{stamp()}.yaml"
     if not dry_run:
         freeze(cfg, frozen, config)

@@ -31,7 +31,7 @@ from pathlib import Path
 from ..config import Config, ConfigError, UserError, load_config, read_json
 from .slurm import sbatch_command, with_extra_args
 from .status import ARRAY_TASK, array_tasks
-from .submit import freeze, is_prepared, refusals, run_local, sbatch, slurm_environment, stamp
+from .submit import freeze, is_prepared, pin_prepared, refusals, run_local, sbatch, slurm_environment, stamp
 
 RECORD = "sweep.json"
 
@@ -115,7 +115,7 @@ def sweep_slurm(config: str | os.PathLike, overrides: list[str], grid: list[str]
     sweep, cfgs = plan(config, overrides, grid)
     for i, cfg in enumerate(cfgs):  # every point may start: downloaded, not live; the request fits
         refusals(cfg, config, offline=True, launch=True, cluster=i == 0)
-    cfgs = [with_extra_args(cfg, list(sbatch_args)) for cfg in cfgs]
+    cfgs = [pin_prepared(with_extra_args(cfg, list(sbatch_args))) for cfg in cfgs]
     st = stamp()
     if not dry_run:
         sweep.dir.mkdir(parents=True, exist_ok=True)
