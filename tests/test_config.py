@@ -9,7 +9,7 @@ import sys
 import pytest
 import yaml
 
-from conftest import DEMO, REPO, llmtrain, tiny_config
+from conftest import DEMO, REPO, cli, llmtrain, tiny_config
 from llmtrain.config import ConfigError, load_config
 
 
@@ -255,3 +255,23 @@ def test_a_wrong_text_column_is_caught_before_the_queue(home, tmp_path, write_co
     proc = llmtrain("check-config", write_config(tiny_config(data={"dataset": "docs.jsonl.gz"})))
     assert proc.returncode == 2
     assert proc.stderr.splitlines() == [line.format(path=tmp_path / "docs.jsonl.gz")]
+
+
+@pytest.mark.parametrize("data,rows", [
+    ({"document_masking": True}, "the documents of a row (data.document_masking)"),
+    ({"format": "prompt_completion", "dataset": "pc.jsonl"}, "the samples packed in a row (data.packing)"),
+])
+def test_flash_attention_with_packed_rows_needs_micro_batches_of_one(home, tmp_path, write_config, data, rows):
+    """transformers' flash path separates packed sequences by their position ids only in a batch
+    of one row; in a larger one it would attend across them: refused before the queue."""
+    (tmp_path / "pc.jsonl").write_text(json.dumps({"prompt": "Where is Anna?", "completion": "Home."}) + "\n")
+    path = write_config(tiny_config(model={"attn_implementation": "flash_attention_2"}, data=data))
+    line = (f"model.attn_implementation: flash_attention_2 lets {rows} attend to each other when "
+            f"train.micro_batch_size > 1 (got 4; it separates them only in batches of one row); "
+            f"set train.micro_batch_size: 1, or use sdpa")
+    proc = cli("check-config", path)  # (and, without flash-attn installed, a line saying so)
+    assert proc.returncode == 2 and line in proc.stderr.splitlines() and "Traceback" not in proc.stderr
+    for fix in ("train.micro_batch_size=1", "model.attn_implementation=sdpa"):
+        assert line not in cli("check-config", path, "--set", fix).stderr.splitlines()
+    if data.get("format"):  # one sample a row: causal attention over the row is exact
+        assert line not in cli("check-config", path, "--set", "data.packing=false").stderr.splitlines()

@@ -60,6 +60,20 @@ def test_lora_on_a_model_folder_keeps_gradients_and_state_for_the_adapters_only(
     assert est.parameters == pytest.approx(4 * est.params / 8, rel=1e-3)  # the frozen base, sharded
 
 
+@pytest.mark.parametrize("attn,per_row", [("sdpa", 16 * 64 * 65 + 8 * 8192), ("eager", 4 * 8192**2)])
+def test_the_document_mask_of_each_micro_batch_is_counted(home, write_config, attn, per_row):
+    """data.document_masking, 2 rows of 8192 tokens a micro-batch: flex attention's BlockMask
+    (sdpa on GPUs: 64 x 64 tiles' indices and the document ids, 130 KiB a row, as
+    tests/test_attention.py measures it) or eager's fp32 8192 x 8192 additive mask (256 MiB a row)."""
+    def config(masking):
+        return load_config(write_config(llama(LLAMA_3_8B, model={"attn_implementation": attn},
+                                              data={"document_masking": masking},
+                                              train={"micro_batch_size": 2, "global_batch_size": 16})))
+    shape = model_shape(config(False))
+    masked, plain = (estimate(config(masking), shape=shape) for masking in (True, False))
+    assert masked.activations - plain.activations == 2 * per_row
+
+
 def table(stdout: str) -> dict[str, float]:
     """The estimate's rows as {row: GiB}."""
     return {m.group(1): float(m.group(2)) for line in stdout.splitlines()

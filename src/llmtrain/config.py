@@ -681,6 +681,7 @@ def validate(cfg: Config, world_size: int | None = None, written: dict | None = 
     if not re.fullmatch(r"(\d+-)?\d{1,2}(:\d{2}){0,2}", s.time):
         p.append(f"slurm.time: must be HH:MM:SS or D-HH:MM:SS (got {s.time!r})")
 
+
     micro = t.micro_batch_size * world
     if micro > 0 and t.global_batch_size > 0 and t.global_batch_size % micro:
         p.append(
@@ -833,12 +834,26 @@ def _positive(p: list[str], section: str, obj, keys: list[str], text: bool = Fal
 
 
 def _check_attention(cfg: Config) -> list[str]:
-    """flash_attention_2 needs the flash-attn package: a job would fail on its first forward."""
+    """flash_attention_2 needs the flash-attn package: a job would fail on its first forward.
+    And it keeps the samples (documents) of a packed row apart only in a batch of one row:
+    transformers finds them from the position ids where the batch size is 1 (the varlen kernel;
+    _is_packed_sequence in modeling_flash_attention_utils.py is False for any other), and
+    otherwise attends causally over the whole row, across them."""
     import importlib.util
-    if cfg.model.attn_implementation == "flash_attention_2" and importlib.util.find_spec("flash_attn") is None:
-        return ["model.attn_implementation: flash_attention_2 needs the flash-attn package, which is "
-                "not installed in this environment; install it (pip install flash-attn) or use sdpa"]
-    return []
+    d, t, p = cfg.data, cfg.train, []
+    if cfg.model.attn_implementation != "flash_attention_2":
+        return p
+    if importlib.util.find_spec("flash_attn") is None:
+        p.append("model.attn_implementation: flash_attention_2 needs the flash-attn package, which is "
+                 "not installed in this environment; install it (pip install flash-attn) or use sdpa")
+    packed = ("the samples packed in a row (data.packing)" if d.samples and d.packing else
+              "the documents of a row (data.document_masking)" if not d.samples and d.document_masking
+              else None)
+    if packed and t.micro_batch_size > 1:
+        p.append(f"model.attn_implementation: flash_attention_2 lets {packed} attend to each other "
+                 f"when train.micro_batch_size > 1 (got {t.micro_batch_size}; it separates them only "
+                 f"in batches of one row); set train.micro_batch_size: 1, or use sdpa")
+    return p
 
 
 def _check_tracking(cfg: Config) -> list[str]:

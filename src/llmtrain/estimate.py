@@ -26,6 +26,11 @@ layers, vocabulary; Pl, Pr, H: one layer's, the root's (embeddings, final norm, 
   log-sum-exp, never the T x T scores; eager attention does: + a T (4 + p)) + 4 p i (gated MLP:
   gate, its activation, up, their product; 2 p i ungated). A checkpointed layer keeps its input,
   r h, and one layer is recomputed at a time; backward holds T (p i + 8 h) of gradients
+- the document mask, where rows hold several documents (fine-tuning samples,
+  data.document_masking), from forward to the first layer's backward (flex attention saves it
+  for backward, as activation checkpointing does eager's): flex attention's BlockMask (sdpa on
+  GPUs; model/attention.block_mask_bytes: 16 n (n + 1) + 8 seq_len per row, n = seq_len / 128
+  tiles, rounded up), eager's fp32 additive mask, 4 seq_len^2 per row; flash attention: none
 - loss (train.chunked_loss): T r h (the hidden states' gradient) + 4 H (the head's fp32
   gradient) + C V (4 + p) (a chunk's fp32 logits and their cast, C = 256 MiB / 4 V tokens) +
   p H (a chunk's head-gradient product); the full logits' loss: T V (12 + p)
@@ -192,6 +197,8 @@ def estimate(cfg: Config, world_size: int | None = None, micro_batch: int | None
     kept = (L - checkpointed) * layer_acts + checkpointed * tokens * res * h + tokens * (4 + res) * h
     recompute = layer_acts if checkpointed else 0
     backward = tokens * (p * m.intermediate + 8 * h)
+    mask = _mask_bytes(cfg, micro)
+    kept += mask
     loss = _loss_bytes(m, tokens, p, res, autocast)
 
     # Each moment: (gradients, param copies, activations, loss, comm buffers)
@@ -206,7 +213,7 @@ def estimate(cfg: Config, world_size: int | None = None, micro_batch: int | None
             "the backward of the last layer": (held + in_flight, gathered, kept + recompute + backward,
                                                0, prefetched + 4 * m.layer_trainable),
             "the backward of the first layer": (max(held, reduced) + in_flight, p * (m.root + m.layer),
-                                                layer_acts + backward, 0, 4 * m.layer_trainable),
+                                                layer_acts + backward + mask, 0, 4 * m.layer_trainable),
             "the root's reduce-scatter, at the end of backward": (
                 grads + p * m.root_trainable, 0, 0, 0, 4 * m.root_trainable),
         }
@@ -217,7 +224,7 @@ def estimate(cfg: Config, world_size: int | None = None, micro_batch: int | None
             "the backward of the last layer": (held or 4 * m.head_trainable,
                                                (L - checkpointed + bool(checkpointed)) * cast,
                                                kept + recompute + backward, 0, 0),
-            "the backward of the first layer": (grads, cast, layer_acts + backward, 0, 0),
+            "the backward of the first layer": (grads, cast, layer_acts + backward + mask, 0, 0),
         }
     phase, (gradients, copies, activations, loss_bytes, comm) = max(
         phases.items(), key=lambda item: sum(item[1]))
@@ -243,6 +250,17 @@ def _layer_bytes(m: ModelShape, p: int, res: int, autocast: bool, cfg: Config) -
         attention += m.heads * cfg.data.seq_len * (4 + (p if p < 4 else 0))
     mlp = (4 if m.gated else 2) * p * m.intermediate
     return norms + norm_outputs + attention + mlp
+
+
+def _mask_bytes(cfg: Config, micro: int) -> int:
+    """The document mask of a micro-batch (model/attention.py), where its rows hold several."""
+    from .model.attention import block_mask_bytes
+    d = cfg.data
+    if not (d.samples or d.document_masking):
+        return 0
+    if cfg.model.attn_implementation == "eager":  # an fp32 [micro, 1, seq, seq] added to the scores
+        return 4 * micro * d.seq_len ** 2
+    return block_mask_bytes(micro, d.seq_len) if cfg.model.attn_implementation == "sdpa" else 0
 
 
 def _loss_bytes(m: ModelShape, tokens: int, p: int, res: int, autocast: bool) -> int:

@@ -14,7 +14,12 @@ mask, built on the device from the positions (no host read), in the form the mod
 implementation takes. With sdpa (the default): on GPUs a flex-attention BlockMask (the kernel
 skips the blocks no token of a document needs: packed rows cost what their documents cost, not
 what a full window costs), elsewhere SDPA's boolean mask; with eager attention an additive mask;
-flash attention finds the documents from the position ids itself (its varlen kernel).
+flash attention finds the documents from the position ids itself (its varlen kernel), but only
+in a batch of one row: config.py refuses it with packed rows and micro batches over 1.
+
+The BlockMask is built from each tile's first and last document (BLOCK tokens a tile): O(B S^2 /
+BLOCK^2) bytes, never the B x S x S mask that create_block_mask evaluates when not compiled (64
+MiB of bools a row at 8k tokens, ~0.7 GiB of peak memory with its intermediates).
 """
 
 from __future__ import annotations
@@ -47,7 +52,8 @@ def causal_attention(model: torch.nn.Module) -> None:
 
 def document_mask(model: torch.nn.Module, positions: torch.Tensor, flex: bool | None = None):
     """The [batch, 1, seq, seq] mask that keeps attention causal within each document, for the
-    model's attention implementation (None for flash attention: the position ids suffice).
+    model's attention implementation (None for flash attention: the position ids suffice in a
+    batch of one row, which config.py requires of it with packed rows).
     `flex`: a BlockMask for flex attention (sdpa only); None: on GPUs."""
     implementation = model.config._attn_implementation
     if implementation.startswith("flash_attention"):
@@ -55,11 +61,7 @@ def document_mask(model: torch.nn.Module, positions: torch.Tensor, flex: bool | 
     document = (positions == 0).cumsum(dim=1)
     batch, seq = positions.shape
     if implementation == CAUSAL_SDPA and (positions.is_cuda if flex is None else flex):
-        from torch.nn.attention.flex_attention import create_block_mask
-
-        def same_document(b, h, q, kv):
-            return (document[b, q] == document[b, kv]) & (kv <= q)
-        return create_block_mask(same_document, batch, None, seq, seq, device=positions.device)
+        return block_mask(document)
     causal = torch.ones(seq, seq, dtype=torch.bool, device=positions.device).tril()
     allowed = (document[:, :, None] == document[:, None, :]) & causal
     allowed = allowed[:, None]
@@ -67,3 +69,45 @@ def document_mask(model: torch.nn.Module, positions: torch.Tensor, flex: bool | 
         return torch.zeros(allowed.shape, device=positions.device).masked_fill_(
             ~allowed, torch.finfo(torch.float32).min)
     return allowed
+
+
+BLOCK = 128  # tokens per tile of flex attention's BlockMask (create_block_mask's default)
+
+
+def block_mask(document: torch.Tensor):
+    """The flex-attention BlockMask of the causal mask within documents, `document`: [batch, seq]
+    ids that never decrease along a row. The same mask as create_block_mask(same_document, ...)
+    gives, built from the tiles' ends: a query tile i and an earlier key tile j (both within a
+    row) share a document iff j's last document is i's first, since ids never decrease. The pair
+    is full (every token may attend: the kernel skips mask_mod) when one document covers both
+    tiles and j < i; partial (mask_mod decides per token) on the diagonal and where a document
+    boundary crosses them; empty otherwise."""
+    from torch.nn.attention.flex_attention import BlockMask
+
+    batch, seq = document.shape
+    tiles = -(-seq // BLOCK)
+    tile = torch.arange(tiles, device=document.device)
+    q, kv, start = tile[:, None], tile[None], tile * BLOCK
+    first = document[:, start]  # [batch, tiles]: the document of each tile's first token
+    last = document[:, (start + BLOCK).clamp(max=seq) - 1]  # and of its last
+    shared = (kv <= q) & (last[:, None, :] >= first[:, :, None])  # [batch, q tile, kv tile]
+    # create_block_mask pads the last tile's missing rows as masked: a short tile is never full
+    whole = (start[:, None] + BLOCK <= seq) & (kv < q) & (first[:, None, :] == last[:, :, None])
+    full, partial = shared & whole, shared & ~whole
+
+    def ordered(blocks):  # as create_block_mask orders them: each row's blocks, ascending, first
+        blocks = blocks[:, None].to(torch.int32)  # [batch, heads = 1, q tile, kv tile]
+        indices = torch.argsort(blocks, dim=-1, descending=True, stable=True)
+        return blocks.sum(dim=-1, dtype=torch.int32), indices.to(torch.int32)
+
+    def same_document(b, h, q, kv):
+        return (document[b, q] == document[b, kv]) & (kv <= q)
+    return BlockMask.from_kv_blocks(*ordered(partial), *ordered(full), BLOCK_SIZE=BLOCK,
+                                    mask_mod=same_document, seq_lengths=(seq, seq))
+
+
+def block_mask_bytes(batch: int, seq: int) -> int:
+    """What block_mask's BlockMask holds: the kv and q views of the partial and the full blocks
+    (a count per tile row and an index per tile pair, int32 each) and the document ids (int64)."""
+    tiles = -(-seq // BLOCK)
+    return batch * (4 * 4 * tiles * (tiles + 1) + 8 * seq)
