@@ -103,6 +103,11 @@ BROKEN = [
      "slurm.max_requeues is 0; allow at least 1, or turn exclude_slow_nodes off"),
     ({"train": {"micro_batch_size": 0}},
      "train.micro_batch_size: must be > 0 (got 0)"),
+    # every launch would stop after a step or two and requeue until out of requeues
+    ({"slurm": {"time": "00:01:00"}},
+     "slurm.time: each launch saves and stops at least slurm.signal_lead_s = 120 s before its end, "
+     "which leaves too little of 00:01:00 to train; ask for more than 240 s, or lower "
+     "slurm.signal_lead_s"),
     ({"parallel": {"strategy": "hsdp", "shard_size": 3}},
      "parallel.shard_size: must divide the world size 2 (got 3); hsdp shards within groups of "
      "shard_size ranks and replicates across them"),

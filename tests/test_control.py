@@ -236,3 +236,28 @@ def test_a_start_up_that_overruns_its_timeout_names_the_phase(setup):
                             "rank 1 on ") and "was in phase 'first step'" in x for x in lines), lines
     log = (root / "home" / "runs" / "slow-start" / "logs" / "rank-1.log").read_text()
     assert "was in phase 'first step'" in log
+
+
+def test_the_deadline_leaves_room_for_the_measured_step_evaluation_and_save():
+    """The review's case: 75 s steps and a 300 s save with the default 120 s lead. The stop
+    comes when two steps, the last evaluation and the save no longer fit before the end; with
+    nothing measured yet, the lead (or the estimated save) alone."""
+    from llmtrain.training.control import DEADLINE_MARGIN_S, Deadline
+
+    save = [300.0]
+    deadline = Deadline(end_time=10_000.0, lead_s=120, save_s=lambda: save[0])
+    assert deadline.need_s() == 300 + DEADLINE_MARGIN_S  # before a step: the save's estimate
+    save[0] = 0.0
+    assert deadline.need_s() == 120  # never less than slurm.signal_lead_s
+    t = 5_000.0
+    for _ in range(3):  # steps of 75 s; one with a 40 s evaluation after it, which is no step
+        deadline.agreed(t)
+        t += 75
+    deadline.paused_s, deadline.eval_s = 40.0, 40.0
+    deadline.agreed(t + 40)
+    assert deadline.steps == [75.0, 75.0, 75.0]
+    save[0] = 300.0
+    need = 2 * 75 + 40 + 300 + DEADLINE_MARGIN_S
+    assert deadline.need_s() == need
+    assert not deadline.due(10_000 - need - 1) and deadline.due(10_000 - need + 1)
+    assert "the next step (~75s), an evaluation (~40s) and the save (~300s) need 505s" in deadline.why()

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 from pathlib import Path
 
 import pytest
@@ -151,8 +152,17 @@ def test_a_bad_config_is_one_line_and_exit_2(config, capfd):
      (True, "requeueing job 7 (requeue 1 of at most 2)")),
     ({"reason": "preempt", "requeue": True, "job_id": "7"}, 1,
      (True, "requeueing job 7 (requeue 2 of at most 2)")),
-    ({"reason": "deadline", "requeue": True, "job_id": "7"}, 2,
-     (False, "not requeueing: the job was requeued 2 times already (slurm.max_requeues)")),
+    ({"reason": "preempt", "requeue": True, "job_id": "7"}, 2,
+     (False, "not requeueing: the job was requeued 2 times already for preemption or signals "
+             "(slurm.max_requeues; time-limit requeues are not counted)")),
+    # The time limit of a run that needs many allocations is the plan, not a failure.
+    ({"reason": "deadline", "requeue": True, "job_id": "7", "trained": 40}, 2,
+     (True, "requeueing job 7 at its time limit (planned; slurm.max_requeues counts the other "
+            "requeues: 2 of 2 so far)")),
+    # ... unless the launch trained nothing before it (a time limit too short to train at all).
+    ({"reason": "deadline", "requeue": True, "job_id": "7", "trained": 0}, 2,
+     (False, "not requeueing: the job was requeued 2 times already for preemption or signals "
+             "(slurm.max_requeues; time-limit requeues are not counted)")),
     ({"reason": "user", "requeue": False, "job_id": "7"}, 0, (False, "")),
     ({"reason": "preempt", "requeue": True, "job_id": "6"}, 0, (False, "")),  # another job's file
     ("{torn", 0, (False, "")),
@@ -171,7 +181,37 @@ def test_one_requeue_is_one_time(tmp_path):
     (tmp_path / "control").mkdir()
     (tmp_path / "control" / "exit.json").write_text('{"requeue": true, "job_id": "7"}')
     assert requeue_decision(tmp_path, "7", 1, max_requeues=1) == (
-        False, "not requeueing: the job was requeued 1 time already (slurm.max_requeues)")
+        False, "not requeueing: the job was requeued 1 time already for preemption or signals "
+               "(slurm.max_requeues; time-limit requeues are not counted)")
+
+
+def test_time_limit_requeues_do_not_use_up_max_requeues(tmp_path, monkeypatch, capfd):
+    """What train.slurm runs after each launch (`llmtrain requeue`), with scontrol recording its
+    calls: ten time-limit stops in a row all come back with slurm.max_requeues 1; then one
+    preemption is allowed and a second is not. A new submission (another frozen config) counts
+    from zero."""
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    (bin_dir / "scontrol").write_text(f'#!/bin/sh\necho "$@" >>"{tmp_path}/scontrol.calls"\n')
+    (bin_dir / "scontrol").chmod(0o755)
+    monkeypatch.setenv("PATH", f"{bin_dir}:{os.environ['PATH']}")
+    run_dir = tmp_path / "run"
+    (run_dir / "control").mkdir(parents=True)
+
+    def launch_ends(reason: str, restarts: int, config: str = "submitted/a.yaml") -> str:
+        (run_dir / "control" / "exit.json").write_text(json.dumps(
+            {"reason": reason, "requeue": True, "job_id": "7", "trained": 5}))
+        capfd.readouterr()
+        assert main(["requeue", str(run_dir), "7", "--config", config, "--script", "train.slurm",
+                     "--restarts", str(restarts), "--max-requeues", "1"]) == 0
+        return capfd.readouterr().out
+
+    for restarts in range(10):
+        assert "at its time limit (planned" in launch_ends("deadline", restarts)
+    assert "requeue 1 of at most 1" in launch_ends("preempt", 10)
+    assert "not requeueing: the job was requeued 1 time already" in launch_ends("preempt", 11)
+    assert (tmp_path / "scontrol.calls").read_text().count("requeue 7") == 11
+    assert "requeue 1 of at most 1" in launch_ends("preempt", 0, config="submitted/b.yaml")
 
 
 def test_sinfo_lines_become_nodes_with_their_gpus_memory_and_time_limit():
@@ -248,3 +288,34 @@ def test_accounting_limits_where_sacctmgr_answers(config):
     assert accounting_problems(cfg, lambda args: "" if args[1] == "qos" else "bio\n") == [
         "slurm.qos: no QOS 'high' on this cluster (sacctmgr show qos lists them)"]
     assert accounting_problems(cfg, lambda args: None) == []  # no accounting database: sbatch decides
+
+
+LLAMA_70B = {"model_type": "llama", "hidden_size": 8192, "num_hidden_layers": 80,
+             "intermediate_size": 28672, "num_attention_heads": 64, "num_key_value_heads": 8,
+             "vocab_size": 128256, "max_position_embeddings": 8192}
+
+
+def test_submit_warns_where_the_lead_cannot_cover_the_final_save_and_two_steps(config, tmp_path):
+    """A 70B on 8 nodes: its ~847 GB save at 0.5 GB/s a node needs minutes, not the default 120 s;
+    on 64 nodes the lead covers it. Once the run has measured its step and save, those count."""
+    from llmtrain.login.submit import lead_warning
+
+    path = config(model={"architecture": LLAMA_70B}, slurm={"nodes": 8},
+                  train={"global_batch_size": 128, "micro_batch_size": 1, "eval_samples": 128})
+    assert lead_warning(load_config(path)) == (
+        "warning: slurm.signal_lead_s: a stop at the time limit needs a save of ~847 GB (~212 s at "
+        "an assumed 0.5 GB/s per node), 227 s with the margin, more than the 120 s lead; the "
+        "trainer stops that early by itself once it has timed a step, but before that (and for "
+        "Slurm's warning signal) the lead counts: set slurm.signal_lead_s: 240")
+    assert lead_warning(load_config(path, ["slurm.nodes=64"])) is None
+    run_dir = load_config(path).run_dir
+    (run_dir / "checkpoints" / "step-00000100").mkdir(parents=True)
+    (run_dir / "checkpoints" / "step-00000100" / "meta.json").write_text('{"save_s": 40.2}')
+    (run_dir / "checkpoints" / "latest").write_text("step-00000100\n")
+    # global batch 128 x 64 tokens at 109.2 tokens/s: 75 s steps
+    (run_dir / "metrics.jsonl").write_text('{"kind": "train", "step": 100, "tokens_per_sec": 109.2267}\n')
+    assert lead_warning(load_config(path, ["slurm.nodes=64"])) == (
+        "warning: slurm.signal_lead_s: a stop at the time limit needs two steps of ~75 s (measured) "
+        "and a save of ~40 s (measured), 205 s with the margin, more than the 120 s lead; the "
+        "trainer stops that early by itself once it has timed a step, but before that (and for "
+        "Slurm's warning signal) the lead counts: set slurm.signal_lead_s: 240")

@@ -680,7 +680,10 @@ def validate(cfg: Config, world_size: int | None = None, written: dict | None = 
         p.append("slurm.procs_per_node: set it on CPU-only nodes (slurm.gpus_per_node is 0)")
     if not re.fullmatch(r"(\d+-)?\d{1,2}(:\d{2}){0,2}", s.time):
         p.append(f"slurm.time: must be HH:MM:SS or D-HH:MM:SS (got {s.time!r})")
-
+    elif 0 < s.signal_lead_s and slurm_seconds(s.time) <= 2 * s.signal_lead_s:
+        p.append(f"slurm.time: each launch saves and stops at least slurm.signal_lead_s = "
+                 f"{s.signal_lead_s} s before its end, which leaves too little of {s.time} to train; "
+                 f"ask for more than {2 * s.signal_lead_s} s, or lower slurm.signal_lead_s")
 
     micro = t.micro_batch_size * world
     if micro > 0 and t.global_batch_size > 0 and t.global_batch_size % micro:
@@ -726,6 +729,21 @@ def _check_prepared(cfg: Config, manifest: dict) -> list[str]:
         return [f"data.prepared: {d.prepared} was prepared with other data options ({', '.join(differ)}); "
                 f"set them as the folder has them, or data.prepared: null to prepare the data anew"]
     return []
+
+
+def slurm_seconds(text: str) -> float:
+    """Slurm's time: infinite/UNLIMITED, D-HH:MM:SS, D-HH, HH:MM:SS, MM:SS or MM."""
+    text = text.strip()
+    if text.lower() in ("infinite", "unlimited", "n/a", ""):
+        return float("inf")
+    days, _, rest = text.rpartition("-")
+    fields = [int(x) for x in rest.split(":")]
+    if days:
+        fields += [0] * (3 - len(fields))  # D-HH, D-HH:MM
+        h, m, s = fields
+    else:
+        h, m, s = ([0] * (3 - len(fields)) + fields) if len(fields) > 1 else (0, fields[0], 0)
+    return (int(days or 0) * 24 + h) * 3600 + m * 60 + s
 
 
 def _got(key: str, value: str, written: dict | None) -> str:

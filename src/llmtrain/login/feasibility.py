@@ -22,6 +22,7 @@ import subprocess
 from dataclasses import dataclass
 
 from ..config import Config
+from ..config import slurm_seconds as seconds
 from ..metrics import plural
 
 SINFO_FORMAT = "%N|%P|%c|%m|%G|%l"  # node, partition (* = default), CPUs, memory (MB), gres, time limit
@@ -193,21 +194,6 @@ def gpu_count(gres: str) -> int:
         if fields[0].removeprefix("gres/") == "gpu" and fields[-1].isdigit():
             total += int(fields[-1])
     return total
-
-
-def seconds(text: str) -> float:
-    """Slurm's time: infinite/UNLIMITED, D-HH:MM:SS, D-HH, HH:MM:SS, MM:SS or MM."""
-    text = text.strip()
-    if text.lower() in ("infinite", "unlimited", "n/a", ""):
-        return float("inf")
-    days, _, rest = text.rpartition("-")
-    fields = [int(x) for x in rest.split(":")]
-    if days:
-        fields += [0] * (3 - len(fields))  # D-HH, D-HH:MM
-        h, m, s = fields
-    else:
-        h, m, s = ([0] * (3 - len(fields)) + fields) if len(fields) > 1 else (0, fields[0], 0)
-    return (int(days or 0) * 24 + h) * 3600 + m * 60 + s
 
 
 def format_limit(limit_s: float) -> str:

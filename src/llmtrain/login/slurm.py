@@ -29,12 +29,14 @@ in slurm.extra_args, so a continuation asks for what the first job asked for. No
 from __future__ import annotations
 
 import dataclasses
+import json
 import subprocess
 import sys
 import time
 from pathlib import Path
 
 from ..config import Config, read_json
+from ..rundir import write_atomic
 
 JOBS = ("prepare", "train", "continuation")
 
@@ -119,20 +121,49 @@ def without_gpus(args: list[str]) -> list[str]:
     return out
 
 
-def requeue_decision(run_dir: Path, job_id: str, restarts: int, max_requeues: int) -> tuple[bool, str]:
+def requeue_decision(run_dir: Path, job_id: str, restarts: int, max_requeues: int,
+                     planned: int = 0) -> tuple[bool, str]:
     """Whether the job should come back after its step ended, and the line that says so. Only a
-    stop this job's trainer recorded (control/exit.json) asks; a missing or torn file is a no."""
+    stop this job's trainer recorded (control/exit.json) asks; a missing or torn file is a no.
+    `restarts`: the job's launches before this one (requeues and continuations), `planned` of
+    them at the time limit. A stop at the time limit that trained (reason "deadline") is the plan
+    of a run longer than one allocation, not a failure: it always comes back and is not counted;
+    slurm.max_requeues bounds the others (preemptions, signals, slow nodes, and a time-limit stop
+    that trained nothing), against a loop that never progresses."""
     stop = read_json(run_dir / "control" / "exit.json")
     if not (isinstance(stop, dict) and stop.get("requeue") is True and str(stop.get("job_id")) == job_id):
         return False, ""
-    if restarts >= max_requeues:
-        return False, (f"not requeueing: the job was requeued {restarts} time{'s' * (restarts != 1)} "
-                       f"already (slurm.max_requeues)")
+    counted = max(0, restarts - planned)
+    if is_planned(stop):
+        return True, (f"requeueing job {job_id} at its time limit (planned; slurm.max_requeues counts "
+                      f"the other requeues: {counted} of {max_requeues} so far)")
+    if counted >= max_requeues:
+        return False, (f"not requeueing: the job was requeued {counted} time{'s' * (counted != 1)} "
+                       f"already for preemption or signals (slurm.max_requeues; time-limit requeues "
+                       f"are not counted)")
     if exclude := excluded_nodes(run_dir, job_id):
         return True, (f"requeueing job {job_id} without {', '.join(exclude)} (slow in the "
-                      f"preflight) as a continuation job (requeue {restarts + 1} of at most "
+                      f"preflight) as a continuation job (requeue {counted + 1} of at most "
                       f"{max_requeues})")
-    return True, f"requeueing job {job_id} (requeue {restarts + 1} of at most {max_requeues})"
+    return True, f"requeueing job {job_id} (requeue {counted + 1} of at most {max_requeues})"
+
+
+def is_planned(stop: dict) -> bool:
+    """A stop at the job's time limit after this launch trained (exit.json's `trained` steps;
+    files from before it was recorded count as trained)."""
+    return stop.get("reason") == "deadline" and stop.get("trained", 1) > 0
+
+
+PLANNED = "requeues.json"  # in <run_dir>/control: the time-limit requeues of one submission
+
+
+def planned_requeues(run_dir: Path, config: Path) -> int:
+    """How many of this submission's launches came back at the time limit (a new submission,
+    another frozen config, starts from 0)."""
+    record = read_json(run_dir / "control" / PLANNED)
+    if isinstance(record, dict) and record.get("config") == str(config):
+        return int(record.get("planned", 0))
+    return 0
 
 
 def excluded_nodes(run_dir: Path, job_id: str | None) -> list[str]:
@@ -167,11 +198,15 @@ def come_back(run_dir: Path, job_id: str, restarts: int, max_requeues: int, *, c
     def say(line: str) -> None:
         print(f"{time.strftime('%H:%M:%S')} {line}", flush=True)
 
-    requeue, line = requeue_decision(run_dir, job_id, restarts, max_requeues)
+    planned = planned_requeues(run_dir, config)
+    requeue, line = requeue_decision(run_dir, job_id, restarts, max_requeues, planned)
     if line:
         say(line)
     if not requeue:
         return 0
+    if is_planned(read_json(run_dir / "control" / "exit.json")):
+        write_atomic(run_dir / "control" / PLANNED,
+                     json.dumps({"config": str(config), "planned": planned + 1}) + "\n")
     if excluded_nodes(run_dir, job_id):
         why = "slow node left out"
     elif subprocess.run(["scontrol", "requeue", job_id]).returncode == 0:

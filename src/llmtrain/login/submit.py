@@ -112,6 +112,58 @@ def refusals(cfg: Config, config: str | os.PathLike, *, offline: bool, launch: b
     return missing
 
 
+def lead_warning(cfg: Config) -> str | None:
+    """A warning where slurm.signal_lead_s is less than a stop at the time limit needs: two steps
+    and the final save (training/control.py's Deadline), as the run's last launch measured them
+    (metrics.jsonl, the latest checkpoint's meta.json), else the save of the model's weights and
+    AdamW state at an assumed write rate. The trainer stops that early by itself once it has
+    timed a step; until then, and for Slurm's warning signal, the lead is what counts."""
+    from ..metrics import read_metrics
+    from ..rundir import CHECKPOINTS, META, latest_checkpoint
+    from ..training.control import ASSUMED_WRITE_BYTES_PER_S_PER_NODE, DEADLINE_MARGIN_S
+    s = cfg.slurm
+    if s.signal_lead_s <= 0:
+        return None
+    speeds = [r["tokens_per_sec"] for r in read_metrics(cfg.run_dir) if r.get("tokens_per_sec")]
+    step_s = cfg.train.global_batch_size * cfg.data.seq_len / speeds[-1] if speeds else 0.0
+    latest = latest_checkpoint(cfg.run_dir / CHECKPOINTS)
+    meta = read_json(cfg.run_dir / CHECKPOINTS / latest / META) if latest else None
+    if isinstance(meta, dict) and isinstance(meta.get("save_s"), (int, float)):
+        save_s, save = float(meta["save_s"]), f"a save of ~{meta['save_s']:.0f} s (measured)"
+    elif cfg.model.lora is None and (params := approx_params(cfg)):
+        size = 12 * params  # fp32 weights and AdamW's two moments
+        save_s = size / (s.nodes * ASSUMED_WRITE_BYTES_PER_S_PER_NODE)
+        save = (f"a save of ~{size / 1e9:,.0f} GB (~{save_s:.0f} s at an assumed "
+                f"{ASSUMED_WRITE_BYTES_PER_S_PER_NODE / 1e9:g} GB/s per node)")
+    else:
+        save_s, save = 0.0, "the save"
+    need = 2 * step_s + save_s + DEADLINE_MARGIN_S
+    if need <= s.signal_lead_s:
+        return None
+    steps = f"two steps of ~{step_s:.0f} s (measured) and " if step_s else ""
+    return (f"warning: slurm.signal_lead_s: a stop at the time limit needs {steps}{save}, "
+            f"{need:.0f} s with the margin, more than the {s.signal_lead_s} s lead; the trainer "
+            f"stops that early by itself once it has timed a step, but before that (and for "
+            f"Slurm's warning signal) the lead counts: set slurm.signal_lead_s: {60 * -(-need // 60):.0f}")
+
+
+def approx_params(cfg: Config) -> int | None:
+    """The model's parameters from its Hugging Face config (a Llama-like decoder's matrices,
+    within a few percent; no torch), or None where the config does not say."""
+    m = cfg.model
+    hf = m.architecture or read_json(local_path(m.name_or_path, "models") / "config.json") or {}
+    try:
+        h, layers, inter, vocab = (int(hf[k]) for k in ("hidden_size", "num_hidden_layers",
+                                                        "intermediate_size", "vocab_size"))
+        heads = int(hf["num_attention_heads"])
+    except (KeyError, TypeError, ValueError):
+        return None
+    head_dim = int(hf.get("head_dim") or h // heads)
+    kv = int(hf.get("num_key_value_heads") or heads) * head_dim
+    attention = 2 * h * heads * head_dim + 2 * h * kv
+    return layers * (attention + 3 * h * inter) + vocab * h * (1 if hf.get("tie_word_embeddings") else 2)
+
+
 def pin_prepared(cfg: Config) -> Config:
     """`cfg` with the prepared folder it names (data.prepared), found here once, on the login
     node: no rank of its jobs reads the source's files (a corpus of thousands of files, stat-ed by
@@ -154,6 +206,8 @@ def submit(config: str | os.PathLike, overrides: list[str] | tuple[str, ...] = (
     cfg = load_config(config, list(overrides))
     # A run that trains or waits now is refused, unless this job waits for one (--dependency).
     refusals(cfg, config, offline=True, launch=not dependency, cluster=True)
+    if warning := lead_warning(cfg):
+        print(warning, file=sys.stderr, flush=True)
     cfg = pin_prepared(with_extra_args(cfg, list(sbatch_args)))
     frozen = cfg.run_dir / "submitted" / f"{stamp()}.yaml"
     if not dry_run:

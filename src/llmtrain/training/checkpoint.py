@@ -25,6 +25,7 @@ import contextlib
 import json
 import os
 import shutil
+import time
 from pathlib import Path
 
 import torch
@@ -39,6 +40,7 @@ from ..model.build import pretrained_dir
 from ..model.parallel import unwrap
 from ..rundir import (CHECKPOINT_FORMAT, CHECKPOINTS, LATEST, META, Log, complete_checkpoints,
                       latest_checkpoint, step_name, write_atomic)
+from .control import ASSUMED_WRITE_BYTES_PER_S_PER_NODE
 from .distributed import World
 
 BUFFERS = "buffers.pt"
@@ -77,7 +79,9 @@ class Checkpointer:
         # frozen base comes from its source at every start.
         self.options = (StateDictOptions(ignore_frozen_params=True, strict=False)
                         if cfg.model.lora is not None else None)
-        self.pending = None  # (future, tmp, final, meta) of the async save in flight
+        self.pending = None  # (future, tmp, final, meta, started) of the async save in flight
+        self.measured_s: float | None = None  # the last save, start to last shard (or the last launch's)
+        self.estimated_s = 0.0  # estimate_save()
         # Async saves upload on their own gloo group: sharing the training group crashed when
         # training collectives overlapped the upload (torch-stack-facts.md).
         self.group = dist.new_group(backend="gloo") if cfg.train.async_checkpoint else None
@@ -98,8 +102,22 @@ class Checkpointer:
 
     # -- saving ---------------------------------------------------------------------------
 
+    def save_s(self) -> float:
+        """How long a save takes: the last one measured, else the estimate."""
+        return self.measured_s if self.measured_s is not None else self.estimated_s
+
+    def estimate_save(self, model, optimizer) -> None:
+        """A save's seconds until one is measured: what it writes (the trained weights and, for
+        AdamW, two fp32 states each) at ASSUMED_WRITE_BYTES_PER_S_PER_NODE on every node."""
+        trained = [p for p in model.parameters() if p.requires_grad or self.options is None]
+        state = sum(p.numel() * p.element_size() for p in trained)
+        state += sum(p.numel() * 8 for p in model.parameters() if p.requires_grad)
+        nodes = max(1, self.world.world_size // int(os.environ.get("LOCAL_WORLD_SIZE", 1)))
+        self.estimated_s = state / (nodes * ASSUMED_WRITE_BYTES_PER_S_PER_NODE)
+
     def save(self, step: int, model, optimizer, extra: dict) -> None:
         self.wait()  # at most one save in flight
+        started = time.time()
         final = self.folder / step_name(step)
         if final.exists():  # resumed exactly at a checkpoint: it is already there
             return
@@ -122,10 +140,10 @@ class Checkpointer:
             if self.group is not None:
                 future = dcp.async_save(state, checkpoint_id=tmp, process_group=self.group,
                                         async_stager=self.stager)
-                self.pending = (future, tmp, final, meta)
+                self.pending = (future, tmp, final, meta, started)
             else:
                 dcp.save(state, checkpoint_id=tmp)
-                self._complete(tmp, final, meta)
+                self._complete(tmp, final, meta, started)
 
     @contextlib.contextmanager
     def _failing_save(self, tmp: Path, final: Path):
@@ -160,17 +178,19 @@ class Checkpointer:
 
     def wait(self) -> None:
         if self.pending is not None:
-            future, tmp, final, meta = self.pending
+            future, tmp, final, meta, started = self.pending
             self.pending = None
             with self._failing_save(tmp, final):
                 future.result()
-                self._complete(tmp, final, meta)
+                self._complete(tmp, final, meta, started)
 
-    def _complete(self, tmp: Path, final: Path, meta: dict) -> None:
-        """Rank 0, once every shard is written: meta.json, rename, move `latest`, prune."""
+    def _complete(self, tmp: Path, final: Path, meta: dict, started: float) -> None:
+        """Once every shard is written: the save's time; rank 0: meta.json (with that time, for
+        the next launch's deadline), rename, move `latest`, prune."""
+        self.measured_s = time.time() - started
         if not self.world.is_main:
             return
-        write_atomic(tmp / META, json.dumps(meta, indent=2) + "\n")
+        write_atomic(tmp / META, json.dumps({**meta, "save_s": round(self.measured_s, 3)}, indent=2) + "\n")
         _fsync_dir(tmp)
         os.rename(tmp, final)
         write_atomic(self.folder / LATEST, final.name + "\n")
@@ -216,6 +236,8 @@ class Checkpointer:
                 _set_rng_state(torch.load(rng, weights_only=False))
             self.log.info(f"resumed from {ckpt} (step {meta['step']}, saved by "
                           f"{meta['world_size']} ranks)")
+            if isinstance(meta.get("save_s"), (int, float)):  # the last launch's save time
+                self.measured_s = float(meta["save_s"])
             return meta
         if candidates:
             raise UserError(f"no loadable checkpoint in {self.folder}: all {len(candidates)} "

@@ -2,7 +2,7 @@
 
     control = Control(cfg, world, log)
     verdict = control.agree(finite)     # once per step: ONE all-reduce carries every flag
-    if verdict.stop: save, control.exit(reason, step), leave the loop
+    if verdict.stop: save, control.exit(reason, step, trained), leave the loop
 
 Requests come from:
 - signals: SIGUSR1 or SIGTERM to a training process (torchrun forwards SIGTERM; `scancel -s USR1`
@@ -15,8 +15,10 @@ Requests come from:
   shell its warning signal (`--signal=B:USR1@lead`). A file's text is the reason ("preempt",
   "user"), or profile's step count.
   A switch older than this launch was meant for an earlier one: rank 0 removes it at start.
-- the job's end time: rank 0 reads it from Slurm once, and asks to stop `slurm.signal_lead_s`
-  seconds before it, signal or not.
+- the job's end time: rank 0 reads it from Slurm once, and asks to stop early enough that the
+  step under way, the next one (a stop is read a step later), an evaluation and the final save
+  all end before Slurm's kill, signal or not (`Deadline`: measured step, eval and save times,
+  never later than `slurm.signal_lead_s` before the end).
 
 Rank 0 stats the switch files at most every second; the agreement is a MAX all-reduce of
 [stop, save, non-finite, profile steps] so every rank takes the same decision at the same step.
@@ -31,6 +33,7 @@ the first step) comes back as a continuation job without the nodes its `exclude`
 
 from __future__ import annotations
 
+import contextlib
 import faulthandler
 import json
 import os
@@ -48,6 +51,11 @@ from ..rundir import Log, write_atomic
 SWITCH_POLL_S = 1.0
 HEARTBEAT_S = 2.0
 ARM_S = 1.0  # the stack-dump timer's re-arming interval
+DEADLINE_MARGIN_S = 15.0  # on top of the measured steps and save: the exit, the requeue command
+# A save's speed until one is measured (the deadline needs it before the first save): the state's
+# bytes at this rate per node, a shared filesystem's pace under load, on the slow side.
+ASSUMED_WRITE_BYTES_PER_S_PER_NODE = 0.5e9
+RECENT_STEPS = 8  # the deadline's step time: the slowest of the last few
 REQUEUE_REASONS = ("preempt", "deadline", "signal", "slow_node")
 SWITCHES = ("stop", "save", "profile")
 PROFILE_STEPS = 3  # `llmtrain control RUN_DIR profile` without --steps
@@ -100,14 +108,58 @@ class Agreement:
         return self._verdict
 
 
+class Deadline:
+    """When to stop for the job's time limit. A stop decided at step N's agreement is read at step
+    N+1's and saved after it, so from the decision on the job still needs the rest of step N, step
+    N+1, maybe an evaluation, and the final save (a 70B step on 64 GPUs takes ~75 s and its save
+    minutes: a fixed lead of 120 s would start the save after Slurm's kill, and a killed job is
+    never requeued). So the stop comes when
+
+        now + 2 x step + eval + save + DEADLINE_MARGIN_S  (never less than slurm.signal_lead_s)
+
+    passes the job's end. step: the slowest of the last RECENT_STEPS intervals between two
+    agreements, less the evaluation and checkpoint time the loop reports in between (`paused`);
+    eval and save: the last measured (a save from its start to its last shard written, async
+    included), else the save estimated at start from the checkpoint's size (`save_s`)."""
+
+    def __init__(self, end_time: float, lead_s: float, save_s):
+        """save_s: a callable, the checkpointer's expected seconds for a save (measured, or
+        estimated until one is)."""
+        self.end_time, self.lead_s, self.save_s = end_time, lead_s, save_s
+        self.eval_s = 0.0
+        self.steps: list[float] = []
+        self.last: float | None = None
+        self.paused_s = 0.0
+
+    def agreed(self, now: float) -> None:
+        """A step's agreement: the interval since the previous one, less its pauses, is a step."""
+        if self.last is not None:
+            self.steps = [*self.steps, max(0.0, now - self.last - self.paused_s)][-RECENT_STEPS:]
+        self.last, self.paused_s = now, 0.0
+
+    def need_s(self) -> float:
+        step = max(self.steps, default=0.0)
+        return max(self.lead_s, 2 * step + self.eval_s + self.save_s() + DEADLINE_MARGIN_S)
+
+    def due(self, now: float) -> bool:
+        return now + self.need_s() > self.end_time
+
+    def why(self) -> str:
+        return (f"the job ends at {datetime.fromtimestamp(self.end_time):%H:%M:%S} and the next step "
+                f"(~{max(self.steps, default=0.0):.0f}s), an evaluation (~{self.eval_s:.0f}s) and the "
+                f"save (~{self.save_s():.0f}s) need {self.need_s():.0f}s")
+
+
 class Control:
-    def __init__(self, cfg: Config, world, log: Log):
+    def __init__(self, cfg: Config, world, log: Log, save_s=lambda: 0.0):
+        """save_s: a callable, the seconds a save is expected to take (Checkpointer.save_s)."""
         self.world, self.log = world, log
         self.folder = cfg.run_dir / "control"
         self.signal_reason: str | None = None
         self.reason = ""
         self.lead_s = cfg.slurm.signal_lead_s
-        self.end_time = job_end_time() if world.is_main and self.lead_s > 0 else None
+        end_time = job_end_time() if world.is_main and self.lead_s > 0 else None
+        self.deadline = Deadline(end_time, self.lead_s, save_s) if end_time else None
         self.last_poll = self.last_beat = self.last_arm = 0.0
         self.timeout_s = cfg.parallel.collective_timeout_s
         self.heartbeat = cfg.run_dir / "logs" / f"heartbeat-rank-{world.rank}.json"
@@ -115,9 +167,10 @@ class Control:
             self.folder.mkdir(parents=True, exist_ok=True)
             (self.folder / "exit.json").unlink(missing_ok=True)
             self._remove_stale_switches()
-            if self.end_time:
-                log.info(f"job ends at {datetime.fromtimestamp(self.end_time):%H:%M:%S}: saving and "
-                         f"stopping {self.lead_s}s before, for a requeue")
+            if self.deadline:
+                log.info(f"job ends at {datetime.fromtimestamp(end_time):%H:%M:%S}: saving and "
+                         f"stopping {self.deadline.need_s():.0f}s before (or more, as the measured "
+                         f"step and save times ask), for a requeue")
         for sig in SIGNAL_REASONS:
             signal.signal(sig, self._on_signal)
 
@@ -175,18 +228,37 @@ class Control:
             if now - self.last_poll >= SWITCH_POLL_S:
                 self.last_poll = now
                 reason = self._take("stop")
+                if reason == "preempt" and self.deadline and self.deadline.end_time - now <= self.lead_s + 5:
+                    reason = "deadline"  # Slurm's warning before the time limit, not a preemption
                 if reason:
                     stop, self.reason = 1.0, reason
                 if self._take("save"):
                     save = 1.0
                 profile = float(self._take_profile())
-            if self.end_time and now > self.end_time - self.lead_s and not stop:
-                stop, self.reason = 1.0, "deadline"
+            if self.deadline:
+                self.deadline.agreed(now)
+                if not stop and self.deadline.due(now):
+                    stop, self.reason = 1.0, "deadline"
+                    self.log.info(f"stopping for the time limit: {self.deadline.why()}")
         device = finite.device  # torch.full fills on the device; torch.tensor would copy and wait
         flags = torch.stack([torch.full((), stop, device=device), torch.full((), save, device=device),
                              (~finite).float(), torch.full((), profile, device=device)])
         dist.all_reduce(flags, op=dist.ReduceOp.MAX)  # NCCL: queued on the device, no host wait
         return Agreement(self, step, flags, samples)
+
+    @contextlib.contextmanager
+    def paused(self, what: str):
+        """Time the loop spends between two steps ("eval", "checkpoint"): not a step's, and an
+        evaluation's is counted once more in the deadline."""
+        start = time.time()
+        try:
+            yield
+        finally:
+            if self.deadline:
+                seconds = time.time() - start
+                self.deadline.paused_s += seconds
+                if what == "eval":
+                    self.deadline.eval_s = seconds
 
     def _take(self, name: str) -> str | None:
         path = self.folder / name
@@ -209,12 +281,13 @@ class Control:
         except ValueError:
             return PROFILE_STEPS
 
-    def exit(self, reason: str, step: int) -> None:
-        """Record why training ended, for train.slurm (rank 0). The Slurm job id says which job
-        stopped: train.slurm requeues only for a stop of its own job (null outside Slurm)."""
+    def exit(self, reason: str, step: int, trained: int) -> None:
+        """Record why training ended, for train.slurm (rank 0), and how many steps this launch
+        trained. The Slurm job id says which job stopped: train.slurm requeues only for a stop of
+        its own job (null outside Slurm)."""
         faulthandler.cancel_dump_traceback_later()
         if self.world.is_main:
-            write_exit(self.folder, reason, step)
+            write_exit(self.folder, reason, step, trained=trained)
 
 
 def write_exit(folder: Path, reason: str, step: int, **extra) -> None:

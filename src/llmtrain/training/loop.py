@@ -154,6 +154,7 @@ def run(cfg: Config, world: World, watch: Watchdog, run_lock: RunLock) -> None:
                                 hf_files=(config, tokenizer))
     job = Job(model, head, optimizer, scaler, checkpointer, sampler, state, train_data, val_data, accum,
               flops_per_token(config, n_params, seq_len) * t.global_batch_size * seq_len)
+    checkpointer.estimate_save(model, optimizer)  # the deadline's figure until a save is timed
     with watch.phase("resuming"):
         resumed = checkpointer.load(model, optimizer)  # a refused resume raises here
     if resumed:
@@ -227,10 +228,10 @@ def loop(cfg: Config, world: World, watch: Watchdog, log: Log, job: Job) -> None
                        peak_flops(world.device, t.precision, t.tf32, t.peak_tflops),
                        world.world_size, state.step, t.max_steps)
     faults = Faults.from_env(world)
-    control = Control(cfg, world, log)
+    control = Control(cfg, world, log, save_s=checkpointer.save_s)
     prefetch = Prefetcher(job.train_data, sampler, job.accum, seq_len, world.device,
                           prefetch_depth(cfg, world.device))
-    failed = True
+    failed, first = True, state.step
     try:
         pending: Agreement | None = None  # the previous step's, when nothing made the host read it
         reason = "done"
@@ -253,6 +254,7 @@ def loop(cfg: Config, world: World, watch: Watchdog, log: Log, job: Job) -> None
                                                targets / world.world_size, cfg, faults.loss_factor(step),
                                                norm=logs or t.grad_clip > 0, phase=profiler.phase)
             faults.maybe_hang(step)
+            faults.maybe_slow()
             watch.at_sync()
             with profiler.phase("communication"):
                 agreement = control.agree(step, finite(loss, grad_norm, cfg), samples=indices)
@@ -279,7 +281,7 @@ def loop(cfg: Config, world: World, watch: Watchdog, log: Log, job: Job) -> None
                     log_step(metrics, log, meter.read(state.step), state, loss, grad_norm, lr, t, world,
                              scaler, sampler)
             if evals:
-                with meter.paused(), profiler.phase("eval"):
+                with meter.paused(), control.paused("eval"), profiler.phase("eval"):
                     eval_loss = evaluate(model, job.head, val_data, cfg, world)
                 metrics.write({"kind": "eval", "step": state.step, "eval_loss": eval_loss})
                 log.info(f"eval step {state.step}: eval_loss {eval_loss:.4f}")
@@ -287,7 +289,7 @@ def loop(cfg: Config, world: World, watch: Watchdog, log: Log, job: Job) -> None
                     plots.refresh(state.step)
             stop = next((v for v in verdicts if v.stop), None)
             if periodic or stop or any(v.save for v in verdicts):
-                with meter.paused(), profiler.phase("checkpoint"):
+                with meter.paused(), control.paused("checkpoint"), profiler.phase("checkpoint"):
                     checkpointer.save(state.step, model, optimizer, job.carried())
             profiler.after_step(state.step)
             if stop:
@@ -295,7 +297,7 @@ def loop(cfg: Config, world: World, watch: Watchdog, log: Log, job: Job) -> None
                 log.info(f"stopping at step {state.step} ({reason}); the checkpoint is saved")
                 break
         failed = False
-        control.exit(reason, state.step)  # for train.slurm: first, whatever the closing below does
+        control.exit(reason, state.step, state.step - first)  # for train.slurm: first, whatever the closing below does
     finally:
         prefetch.close()
         profiler.close(state.step)
@@ -453,17 +455,21 @@ class Faults:
     """Testing hooks, read once from the environment (doc/operations.md):
     LLMTRAIN_INJECT_NAN_STEPS="5,6" makes rank 0's loss NaN at those steps;
     LLMTRAIN_INJECT_HANG_STEP=5 makes the last rank stop at step 5, after its backward, where
-    the other ranks wait for it in the step's agreement (as they do under NCCL)."""
+    the other ranks wait for it in the step's agreement (as they do under NCCL);
+    LLMTRAIN_INJECT_STEP_S=12 makes every step of every rank last 12 s more (a big model's
+    step); "12@0": in the job's first launch only (SLURM_RESTART_COUNT 0 or unset)."""
 
     nan_steps: frozenset = frozenset()
     hang_step: int | None = None
+    slow_s: float = 0.0
 
     @classmethod
     def from_env(cls, world: World) -> "Faults":
         nan = os.environ.get("LLMTRAIN_INJECT_NAN_STEPS", "")
         hang = os.environ.get("LLMTRAIN_INJECT_HANG_STEP")
         return cls(frozenset(int(s) for s in nan.split(",") if s.strip()) if world.is_main else frozenset(),
-                   int(hang) if hang and world.rank == world.world_size - 1 else None)
+                   int(hang) if hang and world.rank == world.world_size - 1 else None,
+                   slow_step_s())
 
     def loss_factor(self, step: int) -> float:
         return float("nan") if step in self.nan_steps else 1.0
@@ -471,6 +477,17 @@ class Faults:
     def maybe_hang(self, step: int) -> None:
         if step == self.hang_step:
             _injected_fault()
+
+    def maybe_slow(self) -> None:
+        if self.slow_s:
+            time.sleep(self.slow_s)
+
+
+def slow_step_s() -> float:
+    seconds, _, launch = (os.environ.get("LLMTRAIN_INJECT_STEP_S") or "0").partition("@")
+    if launch and launch != os.environ.get("SLURM_RESTART_COUNT", "0"):
+        return 0.0
+    return float(seconds)
 
 
 def _injected_fault() -> None:
