@@ -261,3 +261,47 @@ def test_the_deadline_leaves_room_for_the_measured_step_evaluation_and_save():
     assert deadline.need_s() == need
     assert not deadline.due(10_000 - need - 1) and deadline.due(10_000 - need + 1)
     assert "the next step (~75s), an evaluation (~40s) and the save (~300s) need 505s" in deadline.why()
+
+
+def test_heartbeats_come_from_the_watchdog_thread_spread_by_host_and_two_ranks_diagnose(tmp_path,
+                                                                                     monkeypatch):
+    """While the training thread is busy (here: asleep), the watchdog thread writes the beat:
+    rank 0's where status reads it, another rank's under logs/heartbeats/<host>/. At a stall,
+    rank 0 reads every rank's file and names the one that never reached the agreement; a rank
+    that is neither the first nor the last only points to rank 0's log (4 ranks: 2 readers)."""
+    import socket
+
+    from llmtrain.rundir import Log
+    from llmtrain.training import watchdog
+    from llmtrain.training.watchdog import Watchdog
+
+    monkeypatch.setattr(watchdog, "HEARTBEAT_S", 0.0)  # the diagnosis waits for others' records
+    (tmp_path / "logs").mkdir()
+    host = socket.gethostname()
+    dogs = {rank: Watchdog(tmp_path, rank, 4, startup_timeout_s=600, collective_timeout_s=600)
+            for rank in range(4)}
+    try:
+        for rank, dog in dogs.items():
+            dog.log = Log(rank, tmp_path / "logs")
+            dog.step(8)
+        time.sleep(watchdog.POLL_S * 3)  # the training thread does nothing meanwhile
+        beat = json.loads((tmp_path / "logs" / "heartbeats" / host / "rank-2.json").read_text())
+        assert beat["step"] == 7 and beat["host"] == host and beat["pid"] == os.getpid()
+        assert json.loads((tmp_path / "logs" / "heartbeat-rank-0.json").read_text())["step"] == 7
+        assert not list((tmp_path / "logs").glob("heartbeat-rank-[123].json"))
+        for rank in (1, 2):
+            dogs[rank].at_sync()
+        dogs[0].at_sync()
+        dogs[3].step_no = 7  # rank 3 never started step 8: its last beat is from step 7
+        for rank in (1, 2, 3):
+            dogs[rank].diagnose()
+        head = "a collective did not complete within parallel.collective_timeout_s=600s"
+        assert dogs[2].diagnose() == (f"{head}; rank 0's log names the ranks that held it up: "
+                                      f"{tmp_path}/logs/rank-0.log")
+        line = dogs[0].diagnose()
+        assert line.startswith(f"{head}: rank 3 on {host} (last heartbeat ")
+        assert line.endswith(f"stopped participating: stuck or dead; its stack dump is in "
+                             f"{tmp_path}/logs/rank-3.log")
+    finally:
+        for dog in dogs.values():
+            dog.close()

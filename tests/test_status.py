@@ -102,7 +102,8 @@ def test_a_job_out_of_requeues_says_so(job_config):
     step = int(lines[1].split(" at step ")[1].split()[0])
     assert lines[1] == (f"state: out of requeues (job {job['job_id']}): stopped at step {step} of "
                         f"100000 (preempt) and not requeued: the job was requeued 0 times already "
-                        f"(slurm.max_requeues); submit the same config again to continue")
+                        f"for preemption or signals (slurm.max_requeues; time-limit requeues are "
+                        f"not counted); submit the same config again to continue")
     assert lines[3].startswith(f"progress: step {step}/100000 (0%)") and "eta" not in lines[3]
 
 

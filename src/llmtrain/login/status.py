@@ -12,7 +12,7 @@
 The state line (assess) weighs, in order: the Slurm job (squeue, else sacct, else `scontrol
 show job`, kept MinJobAge seconds); `control/exit.json`, which the trainer writes when it stops
 ({"reason": "done"|"user"|"preempt"|"deadline"|"signal", "step", "requeue", "job_id"}); rank 0's
-heartbeat (`logs/heartbeat-rank-0.json`, every 2 s while it trains); metrics.jsonl; and the
+heartbeat (`logs/heartbeat-rank-0.json`, every 2 s while it trains, with when its last step began); metrics.jsonl; and the
 `error:` lines of the job's log or the rank logs. Imports no torch.
 """
 
@@ -205,8 +205,8 @@ def _running(run: _Run, stop: dict | None) -> Verdict:
     beat = read_json(run.dir / "logs" / "heartbeat-rank-0.json")
     if not beat or float(beat.get("time", 0)) < _job_start(run.job_id):  # an earlier attempt's
         return Verdict("running", f"running{run.job}: starting up, no step yet")
-    age = time.time() - float(beat["time"])
-    quiet = (f"; no heartbeat for {age:.0f}s (saving, evaluating or stuck? see {run.dir}/logs/)"
+    age = time.time() - float(beat.get("step_time") or beat["time"])  # since the last step began
+    quiet = (f"; no new step for {age:.0f}s (saving, evaluating or stuck? see {run.dir}/logs/)"
              if age > BEAT_FRESH_S else "")
     step = max(run.step, int(beat.get("step", 0)))
     where = run.at(step=step) if step else "in its first step"

@@ -38,7 +38,6 @@ import faulthandler
 import json
 import os
 import signal
-import socket
 import subprocess
 import time
 from dataclasses import dataclass
@@ -49,7 +48,6 @@ from ..config import Config, UserError
 from ..rundir import Log, write_atomic
 
 SWITCH_POLL_S = 1.0
-HEARTBEAT_S = 2.0
 ARM_S = 1.0  # the stack-dump timer's re-arming interval
 DEADLINE_MARGIN_S = 15.0  # on top of the measured steps and save: the exit, the requeue command
 # A save's speed until one is measured (the deadline needs it before the first save): the state's
@@ -160,9 +158,8 @@ class Control:
         self.lead_s = cfg.slurm.signal_lead_s
         end_time = job_end_time() if world.is_main and self.lead_s > 0 else None
         self.deadline = Deadline(end_time, self.lead_s, save_s) if end_time else None
-        self.last_poll = self.last_beat = self.last_arm = 0.0
+        self.last_poll = self.last_arm = 0.0
         self.timeout_s = cfg.parallel.collective_timeout_s
-        self.heartbeat = cfg.run_dir / "logs" / f"heartbeat-rank-{world.rank}.json"
         if world.is_main:
             self.folder.mkdir(parents=True, exist_ok=True)
             (self.folder / "exit.json").unlink(missing_ok=True)
@@ -190,16 +187,12 @@ class Control:
                 self.log.info(f"removed {path}: written before this launch started, for an "
                               f"earlier one")
 
-    def beat(self, step: int) -> None:
-        """At each step start: a heartbeat file for the hang diagnosis (every few seconds), and
-        a timer that dumps this rank's stacks into its log if no step starts for the collective
-        timeout (re-armed at most every second: each arming starts a thread, so a stuck step's
-        dump comes within a second of the timeout)."""
+    def beat(self) -> None:
+        """At each step start: a timer that dumps this rank's stacks into its log if no step
+        starts for the collective timeout (re-armed at most every second: each arming starts a
+        thread, so a stuck step's dump comes within a second of the timeout). The heartbeat
+        files are the watchdog thread's (watchdog.py)."""
         now = time.time()
-        if now - self.last_beat >= HEARTBEAT_S:
-            self.last_beat = now
-            write_atomic(self.heartbeat, json.dumps({"step": step, "time": now, "pid": os.getpid(),
-                                                     "host": socket.gethostname()}))
         if self.log.file is not None and now - self.last_arm >= ARM_S:
             self.last_arm = now
             faulthandler.dump_traceback_later(self.timeout_s, file=self.log.file)

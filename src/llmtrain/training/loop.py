@@ -238,7 +238,7 @@ def loop(cfg: Config, world: World, watch: Watchdog, log: Log, job: Job) -> None
         while state.step < t.max_steps:
             step = state.step + 1
             profiler.begin(step)
-            control.beat(state.step)
+            control.beat()
             watch.step(step)
             lr = lr_at(state.step, t)
             set_lr(optimizer, lr)

@@ -12,13 +12,22 @@ Start-up (reading a 70B checkpoint from a shared filesystem can take many minute
 `parallel.collective_timeout_s` once the first step is done. A start-up that overruns ends the
 rank with one line naming the phase it was in.
 
+The thread also writes the heartbeats, off the training thread: rank 0's every HEARTBEAT_S in
+logs/heartbeat-rank-0.json (llmtrain status and the run lock read it), the other ranks' every
+OTHERS_BEAT_S in a folder per host, logs/heartbeats/<host>/rank-N.json (512 ranks renaming a file
+every 2 s in one directory made 256 metadata operations a second on the shared filesystem; now
+~17, spread over a directory per node). A beat holds the steps done, when the last step began
+(`step_time`: progress) and when it was written (`time`: the process lives).
+
 During training, NCCL's own watchdog aborts a process whose collective times out before Python
 sees an error, so the diagnosis cannot wait for an exception: at 3/4 of the collective timeout
-this thread records where its rank is ("compute", or "sync": done with its step and waiting in
-the per-step agreement) in its heartbeat file, reads the other ranks' files, and names the ranks
-that never reached the agreement while others wait there. The line goes to stderr and the log
-at once; the gloo path raises it as the error when the collective times out. NCCL's flight
-recorder is switched on (distributed.py), so its dump lands in logs/ next to the stacks.
+each rank's thread records where its rank is ("compute", or "sync": done with its step and
+waiting in the per-step agreement) in its heartbeat file; rank 0 and the last rank (DIAGNOSERS:
+one of them is alive if the other is the rank that died) read every rank's file and name the
+ranks that never reached the agreement while others wait there (two readers of 512 files, not
+512). The line goes to stderr and the log at once; the gloo path raises it as the error when the
+collective times out. NCCL's flight recorder is switched on (distributed.py), so its dump lands
+in logs/ next to the stacks.
 """
 
 from __future__ import annotations
@@ -33,9 +42,10 @@ import time
 from pathlib import Path
 
 from ..rundir import write_atomic
-from .control import HEARTBEAT_S
 
 POLL_S = 0.5
+HEARTBEAT_S = 2.0  # rank 0's heartbeat
+OTHERS_BEAT_S = 30.0  # every other rank's
 FIRE_AT = 0.75  # share of the collective timeout after which a step counts as stuck
 
 
@@ -48,12 +58,15 @@ class Watchdog:
                  collective_timeout_s: int):
         self.run_dir, self.rank, self.world_size = run_dir, rank, world_size
         self.startup_timeout_s, self.collective_timeout_s = startup_timeout_s, collective_timeout_s
-        self.heartbeat = run_dir / "logs" / f"heartbeat-rank-{rank}.json"
+        self.heartbeat = heartbeat_path(run_dir, rank, socket.gethostname())
+        self.beat_every = HEARTBEAT_S if rank == 0 else OTHERS_BEAT_S
+        self.last_beat = 0.0
         self.log = None  # a rundir.Log once the run directory exists
         self.t0 = self.phase_end = time.monotonic()
         self.current: str | None = "starting"
         self.times: list[tuple[str, float]] = []
         self.step_no, self.step_t0, self.stage = 0, None, "compute"
+        self.step_time: float | None = None  # when the step under way began (epoch seconds)
         self.diagnosis: str | None = None
         self._lock = threading.Lock()
         self._stop = threading.Event()
@@ -74,6 +87,7 @@ class Watchdog:
         if self.current is not None and not any(n == "first step" for n, _ in self.times):
             self.current = "first step"
         self.step_no, self.step_t0, self.stage = step, time.monotonic(), "compute"
+        self.step_time = time.time()
 
     @property
     def starting(self) -> bool:
@@ -113,6 +127,8 @@ class Watchdog:
                            f"was in phase '{self.current}'; raise parallel.startup_timeout_s if the "
                            f"filesystem is slow, or see logs/rank-{self.rank}.log")
                 os._exit(1)
+            if self.step_time is not None and time.time() - self.last_beat >= self.beat_every:
+                self._beat()
             started = self.step_t0
             if (started is not None and self.current is None and self.diagnosis is None
                     and now - started > FIRE_AT * self.collective_timeout_s):
@@ -128,21 +144,32 @@ class Watchdog:
                 self._emit(f"warning: {self.diagnosis}")
             return self.diagnosis
 
+    def _beat(self) -> None:
+        """This rank's heartbeat: steps done, when the step under way began, now."""
+        self.last_beat = now = time.time()
+        with self._lock, contextlib.suppress(OSError):  # a full disk: the next beat tries again
+            if self.diagnosis is not None:  # the stall record stays for the ranks that read it
+                return
+            self.heartbeat.parent.mkdir(parents=True, exist_ok=True)
+            write_atomic(self.heartbeat, json.dumps({
+                "step": max(0, self.step_no - 1), "step_time": self.step_time, "time": now,
+                "pid": os.getpid(), "host": socket.gethostname()}))
+
     def _diagnose(self) -> str:
+        """Under the lock: no beat overwrites the stall record meanwhile."""
+        self.heartbeat.parent.mkdir(parents=True, exist_ok=True)
         write_atomic(self.heartbeat, json.dumps({
             "step": self.step_no, "stage": self.stage, "host": socket.gethostname(),
-            "time": time.time(), "pid": os.getpid(), "stalled": True}))
-        time.sleep(HEARTBEAT_S + 1)  # the other ranks' watchdogs fire at about the same time
-        beats = {}
-        for rank in range(self.world_size):
-            try:
-                beats[rank] = json.loads((self.run_dir / "logs" / f"heartbeat-rank-{rank}.json").read_text())
-            except (OSError, ValueError):
-                beats[rank] = None
-        waiting = [r for r, b in beats.items() if b and b.get("stage") == "sync"
-                   and b.get("step") == self.step_no]
+            "time": time.time(), "step_time": self.step_time, "pid": os.getpid(), "stalled": True}))
         head = (f"a collective did not complete within parallel.collective_timeout_s="
                 f"{self.collective_timeout_s}s")
+        if self.rank not in (0, self.world_size - 1):
+            return (f"{head}; rank 0's log names the ranks that held it up: "
+                    f"{self.run_dir}/logs/rank-0.log")
+        time.sleep(HEARTBEAT_S + 1)  # the other ranks' watchdogs fire at about the same time
+        beats = read_heartbeats(self.run_dir, self.world_size)
+        waiting = [r for r, b in beats.items() if b and b.get("stage") == "sync"
+                   and b.get("step") == self.step_no]
         if waiting:
             stuck, logs = [], []
             for rank, beat in beats.items():
@@ -168,6 +195,33 @@ class Watchdog:
         if log is not None and log.file is not None:
             with contextlib.suppress(ValueError):  # closed at the very end
                 log.file.write(f"{time.strftime('%Y-%m-%d %H:%M:%S')} [rank {self.rank}] {line}\n")
+
+
+def heartbeat_path(run_dir: Path, rank: int, host: str) -> Path:
+    """Rank 0's heartbeat where llmtrain status reads it; the others' in a folder per host."""
+    if rank == 0:
+        return run_dir / "logs" / "heartbeat-rank-0.json"
+    return run_dir / "logs" / "heartbeats" / host / f"rank-{rank}.json"
+
+
+def read_heartbeats(run_dir: Path, world_size: int) -> dict[int, dict | None]:
+    """Every rank's last heartbeat (None: none written, or unreadable): one listing per host
+    folder and one read per rank."""
+    paths = {0: heartbeat_path(run_dir, 0, "")}
+    found = []
+    for path in (run_dir / "logs" / "heartbeats").glob("*/rank-*.json"):
+        with contextlib.suppress(OSError, ValueError):
+            found.append((path.stat().st_mtime, int(path.stem.removeprefix("rank-")), path))
+    for _, rank, path in sorted(found):  # an earlier launch's file on another host: the newest wins
+        if rank > 0:
+            paths[rank] = path
+    beats: dict[int, dict | None] = {}
+    for rank in range(world_size):
+        try:
+            beats[rank] = json.loads(paths[rank].read_text())
+        except (KeyError, OSError, ValueError):
+            beats[rank] = None
+    return beats
 
 
 def _set_group_timeout(seconds: int) -> None:
