@@ -7,8 +7,11 @@ import gzip
 import json
 import multiprocessing
 import os
+import resource
 import shutil
 import signal
+import subprocess
+import sys
 import time
 from pathlib import Path
 
@@ -193,6 +196,61 @@ def test_shards_read_as_one_stream(home, tmp_path, write_config, monkeypatch):
 def _prepared(cfg):
     prepare(cfg, log=lambda _: None)
     return open_prepared(cfg)
+
+
+# Every sample of a prepared train split, read in a shuffled order under an open-file limit
+# (argv: config, soft, hard), saved in index order: what a rank of a job does, in a process of its own.
+READ_UNDER_LIMIT = """
+import json, resource, sys
+import numpy as np
+from llmtrain.config import load_config
+from llmtrain.data.loader import open_prepared, open_split
+resource.setrlimit(resource.RLIMIT_NOFILE, (int(sys.argv[2]), int(sys.argv[3])))
+cfg = load_config(sys.argv[1])
+data = open_split(*open_prepared(cfg), "train", cfg)
+n = data.num_samples(cfg.data.seq_len)
+order = np.random.default_rng(0).permutation(n)
+rows = {}
+for at in range(0, n, 4):
+    batch = data.batch(order[at:at + 4], cfg.data.seq_len)
+    for k, v in batch.fields().items():
+        rows.setdefault(k, np.empty((n, v.shape[1]), v.dtype))[order[at:at + 4]] = v
+np.savez(sys.argv[4], **rows)
+print(json.dumps({"soft": resource.getrlimit(resource.RLIMIT_NOFILE)[0], "samples": n}))
+"""
+
+
+def read_under_limit(config: Path, soft: int, hard: int, out: Path) -> tuple[dict, dict]:
+    """READ_UNDER_LIMIT's arrays and its line (the soft limit after open_split, the sample count)."""
+    proc = subprocess.run([sys.executable, "-c", READ_UNDER_LIMIT, str(config), str(soft), str(hard), str(out)],
+                          capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr
+    return dict(np.load(out)), json.loads(proc.stdout)
+
+
+def test_more_shards_than_open_files_read_whole_and_the_soft_limit_is_raised(home, tmp_path, write_config,
+                                                                            monkeypatch):
+    """A split of ~200 shard files under a limit of 64 open files (soft and hard: nothing to
+    raise), what a 100B-token corpus (~1,600 files) is under a job's 1024: every window in a
+    shuffled order, the same tokens as the split in one file. With the hard limit above the
+    soft, the soft is raised to it."""
+    src = tmp_path / "docs.txt"
+    src.write_text("\n".join(DOCS) + "\n")
+    whole = TokenStream(*_prepared(config_for(write_config, src, validation_fraction=0.0)), "train")
+    monkeypatch.setattr(prepare_mod, "CHUNK_BYTES", 128)
+    config = write_config(tiny_config(data={"dataset": str(src), "validation_fraction": 0.0,
+                                            "prepared_dir": str(tmp_path / "p2")}, train={"eval_every": 0}),
+                          "sharded.yaml")
+    _, manifest = _prepared(load_config(config))
+    assert len(manifest["splits"]["train"]["shards"]) >= 200
+    rows, line = read_under_limit(config, 64, 64, tmp_path / "rows.npz")
+    n = whole.num_samples(64)
+    assert line == {"soft": 64, "samples": n}
+    assert np.array_equal(rows["tokens"], np.stack([whole.sample(i, 64) for i in range(n)]))
+
+    _, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    _, line = read_under_limit(config, 64, hard, tmp_path / "again.npz")
+    assert line["soft"] == hard
 
 
 def test_failed_prepare_leaves_nothing(home, tmp_path, write_config, monkeypatch):

@@ -199,6 +199,54 @@ def test_truncation_cuts_or_leaves_out_long_samples_and_says_so(tmp_path, monkey
     assert manifest["splits"]["train"]["samples"] == 108 - n_long
 
 
+def test_rows_in_more_shard_files_than_open_files_read_whole(tmp_path, monkeypatch):
+    """Rows a shard each (3 files: tokens, flags, positions), ~200 files, read under a limit of
+    64 open files: the same rows as one shard holds."""
+    from test_data import read_under_limit
+    from llmtrain.data import prepare as prepare_mod
+
+    _, manifest, one, _ = prepared_rows(tmp_path, monkeypatch, "one")
+    monkeypatch.setattr(prepare_mod, "SHARD_TOKENS", 97)  # a row of 97 tokens per shard
+    prepared_rows(tmp_path, monkeypatch, "many", prepared_dir=str(tmp_path / "many"))
+    n = manifest["splits"]["train"]["rows"]
+    assert 3 * n > 192
+    rows, line = read_under_limit(tmp_path / "many.yaml", 64, 64, tmp_path / "rows.npz")
+    assert line == {"soft": 64, "samples": n}
+    want = one.batch(np.arange(n), 96)
+    assert all(np.array_equal(rows[k], getattr(want, k)) for k in ("tokens", "trained", "positions"))
+
+
+def test_unpacked_rows_are_cut_to_the_longest_sample_and_lose_the_same(tmp_path, monkeypatch):
+    """data.packing: false: a micro-batch of rows is cut after its longest sample, rounded up to
+    64 inputs (the full row at most); the tokens cut are padding, the loss and gradients the same."""
+    cfg, manifest, rows, _ = prepared_rows(tmp_path, monkeypatch, "unpacked", packing=False, seq_len=128)
+    folder, _ = open_prepared(cfg)
+    [shard] = manifest["splits"]["train"]["shards"]
+    full = Batch(*(np.fromfile(folder / shard[key], dtype=dtype).reshape(-1, 129).astype(np.int64)
+                   for key, dtype in (("file", manifest["dtype"]), ("trained", np.uint8),
+                                      ("positions", manifest["splits"]["train"]["positions_dtype"]))))
+    full.trained = full.trained.astype(bool)
+    restart = full.positions[:, 1:] == 0  # a row's padding restarts the positions
+    length = np.where(restart.any(axis=1), restart.argmax(axis=1) + 1, 129)
+    short, longest = np.argsort(length)[:8], np.argsort(length)[-8:]
+    assert length[short].max() <= 65 < length[longest].max()
+    model = tiny_llama()
+    for indices, width in ((short, 65), (longest, 129)):
+        batch = rows.batch(indices, 128)
+        assert batch.tokens.shape == batch.trained.shape == batch.positions.shape == (8, width)
+        uncut = Batch(full.tokens[indices], full.trained[indices], full.positions[indices])
+        assert batch.targets() == uncut.targets() == rows.targets(indices, 128)
+        losses, grads = [], []
+        for b in (batch, uncut):
+            model.zero_grad()
+            loss = lm_loss(model, batch_to_torch(b), normaliser=b.targets())
+            loss.backward()
+            losses.append(loss.item())
+            grads.append(model.model.layers[0].self_attn.q_proj.weight.grad.clone())
+        assert abs(losses[0] - losses[1]) < 1e-6
+        assert torch.allclose(grads[0], grads[1], atol=1e-7, rtol=1e-5)
+
+
 # ---------------------------------------------------------------------------------------------
 # Attention within a sample, loss over the trained tokens
 

@@ -12,6 +12,10 @@ Each epoch draws a seeded permutation of all samples; an optimizer step takes th
 global_batch_size of it, and rank r reads its own contiguous slice of that step's samples. The
 position (epoch, samples consumed) is global, so the set of samples in a step does not depend
 on the world size, and a resumed run on another world size skips and repeats nothing.
+
+Open files: a shard is mapped when a read first needs it, and a bounded number stay mapped
+(`ShardMaps`), so that a corpus of thousands of shard files needs neither thousands of file
+descriptors per rank nor thousands of opens per rank at start-up.
 """
 
 from __future__ import annotations
@@ -21,10 +25,12 @@ import hashlib
 import json
 import queue
 import re
+import resource
 import threading
+from collections import OrderedDict
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Callable
 
 import numpy as np
 
@@ -36,6 +42,14 @@ if TYPE_CHECKING:
 
 FORMAT_VERSION = 2  # 2: held-out documents and the rest in source order (1: shuffled)
 MANIFEST = "manifest.json"
+MAX_MAPPED_FILES = 4096  # per split reader, whatever the open-file limit (each map is also a kernel mapping)
+# Unpacked fine-tuning rows are cut to the micro-batch's longest sample, rounded up to this many
+# inputs: at most 63 padded tokens a row where a full row pads up to seq_len. The model sees a
+# few distinct lengths, not one per batch: torch.compile (train.compile's layers, flex
+# attention) marks the length dynamic when it sees a second one (automatic_dynamic_shapes), so
+# it compiles twice however many there are; a multiple of 64 keeps each length whole tiles of
+# the matmul kernels.
+PAD_MULTIPLE = 64
 
 
 class DataNotPrepared(UserError):
@@ -153,10 +167,11 @@ def open_prepared(cfg: Config) -> tuple[Path, dict]:
 class Batch:
     """A micro-batch of samples, on the host (numpy) or a device (tensors).
 
-    tokens: [n, seq_len + 1] token windows: inputs are [:, :-1], targets [:, 1:]
-    trained: [n, seq_len + 1] flags, 1 where the token is a target the loss covers; None: all
-    positions: [n, seq_len + 1] each token's position within its own document or sample, where
-        a sequence holds several that must not attend to each other; None: 0..seq_len, one
+    tokens: [n, width] token windows: inputs are [:, :-1], targets [:, 1:]; width is seq_len + 1,
+        or less for unpacked fine-tuning rows (cut after the batch's longest sample)
+    trained: [n, width] flags, 1 where the token is a target the loss covers; None: all
+    positions: [n, width] each token's position within its own document or sample, where
+        a sequence holds several that must not attend to each other; None: 0..width - 1, one
     """
 
     tokens: "np.ndarray | torch.Tensor"
@@ -179,6 +194,56 @@ class Batch:
         return int(self.trained[:, 1:].sum()) if self.trained is not None else n * (length - 1)
 
 
+class ShardMaps:
+    """A split's shard files, memory-mapped when a read first needs one, at most `capacity` at a
+    time: the least recently read is unmapped to make room (and mapped again if read again).
+
+    A map holds a file descriptor as long as it lives (numpy's memmap closes its file, but
+    CPython's mmap keeps a dup of the descriptor: Modules/mmapmodule.c). A 100B-token corpus is
+    ~1,600 shard files: mapped all at start-up they exceed the 1024 open files a Slurm job
+    often inherits as its soft limit, and each of hundreds of ranks opens every one of them on
+    the shared filesystem before its first step. `open_shard(i)` maps shard i (an array, or a
+    dict of arrays: one entry may be several files). Reads on the prefetch thread and the
+    training thread may meet: a lock guards the table."""
+
+    def __init__(self, open_shard: Callable[[int], object], capacity: int):
+        self.open_shard, self.capacity = open_shard, max(2, capacity)  # a window spans 2 shards
+        self.maps: OrderedDict[int, object] = OrderedDict()
+        self.lock = threading.Lock()
+
+    def __getitem__(self, shard: int):
+        with self.lock:
+            if shard in self.maps:
+                self.maps.move_to_end(shard)
+                return self.maps[shard]
+            if len(self.maps) >= self.capacity:
+                # Unmapped, its descriptor closed, once no array still views it (batches are copies).
+                self.maps.popitem(last=False)
+            self.maps[shard] = self.open_shard(shard)
+            return self.maps[shard]
+
+
+def map_capacity(files_per_shard: int) -> int:
+    """How many shards a split reader keeps mapped: a quarter of the open-file soft limit (the
+    train and validation readers together half; the rest for the process group, checkpoint
+    writers and the libraries), at most MAX_MAPPED_FILES files."""
+    soft, _ = resource.getrlimit(resource.RLIMIT_NOFILE)
+    files = MAX_MAPPED_FILES if soft == resource.RLIM_INFINITY else min(MAX_MAPPED_FILES, soft // 4)
+    return files // files_per_shard
+
+
+def raise_open_file_limit() -> None:
+    """The open-file soft limit up to the hard limit: what the process may do anyway. Slurm
+    passes a job the soft limit of the shell that submitted it (PropagateResourceLimits), often
+    1024, where the node allows far more; more open files let more shards stay mapped."""
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    if soft != resource.RLIM_INFINITY and (hard == resource.RLIM_INFINITY or soft < hard):
+        try:
+            resource.setrlimit(resource.RLIMIT_NOFILE, (hard, hard))
+        except (ValueError, OSError):  # a hard limit above what the kernel takes (nr_open): keep it
+            pass
+
+
 class TokenStream:
     """One split of a prepared text dataset as a single read-only token array over its shards.
     `document_eos`: the EOS id that ends each document, where attention must stay within one
@@ -186,10 +251,13 @@ class TokenStream:
 
     def __init__(self, folder: Path, manifest: dict, split: str, document_eos: int | None = None):
         self.document_eos = document_eos
-        info = manifest["splits"][split]
-        self.shards = [np.memmap(folder / s["file"], dtype=manifest["dtype"], mode="r")
-                       for s in info["shards"]]
-        self.starts = np.cumsum([0] + [len(s) for s in self.shards])
+        files = [folder / s["file"] for s in manifest["splits"][split]["shards"]]
+        dtype = np.dtype(manifest["dtype"])
+        self.shards = ShardMaps(lambda i: np.memmap(files[i], dtype=dtype, mode="r"), map_capacity(1))
+        # Each shard's length from the manifest (a stat where it has none): nothing opened here.
+        lengths = [s["tokens"] if "tokens" in s else f.stat().st_size // dtype.itemsize
+                   for s, f in zip(manifest["splits"][split]["shards"], files)]
+        self.starts = np.cumsum([0] + lengths)
         self.num_tokens = int(self.starts[-1])
 
     def read(self, start: int, length: int) -> np.ndarray:
@@ -197,7 +265,7 @@ class TokenStream:
         shard = int(np.searchsorted(self.starts, start, side="right")) - 1
         while pos < end:
             local = pos - self.starts[shard]
-            take = min(end - pos, len(self.shards[shard]) - local)
+            take = min(end - pos, self.starts[shard + 1] - pos)
             out.append(self.shards[shard][local:local + take])
             pos += take
             shard += 1
@@ -232,18 +300,19 @@ def document_positions(tokens: np.ndarray, eos: int) -> np.ndarray:
 
 class SampleRows:
     """One split of prepared fine-tuning data (data/samples.py): rows of seq_len + 1 tokens, each
-    holding one or several samples, with their trained flags and positions."""
+    holding one or several samples, with their trained flags and positions. A batch of unpacked
+    rows (one sample each) is cut to its longest sample (see batch())."""
 
     def __init__(self, folder: Path, manifest: dict, split: str):
         info = manifest["splits"][split]
         width = info["row_tokens"]
         self.row_tokens = width
-        self.shards = []
-        for s in info["shards"]:
-            self.shards.append({key: np.memmap(folder / s[name], dtype=dtype, mode="r").reshape(-1, width)
-                                for key, name, dtype in (("tokens", "file", manifest["dtype"]),
-                                                         ("trained", "trained", np.uint8),
-                                                         ("positions", "positions", info["positions_dtype"]))})
+        self.packed = manifest["samples"]["packing"]
+        files = [{key: (folder / s[name], dtype) for key, name, dtype in (
+            ("tokens", "file", manifest["dtype"]), ("trained", "trained", np.uint8),
+            ("positions", "positions", info["positions_dtype"]))} for s in info["shards"]]
+        self.shards = ShardMaps(lambda i: {key: np.memmap(path, dtype=dtype, mode="r").reshape(-1, width)
+                                           for key, (path, dtype) in files[i].items()}, map_capacity(3))
         self.starts = np.cumsum([0] + [s["rows"] for s in info["shards"]])
         self.row_targets = np.load(folder / info["targets"])
 
@@ -253,20 +322,37 @@ class SampleRows:
         return int(self.starts[-1])
 
     def batch(self, indices: np.ndarray, seq_len: int) -> Batch:
-        rows = {key: [] for key in ("tokens", "trained", "positions")}
+        """The rows as a Batch. Unpacked rows are cut after the longest sample's last token,
+        rounded up (`unpacked_width`): every token cut is padding, which no target covers and no
+        sample attends to, so the loss is the same and the model does less work (at seq_len
+        4096, a batch of 300-token chats holds ~1/13 of the full rows' tokens)."""
+        rows = []
         for i in indices:
             shard = int(np.searchsorted(self.starts, i, side="right")) - 1
-            for key, out in rows.items():
-                out.append(self.shards[shard][key][int(i) - self.starts[shard]])
-        return Batch(np.stack(rows["tokens"]).astype(np.int64), np.stack(rows["trained"]).astype(bool),
-                     np.stack(rows["positions"]).astype(np.int64))
+            rows.append((self.shards[shard], int(i) - self.starts[shard]))
+        positions = np.stack([maps["positions"][r] for maps, r in rows])
+        width = self.row_tokens if self.packed else unpacked_width(positions)
+        tokens, trained = (np.stack([maps[key][r, :width] for maps, r in rows]) for key in ("tokens", "trained"))
+        return Batch(tokens.astype(np.int64), trained.astype(bool), positions[:, :width].astype(np.int64))
 
     def targets(self, indices: np.ndarray, seq_len: int) -> int:
         return int(self.row_targets[np.asarray(indices, dtype=np.int64)].sum())
 
 
+def unpacked_width(positions: np.ndarray) -> int:
+    """How many tokens of rows holding one sample each a batch needs: the longest sample's,
+    its inputs rounded up to a multiple of PAD_MULTIPLE, at most the whole row. A row's sample
+    is its first segment: its padding restarts the positions at 0 (data/samples.py), read
+    here on the host, where the rows are."""
+    restart = positions[:, 1:] == 0
+    length = np.where(restart.any(axis=1), restart.argmax(axis=1) + 1, positions.shape[1])
+    inputs = -(-(int(length.max()) - 1) // PAD_MULTIPLE) * PAD_MULTIPLE
+    return min(positions.shape[1], inputs + 1)
+
+
 def open_split(folder: Path, manifest: dict, split: str, cfg: Config) -> "TokenStream | SampleRows":
-    """A split of prepared data, as the trainer reads it."""
+    """A split of prepared data, as the trainer reads it (the open-file limit raised first)."""
+    raise_open_file_limit()
     if "samples" in manifest:
         return SampleRows(folder, manifest, split)
     eos = manifest["tokenizer"]["eos_token_id"] if cfg.data.document_masking else None
