@@ -5,8 +5,9 @@ step by step; run in place of `-m llmtrain` under torchrun:
 
 Writes OUT_DIR/rank-R.json: {step: [event, ...]}, an event being "read:<op> <shape>" (a value
 copied to the host: item/bool/float, tolist, numpy; on a GPU each waits for the device) or
-"collective:<name>". A step's events are those from its forward/backward to the next one's, so
-its logging, evaluation and saving count in. Everything else is llmtrain as a user runs it.
+"collective:<name>" ("... over N of M ranks" on a subgroup). A step's events are those from its
+forward/backward to the next one's, so its logging, evaluation and saving count in. Everything
+else is llmtrain as a user runs it.
 """
 
 from __future__ import annotations
@@ -52,12 +53,25 @@ def counted(name, original):
     return wrapper
 
 
+def collective(name, original):
+    """Counted as "collective:<name>", or "collective:<name> over N of M ranks" on a subgroup
+    (HSDP's all-reduce across replicas: the ranks holding the same shard)."""
+    @functools.wraps(original)
+    def wrapper(*args, **kwargs):
+        group = kwargs.get("group")
+        size = dist.get_world_size(group) if group is not None else dist.get_world_size()
+        where = f" over {size} of {dist.get_world_size()} ranks" if size != dist.get_world_size() else ""
+        record(f"collective:{name}{where}")
+        return original(*args, **kwargs)
+    return wrapper
+
+
 def install() -> None:
     for op in ("tolist", "numpy"):
         setattr(torch.Tensor, op, counted(lambda t, op=op, *_: f"read:{op} {tuple(t.shape)}",
                                           getattr(torch.Tensor, op)))
     for name in COLLECTIVES:
-        setattr(dist, name, counted(f"collective:{name}", getattr(dist, name)))
+        setattr(dist, name, collective(name, getattr(dist, name)))
     original = loop.forward_backward
 
     @functools.wraps(original)

@@ -3,14 +3,17 @@ sharded pretrained loading, gradient accumulation under FSDP2, HSDP."""
 
 from __future__ import annotations
 
+import json
 import re
 import shutil
+import subprocess
 
 import pytest
 import torch
 from transformers import LlamaConfig, LlamaForCausalLM
 
-from conftest import DEMO, assert_same_curve, cli, losses, prepared_home, read_metrics, tiny_config, torchrun
+from conftest import (DEMO, REPO, assert_same_curve, cli, losses, prepared_home, read_metrics, tiny_config,
+                      torchrun, torchrun_command)
 
 pytestmark = pytest.mark.slow
 
@@ -126,14 +129,32 @@ def test_fsdp_accumulation_keeps_only_gradient_shards(setup, monkeypatch):
 
 
 def test_hsdp_matches_ddp_and_resumes_on_two_and_one_ranks(setup):
-    _, config = setup
-    common = ["--set", "train.global_batch_size=8", "--set", "train.micro_batch_size=2",
+    """HSDP on 4 ranks (2 replicas x 2-way shards), 2 micro-batches a step, counted by
+    tests/sync_probe.py: the gradients cross between replicas (between nodes, on a cluster) once a
+    step, not once per micro-batch; the curve is DDP's. Then it resumes on 2 ranks and on 1: on 2
+    (2 replicas of 1), only the first replica reads the checkpoint, the other gets it by
+    broadcast (its weights are not initialised at all when resuming: a wrong broadcast would
+    show in the losses)."""
+    root, config = setup
+    common = ["--set", "train.global_batch_size=8", "--set", "train.micro_batch_size=1",
               "--set", "train.max_steps=8", "--set", "train.checkpoint_every=4"]
-    torchrun(4, "train", "--config", config, "--set", "run.name=hsdp", "--set",
-             "parallel.strategy=hsdp", "--set", "parallel.shard_size=2", *common)
+    cmd = torchrun_command(4, "train", "--config", config, "--set", "run.name=hsdp", "--set",
+                           "parallel.strategy=hsdp", "--set", "parallel.shard_size=2", *common)
+    at = cmd.index("-m", 2)  # the probe takes torchrun's -m llmtrain's place
+    cmd[at:at + 2] = [str(REPO / "tests" / "sync_probe.py"), str(root / "hsdp-probe")]
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
     torchrun(2, "train", "--config", config, "--set", "run.name=hsdp-ddp", *common)
     hsdp = run_dir(setup, "hsdp")
-    assert "hsdp over 4 ranks (2 replicas x 2-way shards)" in (hsdp / "logs" / "rank-0.log").read_text()
+    log = (hsdp / "logs" / "rank-0.log").read_text()
+    assert "hsdp over 4 ranks (2 replicas x 2-way shards)" in log and "x 2 accumulation steps" in log
+    for rank in range(4):
+        events = json.loads((root / "hsdp-probe" / f"rank-{rank}.json").read_text())
+        # One all-reduce of the gradient shards per FSDP2 unit (2 layers and the root) per step;
+        # it was one per unit and micro-batch (6).
+        across = {int(step): e.count("collective:all_reduce over 2 of 4 ranks")
+                  for step, e in events.items() if step != "0"}  # 0: start-up
+        assert across == {step: 3 for step in range(1, 9)}, (rank, across)
     assert_same_curve(hsdp, run_dir(setup, "hsdp-ddp"), tol=1e-5)
 
     # Resume the HSDP run from its step-4 checkpoint on 2 ranks (hsdp 2 replicas x 1) and on 1.
@@ -147,5 +168,8 @@ def test_hsdp_matches_ddp_and_resumes_on_two_and_one_ranks(setup):
         launch("train", "--config", config, "--set", f"run.name={name}", *common, *extra)
         log = (copy / "logs" / "rank-0.log").read_text()
         assert "resumed from" in log and "(step 4, saved by 4 ranks)" in log
+        if name == "hsdp-on2":  # the second replica's weights and moments came by broadcast
+            assert ("the checkpoint was read by the first replica's 1 rank(s) and broadcast to "
+                    "the other 1 replica(s)") in log
         assert [s for _, s, _ in losses(copy)] == [s for _, s, _ in losses(hsdp)]
         assert_same_curve(copy, hsdp, tol=1e-5)

@@ -48,16 +48,30 @@ def test_the_parameter_count_is_the_published_one(home, write_config, arch, gpus
 def test_lora_on_a_model_folder_keeps_gradients_and_state_for_the_adapters_only(home, write_config, tmp_path):
     """A Hugging Face folder (config.json only: no weights are read) with rank-16 adapters on
     q, k, v, o: 13,631,488 trainable parameters, as peft counts them for Llama 3 8B; the
-    gradients and AdamW's state are theirs alone (4 and 8 bytes each, sharded over 8 GPUs)."""
+    gradients and AdamW's state are theirs alone (4 and 8 bytes each, sharded over 8 GPUs). In
+    bf16 the frozen base is held in bf16 (FSDP2: all of it; DDP: its linear layers' weights),
+    and the chunked loss keeps no gradient for the frozen head."""
     folder = tmp_path / "llama-3-8b"
     LlamaConfig(**{k: v for k, v in LLAMA_3_8B.items() if k != "model_type"}).save_pretrained(folder)
-    cfg = load_config(write_config(llama(LLAMA_3_8B, model={
-        "name_or_path": str(folder), "architecture": None, "tokenizer": str(DEMO / "tokenizer"),
-        "lora": {"rank": 16}})))
-    est = estimate(cfg)
-    assert (est.params, est.trainable) == (8_030_261_248 + 13_631_488, 13_631_488)
-    assert est.optimizer == 8 * 13_631_488 // 8
-    assert est.parameters == pytest.approx(4 * est.params / 8, rel=1e-3)  # the frozen base, sharded
+
+    def config(lora=True, **sections):
+        model = {"name_or_path": str(folder), "architecture": None, "tokenizer": str(DEMO / "tokenizer"),
+                 "lora": {"rank": 16} if lora else None}
+        return load_config(write_config(llama(LLAMA_3_8B, model=model, **sections)))
+    est = estimate(config())
+    frozen, trained = 8_030_261_248, 13_631_488
+    assert (est.params, est.trainable) == (frozen + trained, trained)
+    assert est.optimizer == 8 * trained // 8
+    assert est.parameters == pytest.approx((2 * frozen + 4 * trained) / 8, rel=1e-3)  # sharded
+    assert estimate(config(train={"precision": "fp32"})).parameters == pytest.approx(4 * est.params / 8, rel=1e-3)
+    embedding, norms = 128256 * 4096, (2 * 32 + 1) * 4096  # fp32 under DDP's autocast
+    ddp = estimate(config(parallel={"strategy": "ddp"}))
+    assert ddp.parameters == 4 * (embedding + norms + trained) + 2 * (frozen - embedding - norms)
+    # The loss's own bytes (it is not the peak's moment here): full training keeps the head's fp32
+    # gradient and a bf16 product per chunk; the frozen head neither.
+    from llmtrain.estimate import _loss_bytes
+    full, lora = (_loss_bytes(model_shape(config(lora=lora)), 8192, 2, 2, False) for lora in (False, True))
+    assert full - lora == (4 + 2) * 128256 * 4096
 
 
 @pytest.mark.parametrize("attn,per_row", [("sdpa", 16 * 64 * 65 + 8 * 8192), ("eager", 4 * 8192**2)])

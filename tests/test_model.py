@@ -63,6 +63,40 @@ def test_a_tied_embedding_counts_once_as_the_output_heads_matmul():
         counter.get_total_flops() / 2048 + 6 * norms, rel=1e-9)
 
 
+def test_a_lora_base_counts_4_flops_per_parameter_its_adapters_6():
+    """LoRA (2 layers of Llama-3.2-1B's shape, untied): the frozen base computes its outputs and
+    its inputs' gradients, not its weights' gradients: 4 FLOPs per parameter and token where
+    full training takes 6. Torch's FLOP counter agrees to the FLOP, once two things the formula
+    does not model are added: the norms' weights (which scale: 4 x their count) and the first
+    layer's q, k, v projections and their A adapters, whose inputs (the frozen embedding's
+    output) need no gradient: autograd skips those 2 per parameter (1/layers of the base's)."""
+    from transformers import AutoModelForCausalLM
+    from torch.utils.flop_counter import FlopCounterMode
+    from llmtrain.config import LoraSpec
+    from llmtrain.model.lora import apply_lora
+
+    config = AutoConfig.for_model("llama", vocab_size=128256, hidden_size=2048, intermediate_size=8192,
+                                  num_hidden_layers=2, num_attention_heads=32, num_key_value_heads=8,
+                                  tie_word_embeddings=False)
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(config)
+    apply_lora(model, LoraSpec(rank=16, alpha=32))
+    ids = torch.zeros(1, 2048, dtype=torch.long, device="meta")
+    with FlopCounterMode(display=False) as counter:
+        model(input_ids=ids, labels=ids).loss.backward()
+    n, trainable = num_params(model), num_params(model, trainable=True)
+    assert trainable == 2 * 16 * ((2048 + 2048) + 2 * (2048 + 512) + (2048 + 2048))  # q, k, v, o adapters
+    norms = sum(p.numel() for name, p in model.named_parameters() if "norm" in name)
+    first = model.model.layers[0].self_attn
+    skipped = sum(m.weight.numel() + m.lora_A.weight.numel()
+                  for m in (first.q_proj, first.k_proj, first.v_proj))
+    formula = flops_per_token(config, n, 2048, trainable)
+    assert formula == counter.get_total_flops() / 2048 + 4 * norms + 2 * skipped
+    # Against full training's count: 2 per frozen parameter that multiplies (not the lookup table).
+    lookup = 128256 * 2048
+    assert flops_per_token(config, n, 2048) - formula == 2 * (n - trainable - lookup)
+
+
 def schedule(**kw) -> TrainConfig:
     return TrainConfig(**{"max_steps": 100, "global_batch_size": 8, "micro_batch_size": 8,
                           "lr": 1e-3, "min_lr": 1e-4, "warmup_steps": 10, **kw})
@@ -103,6 +137,30 @@ def test_the_chunked_loss_equals_the_plain_one_with_its_gradients(dtype, tol, ig
     assert torch.allclose(weight.grad.float(), 2 * want[2].float(), atol=tol, rtol=tol)
     with torch.no_grad():
         assert abs(chunked_cross_entropy(hidden, weight, targets, chunk=8).item() - want[0].item()) <= 1e-5
+
+
+def test_a_frozen_head_gets_no_gradient_and_its_matmul_is_not_run():
+    """LoRA's head is frozen: the chunked loss computes the hidden states' gradient as before,
+    bit for bit, and neither the head's gradient nor its [vocab x tokens] @ [tokens x width]
+    matmul per chunk: 4 FLOPs per token, vocabulary row and width (the logits, the hidden
+    states' gradient) where a trained head takes 6."""
+    from torch.utils.flop_counter import FlopCounterMode
+
+    torch.manual_seed(0)
+    tokens, vocab, width = 37, 50, 16
+    hidden = torch.randn(tokens, width, requires_grad=True)
+    weight = torch.randn(vocab, width, requires_grad=True)
+    targets = torch.randint(0, vocab, (tokens,))
+    flops, grads = {}, {}
+    for trained in (True, False):
+        weight.requires_grad_(trained)
+        hidden.grad = weight.grad = None
+        with FlopCounterMode(display=False) as counter:
+            chunked_cross_entropy(hidden, weight, targets, chunk=8).backward()
+        flops[trained], grads[trained] = counter.get_total_flops(), hidden.grad.clone()
+    assert weight.grad is None
+    assert torch.equal(grads[False], grads[True])
+    assert flops[False] == 4 * tokens * vocab * width and flops[True] == 6 * tokens * vocab * width
 
 
 def test_the_chunked_loss_never_holds_the_full_logits():

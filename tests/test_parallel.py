@@ -8,7 +8,7 @@ import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 from transformers import LlamaConfig, LlamaForCausalLM
 
-from conftest import tiny_config
+from conftest import DEMO, tiny_config
 from llmtrain.config import load_config
 from llmtrain.model.build import decoder_layers
 from llmtrain.model.parallel import apply_fsdp, checkpoint_layers, configure_matmul_precision, local_slices
@@ -94,3 +94,61 @@ def test_selective_checkpointing_recomputes_every_kth_layer_and_changes_no_gradi
     assert runs == recomputed
     for (name, a), b in zip(plain.named_parameters(), model.parameters()):
         assert torch.equal(a.grad, b.grad), name
+
+
+@pytest.mark.parametrize("strategy", ["fsdp", "ddp"])
+def test_a_bf16_lora_run_keeps_its_frozen_base_in_bf16_and_trains_the_same(group, tmp_path, monkeypatch,
+                                                                          write_config, strategy):
+    """LoRA in bf16 on a base saved in fp32: the frozen base is stored in bf16 (FSDP2: all of it;
+    DDP's autocast: the linear layers' weights), the adapters in fp32, the rank's parameter bytes
+    nearly halved; the loss and every adapter gradient equal, bit for bit, those of the same
+    model with the base kept in fp32 (what FSDP2's cast and autocast computed with before)."""
+    import llmtrain.model.parallel as parallel
+    from llmtrain.data.loader import Batch
+    from llmtrain.model.build import model_config
+    from llmtrain.model.loss import chunk_head, lm_loss
+    from llmtrain.training.distributed import World
+
+    monkeypatch.setenv("LLMTRAIN_HOME", str(tmp_path))
+    torch.manual_seed(0)
+    LlamaForCausalLM(LlamaConfig(vocab_size=512, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                                 num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=128,
+                                 tie_word_embeddings=False)).save_pretrained(tmp_path / "base")
+    raw = tiny_config(parallel={"strategy": strategy}, train={"precision": "bf16"})
+    raw["model"] = {"name_or_path": str(tmp_path / "base"), "tokenizer": str(DEMO / "tokenizer"),
+                    "lora": {"rank": 4, "alpha": 8}}
+    cfg = load_config(write_config(raw), world_size=1)
+    config = model_config(cfg, None)
+    world = World(rank=0, local_rank=0, world_size=1, device=torch.device("cpu"))
+    tokens = torch.randint(0, 512, (2, 33), generator=torch.Generator().manual_seed(0))
+
+    def run():
+        model = parallel.parallelize(cfg, config, world)
+        with torch.no_grad():  # B starts at zero: give A's gradient something to flow through
+            for name, p in model.named_parameters():
+                if ".lora_B." in name:
+                    parallel._local(p).fill_(0.01)
+        with parallel.autocast(cfg, world.device):
+            loss = lm_loss(model, Batch(tokens), chunk_head(model, config))
+        loss.backward()
+        grads = {n: parallel._local(p.grad).clone() for n, p in model.named_parameters() if p.requires_grad}
+        dtypes = {n: p.dtype for n, p in model.named_parameters()}
+        size = sum(parallel._local(p).numel() * p.element_size() for p in model.parameters())
+        return loss.detach(), grads, dtypes, size, {n: p.numel() for n, p in model.named_parameters()}
+
+    loss, grads, dtypes, size, numels = run()
+    monkeypatch.setattr(parallel, "store_frozen_base", lambda model, cfg: [])  # the base in fp32
+    loss32, grads32, dtypes32, size32, _ = run()
+
+    assert set(dtypes32.values()) == {torch.float32}
+    assert all(dtypes[n] == torch.float32 for n in grads) and len(grads) == 2 * 4 * 2  # adapters
+    linear = [n for n in dtypes if n.endswith("proj.weight") or n == "lm_head.weight"]
+    assert all(dtypes[n] == torch.bfloat16 for n in linear)
+    others = ["model.embed_tokens.weight", "model.norm.weight"]
+    assert {dtypes[n] for n in others} == ({torch.bfloat16} if strategy == "fsdp" else {torch.float32})
+    halved = sum(numels[n] for n, dtype in dtypes.items() if dtype == torch.bfloat16)
+    assert size32 - size == 2 * halved  # 2 bytes fewer per parameter stored in bf16
+    assert size < (0.55 if strategy == "fsdp" else 0.65) * size32, (size, size32)  # DDP: fp32 embedding
+    assert torch.equal(loss, loss32)
+    for name, g in grads32.items():
+        assert torch.equal(grads[name], g), name

@@ -208,6 +208,13 @@ def test_pretrained_weights_are_what_training_starts_from(tmp_path, monkeypatch,
         expected = torch.nn.functional.cross_entropy(logits.flatten(0, 1), batch[:, 1:].flatten())
     first = read_metrics(c.run_dir)[0]
     assert first["step"] == 1 and abs(first["loss"] - expected.item()) < 1e-5
+    if weights == "safetensors":
+        # A resume takes every weight from the checkpoint: the pretrained file is not read again
+        # (here it could not be: it is garbage now).
+        (tmp_path / "model" / "model.safetensors").write_bytes(b"\0" * 64)
+        out = cli("train", "--config", path, "--set", "train.max_steps=3", check=True).stdout
+        assert f"pretrained weights not read from {tmp_path / 'model'}: the checkpoint to resume" in out
+        assert [r["step"] for r in read_metrics(c.run_dir) if r["kind"] == "train"][-1] == 3
 
 
 def test_bf16_fsdp_with_activation_checkpointing_trains(setup):

@@ -12,14 +12,16 @@ train.precision (2, fp32: 4); r: the residual stream's (p under FSDP2, 4 under a
 T = micro batch x seq_len; h, i, a, k, d, L, V: hidden, intermediate, heads, kv heads, head dim,
 layers, vocabulary; Pl, Pr, H: one layer's, the root's (embeddings, final norm, head), the head's.
 
-- parameters: 4 P / S, fp32 whatever the precision
+- parameters: 4 P / S, fp32; a LoRA run in bf16/fp16 stores its frozen base in p
+  (model/parallel.store_frozen_base; DDP: the linear layers' weights, not the embedding or norms)
 - gradients: 4 Pt / S, fp32; DDP holds them all along (its all-reduce buckets), FSDP2 rebuilds
   them in each backward (held throughout with accumulation); plus unsharded ones in flight, p
   each: the head's until the root's reduce-scatter, a layer's
 - optimizer state: 8 Pt / S (AdamW's two fp32 moments)
 - param copies: FSDP2 gathers p (Pr + Pl): the root stays gathered from forward to backward, a
   layer while it computes (every layer without reshard_after_forward); DDP's bf16/fp16 autocast
-  caches p per weight of every layer from forward to backward
+  caches p per trained weight of every layer from forward to backward (a frozen one is cast at
+  each use, not kept)
 - activations, per layer and token: 2 (4 + r) h (each RMSNorm keeps its fp32 input and its
   normalised values) + 2 p h (the norms' outputs, as the projections keep them; autocast: one
   copy per projection) + p (2 a d + 2 k d) + 4 a (SDPA keeps q, k, v, its output and the fp32
@@ -33,7 +35,8 @@ layers, vocabulary; Pl, Pr, H: one layer's, the root's (embeddings, final norm, 
   tiles, rounded up), eager's fp32 additive mask, 4 seq_len^2 per row; flash attention: none
 - loss (train.chunked_loss): T r h (the hidden states' gradient) + 4 H (the head's fp32
   gradient) + C V (4 + p) (a chunk's fp32 logits and their cast, C = 256 MiB / 4 V tokens) +
-  p H (a chunk's head-gradient product); the full logits' loss: T V (12 + p)
+  p H (a chunk's head-gradient product); a frozen head (LoRA) has neither gradient nor product;
+  autocast's cast of an fp32 head, p H; the full logits' loss: T V (12 + p)
 - comm buffers (FSDP2): the prefetched layer's all-gather output (p Pl per
   parallel.prefetch_layers) and the previous reduce-scatter's fp32 input (4 Pl; the root's 4 Pr),
   kept until the next one instead of record_stream. DDP: none, NCCL reduces the buckets in place
@@ -76,15 +79,16 @@ class ModelShape:
     model_type: str
     params: int
     trainable: int
-    rows: tuple  # (first dimension, numel, trainable) of every parameter, for sharded sizes
+    rows: tuple  # (first dimension, numel, trainable, frozen linear weight) of every parameter
     layer: int  # parameters of the largest decoder layer
     layer_trainable: int
     layer_matrices: int  # its projections (2-D weights) and their parameters
-    layer_matrix_params: int
+    layer_matrix_params: int  # ... those that train: autocast caches their casts
     root: int  # the rest: embeddings, final norm, head
     root_trainable: int
     head: int  # the output head's weight, vocab x hidden
     head_trainable: int
+    head_linear: bool  # a linear layer's own weight, not the input embedding's
     layers: int
     hidden: int
     intermediate: int
@@ -122,7 +126,7 @@ def model_shape(cfg: Config) -> ModelShape:
     """The model built on the meta device as parallelize builds it (LoRA applied): seconds for
     70B parameters, no memory. Raises ModelNotFound (a UserError) if the model is not on disk."""
     from .model.build import build_model, decoder_layers, load_tokenizer, model_config
-    from .model.lora import apply_lora, is_adapter
+    from .model.lora import apply_lora, frozen_weights, is_adapter
     from .model.loss import chunk_head
 
     # The tokenizer only sizes an inline architecture's vocabulary; a folder's config.json has it.
@@ -138,17 +142,21 @@ def model_shape(cfg: Config) -> ModelShape:
     root = [p for p in params.values() if id(p) not in in_layers]
     matrices = [p for n, p in largest.items() if p.ndim == 2 and not is_adapter(n)]
     head = model.get_output_embeddings().weight
+    linear = {id(p) for p in frozen_weights(model, linear_only=True)}  # under autocast, stored in p
     hidden, heads = config.hidden_size, config.num_attention_heads
     return ModelShape(
         model_type=config.model_type,
         params=sum(p.numel() for p in params.values()),
         trainable=sum(p.numel() for p in params.values() if p.requires_grad),
-        rows=tuple((p.shape[0] if p.ndim else 1, p.numel(), p.requires_grad) for p in params.values()),
+        rows=tuple((p.shape[0] if p.ndim else 1, p.numel(), p.requires_grad, id(p) in linear)
+                   for p in params.values()),
         layer=sum(p.numel() for p in largest.values()),
         layer_trainable=sum(p.numel() for p in largest.values() if p.requires_grad),
-        layer_matrices=len(matrices), layer_matrix_params=sum(p.numel() for p in matrices),
+        layer_matrices=len(matrices),
+        layer_matrix_params=sum(p.numel() for p in largest.values() if p.ndim == 2 and p.requires_grad),
         root=sum(p.numel() for p in root), root_trainable=sum(p.numel() for p in root if p.requires_grad),
         head=head.numel(), head_trainable=head.numel() if head.requires_grad else 0,
+        head_linear=head is not model.get_input_embeddings().weight,
         layers=len(layers), hidden=hidden, heads=heads,
         intermediate=getattr(config, "intermediate_size", None) or 4 * hidden,
         kv_heads=getattr(config, "num_key_value_heads", None) or heads,
@@ -187,7 +195,7 @@ def estimate(cfg: Config, world_size: int | None = None, micro_batch: int | None
     accum = max(1, t.global_batch_size // (micro * world))
     h, L = m.hidden, m.layers
 
-    params = 4 * _sharded(m, shard, trainable_only=False)
+    params = _param_bytes(m, shard, p, linear_only=not sharded)
     grads = 4 * _sharded(m, shard, trainable_only=True)
     deferred = 4 * m.trainable if sharded and not par.reduce_every_micro_batch and accum > 1 else 0
     held = grads if (not sharded and world > 1) or accum > 1 else 0  # gradients there from forward on
@@ -199,7 +207,7 @@ def estimate(cfg: Config, world_size: int | None = None, micro_batch: int | None
     backward = tokens * (p * m.intermediate + 8 * h)
     mask = _mask_bytes(cfg, micro)
     kept += mask
-    loss = _loss_bytes(m, tokens, p, res, autocast)
+    loss = _loss_bytes(m, tokens, p, res, autocast and (m.head_trainable > 0 or not m.head_linear))
 
     # Each moment: (gradients, param copies, activations, loss, comm buffers)
     if sharded:  # FSDP2: the root stays gathered from forward to backward
@@ -236,8 +244,15 @@ def estimate(cfg: Config, world_size: int | None = None, micro_batch: int | None
 
 def _sharded(m: ModelShape, shard: int, trainable_only: bool) -> int:
     """Parameters one rank holds: FSDP2 gives each rank ceil(rows / shard) rows of each."""
-    return sum(-(-rows // shard) * (numel // rows) for rows, numel, trains in m.rows
+    return sum(-(-rows // shard) * (numel // rows) for rows, numel, trains, _ in m.rows
                if trains or not trainable_only)
+
+
+def _param_bytes(m: ModelShape, shard: int, p: int, linear_only: bool) -> int:
+    """The bytes of the parameters one rank holds: fp32, but a frozen base (LoRA) in p, all of
+    it (FSDP2) or its linear layers' weights (autocast), as model/parallel.store_frozen_base."""
+    return sum(-(-rows // shard) * (numel // rows) * (4 if trains or (linear_only and not linear) else p)
+               for rows, numel, trains, linear in m.rows)
 
 
 def _layer_bytes(m: ModelShape, p: int, res: int, autocast: bool, cfg: Config) -> int:
@@ -263,15 +278,17 @@ def _mask_bytes(cfg: Config, micro: int) -> int:
     return block_mask_bytes(micro, d.seq_len) if cfg.model.attn_implementation == "sdpa" else 0
 
 
-def _loss_bytes(m: ModelShape, tokens: int, p: int, res: int, autocast: bool) -> int:
-    """The loss's peak: chunked (model/loss.py) or over the full logits."""
+def _loss_bytes(m: ModelShape, tokens: int, p: int, res: int, cast_head: bool) -> int:
+    """The loss's peak: chunked (model/loss.py) or over the full logits. `cast_head`: autocast
+    casts an fp32 head for the matmul."""
     from .model.loss import CHUNK_LOGIT_BYTES
     cast = p if p < 4 else 0
+    head_cast = p * m.head if cast_head else 0
     if not m.chunked:
-        return tokens * (m.vocab * (12 + cast) + res * m.hidden) + (p * m.head if autocast else 0)
+        return tokens * (m.vocab * (12 + cast) + res * m.hidden) + head_cast
     chunk = min(tokens, max(1, CHUNK_LOGIT_BYTES // (4 * m.vocab)))
-    return (tokens * res * m.hidden + 4 * m.head + chunk * m.vocab * (4 + cast)
-            + p * m.head * (1 + autocast))
+    return (tokens * res * m.hidden + (4 + p) * m.head_trainable + chunk * m.vocab * (4 + cast)
+            + head_cast)
 
 
 def gpu_memory(cfg: Config, gpu_mem_gib: float | None = None) -> tuple[str, float] | None:
@@ -372,8 +389,13 @@ def _descriptions(cfg: Config, est: Estimate, shape: ModelShape) -> dict[str, st
         grads = "fp32 shards; unsharded ones in flight (the head's, a layer's)"
         copies = f"{precision}: the root (embeddings, head) and the layers gathered now"
         comm = "the prefetched layer's all-gather, a reduce-scatter input"
-    return {"parameters": f"fp32, {where}", "gradients": grads,
+    stored = "fp32"
+    if shape.trainable < shape.params and precision != "fp32":  # model/parallel.store_frozen_base
+        stored = (f"adapters fp32, the frozen base {precision}"
+                  + (" (its linear layers)" if cfg.parallel.strategy == "ddp" else ""))
+    head = "the head's fp32 gradient" if shape.head_trainable else "the frozen head: no gradient"
+    return {"parameters": f"{stored}, {where}", "gradients": grads,
             "optimizer": "AdamW: 2 fp32 moments per trainable parameter", "param_copies": copies,
             "activations": "kept for backward, a recomputed layer, backward's own",
-            "loss": "a chunk's logits, the head's fp32 gradient" if shape.chunked else "the full logits",
+            "loss": f"a chunk's logits, {head}" if shape.chunked else "the full logits",
             "comm": comm}

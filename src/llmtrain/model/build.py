@@ -90,18 +90,23 @@ def decoder_layers(model: torch.nn.Module) -> list[torch.nn.Module]:
     return layers
 
 
-def num_params(model: torch.nn.Module) -> int:
-    return sum(p.numel() for p in model.parameters())
+def num_params(model: torch.nn.Module, trainable: bool = False) -> int:
+    """Parameters (each tied one once); `trainable`: only those that train."""
+    return sum(p.numel() for p in model.parameters() if p.requires_grad or not trainable)
 
 
-def flops_per_token(config: PretrainedConfig, n_params: int, seq_len: int) -> float:
-    """Training FLOPs per token, forward and backward: 6 per parameter that multiplies, plus
-    12 x layers x hidden x seq_len for the attention scores and their weighted sum (PaLM,
-    appendix B; no discount for the causal mask). The input embedding is a lookup, not a
-    matmul: left out, unless it is tied to the output head, whose matmul it is. The derivation
-    and a hand check: doc/benchmarks.md."""
+def flops_per_token(config: PretrainedConfig, n_params: int, seq_len: int,
+                    trainable: int | None = None) -> float:
+    """Training FLOPs per token, forward and backward: 6 per trained parameter that multiplies
+    (forward, the input's gradient, the weight's), 4 per frozen one (LoRA's base: no weight
+    gradient), plus 12 x layers x hidden x seq_len for the attention scores and their weighted
+    sum (PaLM, appendix B; no discount for the causal mask). The input embedding is a lookup,
+    not a matmul: left out, unless it is tied to the output head, whose matmul it is.
+    `trainable`: how many of the n_params train (None: all); the frozen rest includes the
+    embedding table. The derivation and a hand check: doc/benchmarks.md."""
     layers = getattr(config, "num_hidden_layers", 0)
     hidden = getattr(config, "hidden_size", 0)
     tied = getattr(config, "tie_word_embeddings", False)
     lookup = 0 if tied else getattr(config, "vocab_size", 0) * hidden
-    return 6 * (n_params - lookup) + 12 * layers * hidden * seq_len
+    frozen = max(0, n_params - (n_params if trainable is None else trainable) - lookup)
+    return 6 * (n_params - lookup) - 2 * frozen + 12 * layers * hidden * seq_len

@@ -17,7 +17,8 @@ checkpointing and torch.compile wrap the layer as before. The adapters' names ar
 
 Initialisation is peft's default (A: Kaiming-uniform with a = sqrt(5), B: zeros), under a seed
 made of train.seed and the module's name: the same adapters on any world size and strategy.
-Adapters are kept and trained in fp32 whatever the base's storage; checkpoints hold only what
+Adapters are kept and trained in fp32 whatever the base's storage (bf16/fp16 runs store the
+frozen base in that precision: model/parallel.py's store_frozen_base); checkpoints hold only what
 trains (the adapters) and its optimizer state, and a resume reloads the base from its source.
 """
 
@@ -70,6 +71,17 @@ def _lora_forward(self, x: torch.Tensor) -> torch.Tensor:
 
 def is_adapter(name: str) -> bool:
     return ".lora_A." in name or ".lora_B." in name
+
+
+def frozen_weights(model: torch.nn.Module, linear_only: bool) -> list[torch.nn.Parameter]:
+    """The frozen parameters (each once); `linear_only`: only the weights of linear layers not
+    tied to the input embedding, those a matmul reads (under autocast, cast for it)."""
+    params = {id(p): p for p in model.parameters() if not p.requires_grad}
+    if linear_only:
+        embedding = model.get_input_embeddings().weight
+        params = {id(m.weight): m.weight for m in model.modules()
+                  if isinstance(m, torch.nn.Linear) and id(m.weight) in params and m.weight is not embedding}
+    return list(params.values())
 
 
 @torch.no_grad()

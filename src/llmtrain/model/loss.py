@@ -8,7 +8,8 @@ and its gradient: at a 128k vocabulary and 8192 tokens, ~4 GB each. Here the out
 applied to a chunk of tokens at a time: each chunk's logits give its loss and, at once, the
 gradients of the hidden states and of the head's weight (softmax minus one-hot, divided by the
 token count), and are freed. Backward only scales the saved gradients. Peak extra memory: one
-chunk's logits, the hidden states' gradient and the head's fp32 gradient. The same sums as the
+chunk's logits, the hidden states' gradient and the head's fp32 gradient (none for a frozen
+head, LoRA's: neither it nor its matmul is computed). The same sums as the
 plain loss, in chunks: equal within float rounding (tests/test_model.py).
 
 The head is reached through HF's `get_output_embeddings()`; `chunk_head` makes that module
@@ -97,7 +98,7 @@ def chunked_cross_entropy(hidden: torch.Tensor, weight: torch.Tensor, targets: t
     """The sum over trained tokens (targets other than IGNORE, -100 as in F.cross_entropy) of
     CE(hidden[i] @ weight.T, targets[i]) divided by `normaliser` (None: their count, which stays
     on the device: the mean), [chunk x vocab] logits at a time (default: CHUNK_LOGIT_BYTES of
-    fp32 logits). Gradients flow to hidden and weight."""
+    fp32 logits). Gradients flow to hidden and weight (to each that requires one)."""
     chunk = chunk or max(1, CHUNK_LOGIT_BYTES // (4 * weight.shape[0]))
     trained = normaliser if normaliser is not None else (targets != IGNORE).sum().clamp(min=1)
     if torch.is_grad_enabled() and (hidden.requires_grad or weight.requires_grad):
@@ -130,18 +131,22 @@ class _ChunkedCrossEntropy(torch.autograd.Function):
     @staticmethod
     def forward(ctx, hidden, weight, targets, n, chunk, chunk_fn):
         grad_hidden = torch.empty_like(hidden)
-        grad_weight = torch.zeros(weight.shape, dtype=torch.float32, device=weight.device)
+        # A frozen head (LoRA) gets no gradient: neither its fp32 buffer nor its GEMM per chunk.
+        grad_weight = (torch.zeros(weight.shape, dtype=torch.float32, device=weight.device)
+                       if ctx.needs_input_grad[1] else None)
         total = hidden.new_zeros((), dtype=torch.float32)
         for start in range(0, hidden.shape[0], chunk):
             h = hidden[start:start + chunk]
             loss, grad, grad_hidden[start:start + chunk] = chunk_fn(h, weight, targets[start:start + chunk], n)
             total = total + loss
-            grad_weight += grad.t() @ h  # a GEMM in the inputs' dtype (bf16 on tensor cores), summed in fp32
+            if grad_weight is not None:
+                grad_weight += grad.t() @ h  # a GEMM in the inputs' dtype (bf16 on tensor cores), summed in fp32
             del grad
-        ctx.save_for_backward(grad_hidden, grad_weight.to(weight.dtype))
+        ctx.save_for_backward(grad_hidden, None if grad_weight is None else grad_weight.to(weight.dtype))
         return total / n
 
     @staticmethod
     def backward(ctx, grad_out):
         grad_hidden, grad_weight = ctx.saved_tensors
-        return grad_hidden * grad_out, grad_weight * grad_out, None, None, None, None
+        return (grad_hidden * grad_out, None if grad_weight is None else grad_weight * grad_out,
+                None, None, None, None)

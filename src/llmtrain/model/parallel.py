@@ -13,7 +13,8 @@ rank's shards are allocated on its device, and then each rank fills in only what
   the strategy, so DDP, FSDP, HSDP and a single process start identical;
 - pretrained: each rank reads only the slices it owns from the model's safetensors files
   (`model.safetensors` or the shards named by `model.safetensors.index.json`), in the stored
-  dtype, and upcasts them slice by slice.
+  dtype, and upcasts them slice by slice (a LoRA run's frozen base is stored in bf16/fp16 when
+  it trains in that precision: store_frozen_base).
 
 Peak memory at start-up is the rank's own shards plus one module's full weights. DDP takes the
 same path with the whole model as its "shard", then wraps it.
@@ -37,15 +38,18 @@ from ..config import Config, UserError
 from ..training.distributed import World
 from .attention import causal_attention
 from .build import build_model, decoder_layers, pretrained_dir
-from .lora import apply_lora, init_adapters, is_adapter
+from .lora import apply_lora, frozen_weights, init_adapters, is_adapter
 
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 SHARDED_STRATEGIES = ("fsdp", "hsdp")
 
 
-def parallelize(cfg: Config, config, world: World, watch=None) -> torch.nn.Module:
+def parallelize(cfg: Config, config, world: World, watch=None, resuming: bool = False) -> torch.nn.Module:
     """The model, wrapped for cfg.parallel.strategy, with its starting weights on world.device.
-    `watch` (watchdog.Watchdog) times the start-up phases and ends one that hangs."""
+    `watch` (watchdog.Watchdog) times the start-up phases and ends one that hangs. `resuming`: a
+    checkpoint will overwrite every weight (not LoRA's base, which checkpoints leave out), so
+    none is read or initialised here: a requeued 70B full fine-tune read its 140 GB of
+    pretrained safetensors on every start, only to replace them."""
     phase = watch.phase if watch is not None else lambda name: contextlib.nullcontext()
     with phase("building"):
         model = build_model(config, cfg, "meta")
@@ -55,6 +59,7 @@ def parallelize(cfg: Config, config, world: World, watch=None) -> torch.nn.Modul
         lora = cfg.model.lora_spec
         if lora is not None:
             apply_lora(model, lora)
+            store_frozen_base(model, cfg)
         tied = _tied(model)  # decided on the skeleton, so every rank agrees
         if cfg.model.activation_checkpointing:
             checkpoint_layers(model, cfg.model.activation_checkpointing_every)
@@ -67,7 +72,9 @@ def parallelize(cfg: Config, config, world: World, watch=None) -> torch.nn.Modul
         if tied and not _tied(model):  # to_empty allocates tied weights twice; FSDP2 keeps the tie
             model.tie_weights()
     with phase("loading"):
-        if cfg.model.name_or_path is not None:
+        if resuming and lora is None:
+            pass  # the checkpoint holds every parameter; training/checkpoint.py loads it
+        elif cfg.model.name_or_path is not None:
             load_pretrained(model, pretrained_dir(cfg))
         else:
             init_from_scratch(model, reference, cfg.train.seed, world.device)
@@ -85,6 +92,25 @@ def parallelize(cfg: Config, config, world: World, watch=None) -> torch.nn.Modul
         model = DDP(model, device_ids=[world.local_rank] if world.device.type == "cuda" else None,
                     gradient_as_bucket_view=True, **{no_sync: False})
     return model
+
+
+def store_frozen_base(model: torch.nn.Module, cfg: Config) -> list[torch.nn.Parameter]:
+    """A LoRA run in bf16/fp16 stores its frozen base in that precision, not fp32: half the
+    bytes (a 70B base on 8 GPUs: 16.5 GiB per GPU instead of 33), the same numbers bit for bit.
+    FSDP2 casts every parameter to train.precision before computing with it, and autocast (DDP,
+    one process) casts a linear layer's weight for its matmul, so the stored copy is cast
+    once instead of every step. Under autocast the embedding table (and a head tied to it) and
+    the norms' weights stay fp32: they are used as stored, and in bf16 they would make the
+    residual stream bf16. The adapters, their gradients and optimizer state stay fp32 (FSDP2
+    requires one dtype among the parameters that train, not the frozen ones); fp32 runs keep
+    the base in fp32. Returns the parameters stored in the lower precision."""
+    dtype = DTYPES[cfg.train.precision]
+    if dtype == torch.float32:
+        return []
+    frozen = frozen_weights(model, linear_only=cfg.parallel.strategy not in SHARDED_STRATEGIES)
+    for param in frozen:
+        param.data = param.data.to(dtype)  # on the meta skeleton: allocated so by to_empty
+    return frozen
 
 
 def compile_layers(model: torch.nn.Module) -> None:
@@ -258,10 +284,11 @@ def load_pretrained(model: torch.nn.Module, folder: Path) -> None:
 
     safetensors (`model.safetensors`, or the shards named by `model.safetensors.index.json`):
     each tensor is read through safetensors' slicing, so only the rows this rank owns leave the
-    disk, in the stored dtype, and are upcast into the rank's fp32 shard. Older folders with only
-    `pytorch_model*.bin` are memory-mapped (`torch.load(mmap=True)`): the rank touches only its
-    rows' pages. Keys saved without the base model's prefix (`h.0...` for `transformer.h.0...`)
-    are found too, as from_pretrained finds them.
+    disk, in the stored dtype, and are cast into the rank's shard (fp32; a LoRA base bf16/fp16:
+    store_frozen_base). Older folders with only `pytorch_model*.bin` are memory-mapped
+    (`torch.load(mmap=True)`): the rank touches only its rows' pages. Keys saved without the
+    base model's prefix (`h.0...` for `transformer.h.0...`) are found too, as from_pretrained
+    finds them.
     """
     files = _weight_files(folder)
     params = {n: p for n, p in model.named_parameters() if not is_adapter(n)}  # adapters: lora.py
@@ -352,12 +379,18 @@ def gradient_sync(model: torch.nn.Module, enabled: bool, cfg: Config):
     FSDP2/HSDP reduce-scatter after every micro-batch by default, so each rank only ever holds
     its gradient shard; `parallel.reduce_every_micro_batch: false` defers it to the last one at
     the cost of every layer's full fp32 gradient (+4 bytes per parameter per rank).
+    HSDP all-reduces the shards across replicas (between nodes) on the last micro-batch only:
+    before it, FSDP2 adds each reduce-scattered shard into a buffer of the shard's size
+    (`set_requires_all_reduce(False)`), so the memory is the same as reducing every time.
     """
     if isinstance(model, DDP) and not enabled:
         with model.no_sync():
             yield
     elif isinstance(model, FSDPModule) and not cfg.parallel.reduce_every_micro_batch:
-        model.set_requires_gradient_sync(enabled)
+        model.set_requires_gradient_sync(enabled)  # neither reduce-scatter nor all-reduce
+        yield
+    elif isinstance(model, FSDPModule) and cfg.parallel.strategy == "hsdp":
+        model.set_requires_all_reduce(enabled)
         yield
     else:
         yield

@@ -54,6 +54,15 @@ class CheckpointMismatch(UserError):
     pass
 
 
+def will_resume(cfg: Config) -> bool:
+    """Whether this start will load a checkpoint (train.resume names one, or `auto` finds a
+    complete one): then the starting weights need not be read. Should every candidate turn out
+    damaged, Checkpointer.load refuses to start, so no run trains on unread weights."""
+    if cfg.train.resume == "none":
+        return False
+    return cfg.train.resume != "auto" or bool(complete_checkpoints(cfg.run_dir / CHECKPOINTS))
+
+
 def resolve(run_dir: Path, step: int | None = None) -> Path:
     """The checkpoint to read for export/generate: step N, or the newest complete one."""
     folder = run_dir / CHECKPOINTS
@@ -219,16 +228,13 @@ class Checkpointer:
                 self.log.info(f"warning: skipping checkpoint {ckpt}: unreadable {META}")
                 continue
             self._check_compatible(ckpt, meta)
-            try:
-                model_sd, optim_sd = get_state_dict(model, optimizer, options=self.options)
-                state = {"model": model_sd, "optim": optim_sd}
-                dcp.load(state, checkpoint_id=ckpt)
-            # A damaged shard: fall back to the previous checkpoint, which then overwrites every
-            # key. DCP gathers the ranks' read errors into a CheckpointException, a BaseException.
-            except (Exception, CheckpointException) as e:
-                self.log.info(f"warning: skipping checkpoint {ckpt}: cannot load it "
-                              f"({type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''})")
+            model_sd, optim_sd = get_state_dict(model, optimizer, options=self.options)
+            state = {"model": model_sd, "optim": optim_sd}
+            replicas = _replica_mesh(model)
+            if not self._read(state, ckpt, replicas):
                 continue
+            if replicas is not None:
+                _broadcast_from_first_replica(state, replicas)
             set_state_dict(model, optimizer, model_state_dict=state["model"],
                            optim_state_dict=state["optim"], options=self.options)
             rng = ckpt / f"rng-rank-{self.world.rank}.pt"
@@ -236,6 +242,10 @@ class Checkpointer:
                 _set_rng_state(torch.load(rng, weights_only=False))
             self.log.info(f"resumed from {ckpt} (step {meta['step']}, saved by "
                           f"{meta['world_size']} ranks)")
+            if replicas is not None:
+                self.log.info(f"the checkpoint was read by the first replica's "
+                              f"{replicas['shard'].size()} rank(s) and broadcast to the other "
+                              f"{replicas['replicate'].size() - 1} replica(s)")
             if isinstance(meta.get("save_s"), (int, float)):  # the last launch's save time
                 self.measured_s = float(meta["save_s"])
             return meta
@@ -243,6 +253,27 @@ class Checkpointer:
             raise UserError(f"no loadable checkpoint in {self.folder}: all {len(candidates)} "
                             f"are damaged; set train.resume: none to start over")
         return None
+
+    def _read(self, state: dict, ckpt: Path, replicas) -> bool:
+        """dcp.load into `state`; False (logged) for a damaged checkpoint, which then falls back
+        to the previous one (which overwrites every key). Under HSDP only the first replica's
+        ranks read, as one shard group; the others get the state by broadcast (a 70B's 847 GB
+        read once, not once per node). Every rank learns whether the read went well."""
+        error = None
+        if replicas is None or replicas.get_local_rank("replicate") == 0:
+            try:
+                dcp.load(state, checkpoint_id=ckpt,
+                         process_group=replicas["shard"].get_group() if replicas is not None else None)
+            # DCP gathers the ranks' read errors into a CheckpointException, a BaseException.
+            except (Exception, CheckpointException) as e:
+                error = f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"
+        if replicas is not None:
+            ok = torch.tensor([0.0 if error else 1.0], device=self.world.device)
+            dist.all_reduce(ok, op=dist.ReduceOp.MIN)
+            error = error or (None if ok.item() else "the first replica could not read it")
+        if error:
+            self.log.info(f"warning: skipping checkpoint {ckpt}: cannot load it ({error})")
+        return error is None
 
     def _candidates(self) -> list[Path]:
         found = complete_checkpoints(self.folder)
@@ -305,6 +336,43 @@ def _root_cause(e: BaseException) -> str:
         seen = next(iter(failures.values())) if failures else (seen.__cause__ or seen.__context__)
     text = str(e).strip().splitlines()
     return text[-1][:200] if text else type(e).__name__
+
+
+def _replica_mesh(model):
+    """HSDP's (replicate, shard) device mesh where it has more than one replica, else None."""
+    for param in model.parameters():
+        mesh = getattr(param, "device_mesh", None)
+        names = getattr(mesh, "mesh_dim_names", None) or ()
+        if "replicate" in names and mesh["replicate"].size() > 1:
+            return mesh
+        return None
+    return None
+
+
+def _broadcast_from_first_replica(state: dict, mesh) -> None:
+    """Every tensor of `state` (each rank's local shard) and its other values, from the rank of
+    the first replica that holds the same shard: one broadcast per tensor over the replicate
+    group (between nodes), in the same order on every rank."""
+    from torch.utils._pytree import tree_flatten, tree_unflatten
+
+    group = mesh["replicate"].get_group()
+    source = dist.get_global_rank(group, 0)
+    leaves, spec = tree_flatten(state)
+    values = [None if isinstance(leaf, torch.Tensor) else leaf for leaf in leaves]
+    dist.broadcast_object_list(values, src=source, group=group)
+    nccl = dist.get_backend(group) == "nccl"
+    for i, leaf in enumerate(leaves):
+        if not isinstance(leaf, torch.Tensor):
+            leaves[i] = values[i]
+            continue
+        local = leaf.to_local() if hasattr(leaf, "to_local") else leaf  # a view of the shard
+        if nccl and local.device.type == "cpu":  # a host-side value (a step count): via the GPU
+            on_device = local.to(mesh.device_type)
+            dist.broadcast(on_device, src=source, group=group)
+            local.copy_(on_device)
+        else:
+            dist.broadcast(local, src=source, group=group)
+    state.update(tree_unflatten(leaves, spec))
 
 
 def _read_meta(ckpt: Path) -> dict | None:

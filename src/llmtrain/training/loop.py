@@ -33,7 +33,7 @@ from ..model.parallel import (autocast, compile_seconds, configure_matmul_precis
 from ..rundir import Log, RunLock, hostname, provenance, write_atomic
 from ..tracking import PlotRefresher, open_sinks
 from . import distributed, preflight
-from .checkpoint import Checkpointer, compat_info
+from .checkpoint import Checkpointer, compat_info, will_resume
 from .control import Agreement, Control, Verdict
 from .distributed import World
 from .optim import apply_settings, build_optimizer, lr_at, set_lr
@@ -117,9 +117,13 @@ def run(cfg: Config, world: World, watch: Watchdog, run_lock: RunLock) -> None:
     configure_matmul_precision(cfg, world.device)
     record_memory_history(cfg, world.device)
     before_model = peak_memory_gib(world.device)  # the runtime's own: imports, process group
-    model = parallelize(cfg, config, world, watch)
-    if cfg.model.name_or_path is not None:
+    resuming = will_resume(cfg)
+    model = parallelize(cfg, config, world, watch, resuming=resuming)
+    if cfg.model.name_or_path is not None and (cfg.model.lora is not None or not resuming):
         log.info(f"loaded pretrained weights from {pretrained_dir(cfg)}")
+    elif cfg.model.name_or_path is not None:
+        log.info(f"pretrained weights not read from {pretrained_dir(cfg)}: the checkpoint to resume "
+                 f"holds every weight")
     head = chunk_head(model, config, compile=t.compile) if t.chunked_loss else None
     if t.chunked_loss and head is None:
         log.info(f"train.chunked_loss: not for model type {config.model_type!r} (its head is not "
@@ -153,7 +157,8 @@ def run(cfg: Config, world: World, watch: Watchdog, run_lock: RunLock) -> None:
     checkpointer = Checkpointer(cfg, world, log, compat_info(cfg, config, manifest),
                                 hf_files=(config, tokenizer))
     job = Job(model, head, optimizer, scaler, checkpointer, sampler, state, train_data, val_data, accum,
-              flops_per_token(config, n_params, seq_len) * t.global_batch_size * seq_len)
+              flops_per_token(config, n_params, seq_len, num_params(model, trainable=True))
+              * t.global_batch_size * seq_len)
     checkpointer.estimate_save(model, optimizer)  # the deadline's figure until a save is timed
     with watch.phase("resuming"):
         resumed = checkpointer.load(model, optimizer)  # a refused resume raises here
