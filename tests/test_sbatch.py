@@ -91,7 +91,7 @@ def test_dependencies_of_the_first_job_the_training_job_and_a_continuation(confi
     assert cont[:-1] == first[:-2]  # the same resources as the first job
 
 
-def test_the_prepare_job_keeps_place_and_time_but_no_gpus(config):
+def test_the_prepare_job_keeps_place_but_no_gpus(config):
     path = config({"nodes": 2, "gpus_per_node": 8, "procs_per_node": 8, "cpus_per_node": 16,
                    "partition": "gpu", "account": "acme", "qos": "high", "time": "02:00:00",
                    "extra_args": ["--gres=gpu:8,nvme:1", "--constraint=a100"]},
@@ -100,12 +100,40 @@ def test_the_prepare_job_keeps_place_and_time_but_no_gpus(config):
                           dependency="afterok:5")
     run_dir = load_config(path).run_dir
     assert sbatch == [
-        "sbatch", "--parsable", "--cpus-per-task=16", "--mem=0", "--time=02:00:00", "--requeue",
+        # its own time: the demo's stories take the shortest limit, not the training job's 2 h
+        "sbatch", "--parsable", "--cpus-per-task=16", "--mem=0", "--time=00:30:00", "--requeue",
         "--open-mode=append", "--partition=gpu", "--account=acme", "--qos=high",
         "--gres=nvme:1", "--constraint=a100", "--exclusive",  # the user's, less their GPU requests
         "--job-name=prepare-slurm", "--nodes=1", "--ntasks=1", f"--output={run_dir}/prepare-%j.out",
         "--dependency=afterok:5"]
     assert env["LLMTRAIN_STEP"] == "prepare"
+
+
+def test_the_prepare_jobs_cpus_and_time_limit_come_from_the_corpus_size(config, tmp_path):
+    """A 100B-token corpus took the training job's limit (1 h on 8 CPUs) and timed out. Now the
+    time is the source's size at 1 MB/s a CPU (compressed files count 4x), at least 30 min, in
+    whole 10 minutes; slurm.prepare_cpus and slurm.prepare_time say otherwise."""
+    from llmtrain.login.slurm import prepare_resources
+
+    corpus = tmp_path / "corpus"
+    corpus.mkdir()
+    for i in range(3):  # 3 x 10 GB of text, as sparse files: sizes are all that is read
+        with open(corpus / f"part-{i}.txt", "wb") as f:
+            f.truncate(10 * 10**9)
+    with open(corpus / "more.jsonl.gz", "wb") as f:
+        f.truncate(5 * 10**9)  # 20 GB of text once decompressed
+    path = config({"cpus_per_node": 8, "prepare_cpus": 32})
+    cfg = yaml.safe_load(path.read_text())
+    cfg["data"]["dataset"] = str(corpus)
+    path.write_text(yaml.safe_dump(cfg))
+    # 600 s + 50 GB / (32 x 1 MB/s) = 2,162.5 s -> 2,400 s
+    assert prepare_resources(load_config(path)) == (32, "00:40:00", "~50.0 GB of text on 32 CPUs")
+    assert prepare_resources(load_config(path, ["slurm.prepare_cpus=null"])) == (
+        8, "02:00:00", "~50.0 GB of text on 8 CPUs")  # 600 + 6,250 s
+    assert prepare_resources(load_config(path, ["slurm.prepare_time=1-00:00:00"])) == (
+        32, "1-00:00:00", "slurm.prepare_time")
+    env, sbatch = command(path, "prepare")
+    assert "--cpus-per-task=32" in sbatch and "--time=00:40:00" in sbatch
 
 
 @pytest.mark.parametrize("args,kept", [

@@ -230,6 +230,8 @@ class SlurmConfig:
     preflight: bool = True  # a matmul and an all-reduce on every node before training (seconds)
     exclude_slow_nodes: bool = False  # a node the preflight finds slow: come back without it
     slow_node_ratio: float = 0.7  # slow: matmul below this x the other nodes' median
+    prepare_cpus: Optional[int] = None  # the prepare job's CPUs; default: cpus_per_node
+    prepare_time: Optional[str] = None  # the prepare job's time limit; default: from the corpus size
 
 
 WANDB_MODES = ("offline", "online")
@@ -678,6 +680,11 @@ def validate(cfg: Config, world_size: int | None = None, written: dict | None = 
         p.append(f"slurm.procs_per_node: must be >= 1 (got {s.procs_per_node})")
     if s.procs_per_node is None and s.gpus_per_node == 0:
         p.append("slurm.procs_per_node: set it on CPU-only nodes (slurm.gpus_per_node is 0)")
+    if s.prepare_time is not None and not re.fullmatch(r"(\d+-)?\d{1,2}(:\d{2}){0,2}", s.prepare_time):
+        p.append(f"slurm.prepare_time: must be HH:MM:SS or D-HH:MM:SS, or null to estimate it from "
+                 f"the corpus size (got {s.prepare_time!r})")
+    if s.prepare_cpus is not None and s.prepare_cpus < 1:
+        p.append(f"slurm.prepare_cpus: must be > 0, or null for slurm.cpus_per_node (got {s.prepare_cpus})")
     if not re.fullmatch(r"(\d+-)?\d{1,2}(:\d{2}){0,2}", s.time):
         p.append(f"slurm.time: must be HH:MM:SS or D-HH:MM:SS (got {s.time!r})")
     elif 0 < s.signal_lead_s and slurm_seconds(s.time) <= 2 * s.signal_lead_s:

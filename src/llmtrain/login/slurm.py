@@ -72,9 +72,11 @@ def sbatch_command(cfg: Config, job: str, *, script: Path, frozen: Path, home: s
     place = [f"--{key}={value}" for key, value in
              (("partition", s.partition), ("account", s.account), ("qos", s.qos)) if value]
     if job == "prepare":
-        # The training job's CPUs, memory, time and place; one task on one node; no GPUs, so
-        # none of the user's GPU requests either; no warning signal (the prepare step has no trap).
-        args = [f"--cpus-per-task={s.cpus_per_node}", f"--mem={s.mem}", f"--time={s.time}",
+        # Its own CPUs and time (prepare_resources), the training job's memory and place; one
+        # task on one node; no GPUs, so none of the user's GPU requests either; no warning signal
+        # (the prepare step has no trap).
+        cpus, limit, _ = prepare_resources(cfg)
+        args = [f"--cpus-per-task={cpus}", f"--mem={s.mem}", f"--time={limit}",
                 "--requeue", "--open-mode=append", *place, *without_gpus(s.extra_args),
                 f"--job-name=prepare-{name}", "--nodes=1", "--ntasks=1",
                 f"--output={run_dir}/prepare-%j.out"]
@@ -101,6 +103,39 @@ def sbatch_command(cfg: Config, job: str, *, script: Path, frozen: Path, home: s
                   continuation + (job == "continuation"))
     return ["env", *(f"{k}={v}" for k, v in env.items()), "sbatch", "--parsable", *args, *waits,
             str(script)]
+
+
+# Text a CPU tokenizes per second in prepare, on the slow side: measured 1.4-2.5M tokens/s on 2
+# cores end to end, ~4 bytes a token (doc/benchmarks.md), i.e. ~3 MB/s a CPU; a third of that
+# leaves room for a slower tokenizer, chat templates and the source's Arrow conversion.
+PREPARE_BYTES_PER_S_PER_CPU = 1e6
+PREPARE_MIN_S = 1800  # start-up, the tokenizer, the manifest: a small corpus still gets 30 min
+UNCOMPRESSED = 4  # a compressed source file (.gz, .bz2, .xz, .parquet) holds about this much more text
+
+
+def prepare_resources(cfg: Config) -> tuple[int, str, str]:
+    """The prepare job's (CPUs, time limit, why that limit): slurm.prepare_cpus, else
+    slurm.cpus_per_node; slurm.prepare_time, else the source's size at
+    PREPARE_BYTES_PER_S_PER_CPU (a 100B-token corpus, ~400 GB of text, on 32 CPUs: 3.5 h; it
+    took the training job's limit, and timed out)."""
+    from ..config import local_path
+    from ..data.loader import source_listing
+    from .feasibility import format_limit
+    s = cfg.slurm
+    cpus = s.prepare_cpus or s.cpus_per_node
+    if s.prepare_time is not None:
+        return cpus, s.prepare_time, "slurm.prepare_time"
+    sources = [local_path(cfg.data.dataset, "datasets")]
+    if cfg.data.validation and Path(cfg.data.validation).exists():
+        sources.append(Path(cfg.data.validation))
+    size = 0
+    for source in sources:
+        for name, nbytes, _ in source_listing(source) if source.exists() else []:
+            compressed = name.endswith((".gz", ".bz2", ".xz", ".zst", ".parquet"))
+            size += nbytes * (UNCOMPRESSED if compressed else 1)
+    seconds = max(PREPARE_MIN_S, 600 + size / (cpus * PREPARE_BYTES_PER_S_PER_CPU))
+    seconds = -(-seconds // 600) * 600  # whole 10 minutes
+    return cpus, format_limit(seconds), f"~{size / 1e9:,.1f} GB of text on {cpus} CPUs"
 
 
 def without_gpus(args: list[str]) -> list[str]:

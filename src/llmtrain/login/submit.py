@@ -34,7 +34,7 @@ from pathlib import Path
 
 from ..config import (Config, ConfigError, UserError, dump_yaml, load_config, local_path, on_disk,
                       read_json, tokenizer_source)
-from .slurm import sbatch_command, with_extra_args
+from .slurm import prepare_resources, sbatch_command, with_extra_args
 
 DRY_RUN_JOB_ID = "DRY_RUN_JOB_ID"
 LAUNCHER_VARS = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "GROUP_RANK", "ROLE_RANK",
@@ -50,6 +50,7 @@ class Job:
     run_dir: Path
     config: Path  # the frozen config the job trains from
     prepare_job_id: str | None = None
+    prepare_resources: str = ""  # the prepare job's CPUs and time limit, and where they come from
     commands: list[list[str]] = dataclasses.field(default_factory=list)  # sbatch lines run
 
     @property
@@ -217,6 +218,8 @@ def submit(config: str | os.PathLike, overrides: list[str] | tuple[str, ...] = (
     if not is_prepared(cfg):  # one CPU job tokenizes the data first
         job.prepare_job_id = after = sbatch(job.commands, sbatch_command(
             cfg, "prepare", script=script, frozen=frozen, home=home, dependency=dependency), dry_run)
+        cpus, limit, why = prepare_resources(cfg)
+        job.prepare_resources = f"{cpus} CPUs, time limit {limit} ({why})"
     job.job_id = sbatch(job.commands, sbatch_command(
         cfg, "train", script=script, frozen=frozen, home=home, after=after,
         dependency=None if after else dependency), dry_run)
@@ -255,8 +258,8 @@ def sbatch(commands: list[list[str]], cmd: list[str], dry_run: bool) -> str:
 
 def submitted_lines(job: Job) -> list[str]:
     """What `llmtrain submit` prints: key: value lines, for people and for scripts."""
-    lines = [f"prepare_job_id: {job.prepare_job_id} (tokenizes the data on one node; training "
-             f"waits for it)"] if job.prepare_job_id else []
+    lines = [f"prepare_job_id: {job.prepare_job_id} (tokenizes the data on one node, "
+             f"{job.prepare_resources}; training waits for it)"] if job.prepare_job_id else []
     return lines + [f"job_id: {job.job_id}", f"run_dir: {job.run_dir}",
                     f"log: {job.log}",
                     f"config: {job.config} (the jobs train from this copy; to change the run, "
