@@ -10,6 +10,7 @@ import os
 import resource
 import shutil
 import signal
+import socket
 import subprocess
 import sys
 import time
@@ -96,27 +97,62 @@ def test_held_out_documents_are_a_seeded_sample_and_both_splits_keep_the_source_
     assert (documents("train"), documents("validation")) == (train, val)
 
 
-def test_a_killed_prepares_folder_on_this_host_is_removed_by_the_next(home, tmp_path, write_config):
-    """SIGKILL (the out-of-memory killer, a time limit) runs no cleanup: the next prepare of the
-    same data removes the folder of a process that is gone on this host, and leaves the folder
-    of another host's prepare, which may still run."""
-    import socket
-    import subprocess
+# A prepare (argv: config) with a shard file per ~1000 bytes of text that SIGKILLs itself when
+# it starts chunk 5, as the out-of-memory killer or a time limit would: no cleanup runs.
+KILLED_AT_CHUNK_5 = """
+import os, signal, sys
+from llmtrain.config import load_config
+from llmtrain.data import prepare as m
+m.CHUNK_BYTES = 1000
+write = m._write_chunk
+def killed(task):
+    if task[0] == 5:
+        os.kill(os.getpid(), signal.SIGKILL)
+    return write(task)
+m._write_chunk = killed
+m.prepare(load_config(sys.argv[1]), log=print)
+"""
+
+
+def test_a_killed_prepare_is_continued_from_its_finished_chunks(home, tmp_path, write_config,
+                                                                  monkeypatch):
+    """SIGKILL runs no cleanup: the next prepare of the same data continues the folder of a
+    process that is gone on this host, writes only the chunks not finished (a 100B-token prepare
+    killed at 90% does not start from zero), and makes the same tokens as a prepare never
+    killed; it leaves the folder of another host's prepare, which may still run, and removes
+    another dead one of this host."""
     src = tmp_path / "docs.txt"
     src.write_text("\n".join(DOCS) + "\n")
-    cfg = config_for(write_config, src)
+    monkeypatch.setattr(prepare_mod, "CHUNK_BYTES", 1000)
+    whole = TokenStream(*_prepared(config_for(write_config, src, validation_fraction=0.0,
+                                              prepared_dir=str(tmp_path / "ref"))), "train")
+    config = write_config(tiny_config(data={"dataset": str(src), "validation_fraction": 0.0},
+                                      train={"eval_every": 0}), "killed.yaml")
+    cfg = load_config(config)
     final = prepared_path(cfg)
+    proc = subprocess.run([sys.executable, "-c", KILLED_AT_CHUNK_5, str(config)], capture_output=True)
+    assert proc.returncode == -signal.SIGKILL
+    [dead] = final.parent.glob(f"{final.name}.tmp-*")
+    assert len(list(dead.glob("*.done.json"))) == 5
     gone = subprocess.Popen(["true"])
     gone.wait()
-    dead = final.with_name(f"{final.name}.tmp-{socket.gethostname()}-{gone.pid}")
-    other = final.with_name(f"{final.name}.tmp-elsewhere-{gone.pid}")
-    for folder in (dead, other):
+    other_dead = final.with_name(f"{final.name}.tmp-{socket.gethostname()}-{gone.pid}")
+    other_host = final.with_name(f"{final.name}.tmp-elsewhere-{gone.pid}")
+    for folder in (other_dead, other_host):
         (folder / "scratch").mkdir(parents=True)
         (folder / "train-00000.bin").write_bytes(b"\0" * 64)
+
+    written = []
+    write = prepare_mod._write_chunk
+    monkeypatch.setattr(prepare_mod, "_write_chunk", lambda task: written.append(task[0]) or write(task))
     lines = []
     assert prepare(cfg, log=lines.append) == final
-    assert not dead.exists() and other.exists()
-    assert f"removed {dead}: left by a prepare that was killed" in lines
+    assert f"continuing the prepare killed in {dead}: 5 finished chunk(s) kept" in lines
+    assert f"removed {other_dead}: left by a prepare that was killed" in lines
+    assert min(written) == 5 and not dead.exists() and not other_dead.exists() and other_host.exists()
+    again = TokenStream(*open_prepared(cfg), "train")
+    assert np.array_equal(again.read(0, again.num_tokens), whole.read(0, whole.num_tokens))
+    assert sorted(p.name for p in final.iterdir() if not p.name.endswith(".bin")) == ["manifest.json"]
 
 
 def test_prepare_is_idempotent_and_keyed_by_its_inputs(home, tmp_path, write_config, capsys):

@@ -11,8 +11,14 @@ lays them out in rows). Everything is written into `<final>.tmp-<host>-<pid>` an
 the end, so a crash never leaves a folder that looks prepared; a folder whose manifest exists
 is reused. The datasets library's own files (its Arrow copy of the source, the held-out
 indices, tokenized samples) go to `scratch/` inside the temporary folder and are removed with
-it: a 100B-token corpus leaves no terabyte in the datasets cache. A temporary folder a killed
-prepare left on this host is removed by the next one.
+it: a 100B-token corpus leaves no terabyte in the datasets cache.
+
+A prepare killed with no cleanup (SIGKILL: the out-of-memory killer, a time limit) leaves its
+temporary folder. The next prepare of the same data continues it where its process is certainly
+gone (on this host, or a requeued incarnation of the same Slurm job): a text split's finished
+chunks are kept (each chunk's file is complete once its `.done.json` names the same documents),
+the rest written again; other abandoned folders on this host are removed. A 100B-token prepare
+killed at 90% no longer starts from zero.
 """
 
 from __future__ import annotations
@@ -73,11 +79,22 @@ def prepare(cfg: Config, log=print) -> Path:
     bos = bos_to_add(cfg, tokenizer, tok_dir)
     encode = samples.encoder(cfg, tokenizer, bos) if cfg.data.samples else None
     t0 = time.time()
-    remove_abandoned(final, log)
+    adopted = abandoned(final, log)
     tmp = final.with_name(f"{final.name}.tmp-{socket.gethostname()}-{os.getpid()}")
     shutil.rmtree(tmp, ignore_errors=True)
     try:
-        tmp.mkdir(parents=True)
+        if adopted is not None:
+            os.rename(adopted, tmp)
+            shutil.rmtree(tmp / "scratch", ignore_errors=True)
+            finished = {r.name.removesuffix(DONE) for r in tmp.glob(f"*{DONE}")}
+            for path in tmp.iterdir():  # all but the finished chunks and their records
+                if path.name not in finished and not path.name.endswith(DONE):
+                    path.unlink()
+            kept = len(list(tmp.glob(f"*{DONE}")))
+            log(f"continuing the prepare killed in {adopted}: {kept} finished chunk(s) kept")
+        else:
+            tmp.mkdir(parents=True)
+        (tmp / OWNER).write_text(json.dumps({"job_id": os.environ.get("SLURM_JOB_ID")}) + "\n")
     except OSError as e:
         raise PrepareError(f"data.prepared_dir: cannot create {tmp.parent} ({e.strerror}); "
                            f"choose a writable folder") from None
@@ -115,6 +132,12 @@ def prepare(cfg: Config, log=print) -> Path:
             manifest["splits"][split] = part
             manifest["splits"][split]["dataset_fingerprint"] = ds._fingerprint
         shutil.rmtree(scratch)  # the datasets above map its files: unlinked, still readable
+        used = {s["file"] for part in manifest["splits"].values() for s in part.get("shards", [])}
+        for record in tmp.glob(f"*{DONE}"):  # a continuation's records, and its unused chunks
+            if (chunk := record.name.removesuffix(DONE)) not in used:
+                (tmp / chunk).unlink(missing_ok=True)
+            record.unlink()
+        (tmp / OWNER).unlink()
         manifest["seconds"] = round(time.time() - t0, 1)
         (tmp / MANIFEST).write_text(json.dumps(manifest, indent=2) + "\n")
         try:
@@ -138,16 +161,33 @@ def prepare(cfg: Config, log=print) -> Path:
     return final
 
 
-def remove_abandoned(final: Path, log) -> None:
-    """Temporary folders of `final` that a prepare on this host left when it was killed (out of
-    memory, a time limit: no cleanup runs): their process is gone. Other hosts' are theirs."""
-    host = socket.gethostname()
-    for tmp in final.parent.glob(f"{final.name}.tmp-{host}-*"):
-        pid = tmp.name.rpartition("-")[2]
-        if not pid.isdigit() or pid_alive(pid):
-            continue
-        shutil.rmtree(tmp, ignore_errors=True)
-        log(f"removed {tmp}: left by a prepare that was killed")
+OWNER = "owner.json"  # in a temporary folder: the Slurm job that writes it (null outside Slurm)
+DONE = ".done.json"  # next to a finished chunk's file: the documents it holds and its tokens
+
+
+def abandoned(final: Path, log) -> Path | None:
+    """The temporary folder of `final` to continue, if any: one whose prepare was killed (out of
+    memory, a time limit: no cleanup runs) and is certainly gone: on this host, its process is
+    not alive; on another, it belonged to this Slurm job (a requeue: the job's previous run is
+    over). The one with the most finished chunks is taken; the other dead ones on this host are
+    removed. Another host's folder of another job is that prepare's: it may still run."""
+    host, job = socket.gethostname(), os.environ.get("SLURM_JOB_ID")
+    dead = []
+    for tmp in final.parent.glob(f"{final.name}.tmp-*"):
+        owner_host, _, pid = tmp.name.removeprefix(f"{final.name}.tmp-").rpartition("-")
+        mine = owner_host == host and pid.isdigit()
+        try:
+            owner = json.loads((tmp / OWNER).read_text()).get("job_id")
+        except (OSError, ValueError, AttributeError):
+            owner = None
+        if (mine and not pid_alive(pid)) or (job and owner == job and not (mine and int(pid) == os.getpid())):
+            dead.append((len(list(tmp.glob(f"*{DONE}"))), tmp))
+    dead.sort(key=lambda d: d[0], reverse=True)
+    for _, tmp in dead[1:]:
+        if tmp.name.startswith(f"{final.name}.tmp-{host}-"):
+            shutil.rmtree(tmp, ignore_errors=True)
+            log(f"removed {tmp}: left by a prepare that was killed")
+    return dead[0][1] if dead else None
 
 
 
@@ -360,10 +400,12 @@ def write_stream(ds, tokenizer, cfg: Config, folder: Path, split: str, dtype, eo
     chunks = max(-(-text_bytes(ds) // CHUNK_BYTES), 4 * procs if procs > 1 else 1)
     bounds = np.linspace(0, len(ds), min(chunks, len(ds)) + 1).astype(int)
     tasks = [(i, int(a), int(b)) for i, (a, b) in enumerate(zip(bounds[:-1], bounds[1:]))]
+    done = [r for r in (finished_chunk(folder, split, task, dtype) for task in tasks) if r]
+    tasks = [task for task in tasks if task[0] not in {r[0] for r in done}]
     state = (ds, tokenizer.backend_tokenizer, cfg.data.text_field, folder, split, dtype, eos, bos)
     bar = tqdm(total=len(ds), desc=f"tokenize {split}" + (f" ({procs} processes)" if procs > 1 else ""),
-               unit=" documents")
-    done, pool = [], None
+               unit=" documents", initial=sum(r[2] for r in done))
+    pool = None
     with bar:
         if procs == 1:  # here, the tokenizer's own threads on every core
             _set_chunk_state(*state)
@@ -410,7 +452,8 @@ def _start_worker(*state) -> None:
 
 
 def _write_chunk(task: tuple[int, int, int]) -> tuple[int, str, int, int]:
-    """Documents [start, stop) as one shard file: (index, file name, documents, tokens)."""
+    """Documents [start, stop) as one shard file: (index, file name, documents, tokens); once it
+    is complete, its `.done.json` says so (a killed prepare's continuation keeps it)."""
     index, start, stop = task
     ds, backend, field, folder, split, dtype, eos, bos = _chunk_state
     name, tokens = f"{split}-{index:05d}.bin", 0
@@ -422,7 +465,25 @@ def _write_chunk(task: tuple[int, int, int]) -> tuple[int, str, int, int]:
             stream = with_bos_eos(offsets, values, bos, eos, dtype)
             stream.tofile(f)
             tokens += len(stream)
+    done = folder / f"{name}{DONE}"
+    done.with_suffix(".tmp").write_text(json.dumps({"start": start, "stop": stop, "tokens": tokens}))
+    os.replace(done.with_suffix(".tmp"), done)
     return index, name, stop - start, tokens
+
+
+def finished_chunk(folder: Path, split: str, task: tuple[int, int, int], dtype) -> tuple | None:
+    """_write_chunk's result for a chunk a killed prepare finished: its record names the same
+    documents and its file holds the tokens it says; else None (the chunk is written again)."""
+    index, start, stop = task
+    name = f"{split}-{index:05d}.bin"
+    try:
+        record = json.loads((folder / f"{name}{DONE}").read_text())
+        size = (folder / name).stat().st_size
+    except (OSError, ValueError):
+        return None
+    if (record.get("start"), record.get("stop")) != (start, stop) or size != record.get("tokens", -1) * np.dtype(dtype).itemsize:
+        return None
+    return index, name, stop - start, record["tokens"]
 
 
 def flat_ids(lists: list[list[int]]) -> tuple[np.ndarray, np.ndarray]:
