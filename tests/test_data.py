@@ -657,3 +657,24 @@ def test_packing_puts_bos_and_eos_around_every_document_empty_ones_too(bos):
     expected = [t for d in docs for t in ([] if bos is None else [bos]) + d + [2]]
     out = prepare_mod.with_bos_eos(offsets, values, bos, 2, np.uint16)
     assert out.dtype == np.uint16 and out.tolist() == expected
+
+
+@pytest.mark.parametrize("squeue,continued", [
+    ('echo "slurm_load_jobs error: Invalid job id specified" >&2; exit 1', True),  # long gone
+    ("echo RUNNING", False),  # it may be writing there now
+    ('echo "squeue: fatal: Could not establish a configuration source" >&2; exit 1', False)])
+def test_another_hosts_prepare_is_continued_only_when_its_job_is_over(tmp_path, monkeypatch, squeue,
+                                                                     continued):
+    """A prepare job that timed out on node A, submitted again, runs on node B: squeue says
+    whether A's job is over (and cannot tell without a controller: then it is left alone)."""
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    (bin_dir / "squeue").write_text(f"#!/bin/sh\n{squeue}\n")
+    (bin_dir / "squeue").chmod(0o755)
+    monkeypatch.setenv("PATH", f"{bin_dir}:{os.environ['PATH']}")
+    monkeypatch.delenv("SLURM_JOB_ID", raising=False)
+    final = tmp_path / "prepared" / "docs-0123"
+    elsewhere = final.with_name(f"{final.name}.tmp-nodeA-4321")
+    elsewhere.mkdir(parents=True)
+    (elsewhere / "owner.json").write_text('{"job_id": "4242"}\n')
+    assert prepare_mod.abandoned(final, log=print) == (elsewhere if continued else None)

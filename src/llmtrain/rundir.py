@@ -201,6 +201,19 @@ def _alive(owner: dict, me: dict, run_dir: Path) -> bool:
     return time.time() - float(beat.get("time", owner.get("time", 0))) < RunLock.STALE_S
 
 
+def job_alive(job) -> bool:
+    """A Slurm job that may still run: squeue says so, or cannot say (no controller answers);
+    False only where squeue knows it ended or no longer knows it."""
+    try:
+        out = subprocess.run(["squeue", "-h", "-j", str(job), "-o", "%T"], capture_output=True,
+                             text=True, timeout=20)
+    except (OSError, subprocess.TimeoutExpired):
+        return True  # cannot tell: do not take what a live job holds
+    if out.returncode != 0 and "invalid job id" not in out.stderr.lower():
+        return True  # no answer from slurmctld: cannot tell either
+    return out.stdout.strip() in ("RUNNING", "CONFIGURING", "COMPLETING", "SUSPENDED")
+
+
 def pid_alive(pid) -> bool:
     """An llmtrain process with this pid runs on this host: not a zombie (killed, not yet
     reaped), not a recycled pid of another program."""

@@ -37,7 +37,7 @@ import numpy as np
 from ..config import (FILE_BUILDERS, Config, UserError, file_suffix, is_glob, is_split_name,
                       local_path, source_files, tokenizer_source)
 from . import samples
-from ..rundir import pid_alive
+from ..rundir import job_alive, pid_alive
 from .loader import (FORMAT_VERSION, MANIFEST, fingerprint, prepared_path, read_manifest, source_record,
                      tokenizer_sha256)
 
@@ -168,19 +168,23 @@ DONE = ".done.json"  # next to a finished chunk's file: the documents it holds a
 def abandoned(final: Path, log) -> Path | None:
     """The temporary folder of `final` to continue, if any: one whose prepare was killed (out of
     memory, a time limit: no cleanup runs) and is certainly gone: on this host, its process is
-    not alive; on another, it belonged to this Slurm job (a requeue: the job's previous run is
-    over). The one with the most finished chunks is taken; the other dead ones on this host are
-    removed. Another host's folder of another job is that prepare's: it may still run."""
+    not alive; on another, its Slurm job is this one (a requeue: the job's earlier run is over)
+    or one squeue no longer runs (a prepare job that timed out, submitted again). The one with
+    the most finished chunks is taken; the other dead ones on this host are removed. Another
+    host's folder outside Slurm, or of a job that runs, may be in use: it is left alone."""
     host, job = socket.gethostname(), os.environ.get("SLURM_JOB_ID")
     dead = []
     for tmp in final.parent.glob(f"{final.name}.tmp-*"):
         owner_host, _, pid = tmp.name.removeprefix(f"{final.name}.tmp-").rpartition("-")
-        mine = owner_host == host and pid.isdigit()
         try:
             owner = json.loads((tmp / OWNER).read_text()).get("job_id")
         except (OSError, ValueError, AttributeError):
             owner = None
-        if (mine and not pid_alive(pid)) or (job and owner == job and not (mine and int(pid) == os.getpid())):
+        if owner_host == host and pid.isdigit():
+            gone = int(pid) != os.getpid() and not pid_alive(pid)
+        else:
+            gone = bool(owner) and (owner == job or not job_alive(owner))
+        if gone:
             dead.append((len(list(tmp.glob(f"*{DONE}"))), tmp))
     dead.sort(key=lambda d: d[0], reverse=True)
     for _, tmp in dead[1:]:
