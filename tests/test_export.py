@@ -1,19 +1,23 @@
 """An export as a user of the model meets it: it generates (KV cache, a generation config that
-runs as it is), in the dtype asked for, and the group can read it. The FSDP-written export and
-`llmtrain generate` are in test_checkpoint.py."""
+runs as it is), in the dtype asked for, and the group can read it; the export of a LoRA run on a
+bf16 base holds its adapters or one layer, never the model. The FSDP-written export and
+`llmtrain generate` are in test_checkpoint.py, the LoRA exports' peft loading in test_finetune.py."""
 
 from __future__ import annotations
 
+import json
 import logging
 import os
 import stat
+import subprocess
+import sys
 import warnings
 
 import pytest
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from conftest import cli, prepared_home, tiny_config
+from conftest import DEMO, cli, prepared_home, tiny_config
 
 pytestmark = pytest.mark.slow
 
@@ -125,3 +129,103 @@ def test_export_dtype_logits_identical_in_fp32_and_close_in_half(exports, dtype,
     else:
         error = (got - expected).abs().max() / expected.abs().max()
         assert error < 0.02, f"{dtype}: logits off by {error:.1%} of their range"  # bf16: ~0.6%
+
+
+# ---------------------------------------------------------------------------------------------
+# Memory: a LoRA run on a bf16 base of 103M parameters (206 MB; 412 MB in fp32), 8 layers of
+# 51 MB in fp32.
+
+BASE = {"hidden_size": 1024, "intermediate_size": 2816, "num_hidden_layers": 8,
+        "num_attention_heads": 16, "num_key_value_heads": 16, "vocab_size": 512,
+        "max_position_embeddings": 128, "tie_word_embeddings": False}
+BASE_PARAMS = 8 * (4 * 1024 * 1024 + 3 * 1024 * 2816 + 2 * 1024) + 2 * 512 * 1024 + 1024
+LAYER_FP32 = 4 * (4 * 1024 * 1024 + 3 * 1024 * 2816 + 2 * 1024)
+
+
+@pytest.fixture(scope="module")
+def lora_bf16(tmp_path_factory):
+    """A bf16 base model folder, a 1-step LoRA run on it, and the peak memory of a process that
+    only imports what export imports (the baseline)."""
+    from transformers import AutoConfig
+    base = tmp_path_factory.mktemp("bf16-base")
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(AutoConfig.for_model("llama", **BASE), dtype=torch.bfloat16)
+    model.save_pretrained(base)
+    del model
+    assert sum(p.stat().st_size for p in base.glob("*.safetensors")) > 2 * BASE_PARAMS
+    cfg = tiny_config(data={"seq_len": 16},
+                      train={"global_batch_size": 1, "micro_batch_size": 1, "max_steps": 1,
+                             "warmup_steps": 0, "eval_every": 0, "checkpoint_every": 1})
+    cfg["model"] = {"name_or_path": str(base), "tokenizer": str(DEMO / "tokenizer"),
+                    "lora": {"rank": 4, "alpha": 8}}
+    with prepared_home(tmp_path_factory, "lora-bf16", cfg) as (root, config):
+        cli("train", "--config", config, check=True)
+        baseline = peak_rss("-c", "import llmtrain.cli, llmtrain.model.export")
+        yield base, root / "home" / "runs" / "test", root, baseline
+
+
+def peak_rss(*args: str) -> int:
+    """The peak resident memory, in bytes, of `python ARGS` run as a user runs it (a process of
+    its own: this one's children so far are not counted); fails if it fails."""
+    wrapper = ("import json, resource, subprocess, sys; "
+               "r = subprocess.run(sys.argv[1:], capture_output=True, text=True); "
+               "print(json.dumps([r.returncode, r.stdout + r.stderr, "
+               "resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss * 1024]))")
+    # Large blocks mmapped and returned at free: the peak follows the live tensors. glibc's heap
+    # keeps freed blocks below its adaptive mmap threshold (at most 32 MB; these layers' tensors
+    # are 4-12 MB, a 70B's are above it), which added 60-80 MiB of noise to the merged export.
+    env = {**os.environ, "MALLOC_MMAP_THRESHOLD_": "65536", "MALLOC_TRIM_THRESHOLD_": "0"}
+    proc = subprocess.run([sys.executable, "-c", wrapper, sys.executable, *args], capture_output=True,
+                          text=True, timeout=300, check=True, env=env)
+    code, output, peak = json.loads(proc.stdout.splitlines()[-1])
+    assert code == 0, output
+    return peak
+
+
+def test_adapter_export_reads_the_adapters_alone(lora_bf16):
+    """Before: the base was built in fp32 to write 1 MB of adapters (642 MiB over the baseline,
+    1.6x the base's fp32 size); now 8 MiB."""
+    _, run, root, baseline = lora_bf16
+    out = root / "adapter"
+    used = peak_rss("-m", "llmtrain", "export", "--run-dir", str(run), "--out", str(out)) - baseline
+    assert used < 0.25 * 2 * BASE_PARAMS, f"{used / 2**20:.0f} MiB over the baseline"
+    assert sorted(p.name for p in out.glob("adapter_*")) == ["adapter_config.json",
+                                                            "adapter_model.safetensors"]
+
+
+def test_merged_export_holds_one_layer_and_merges_in_fp32(lora_bf16):
+    """Before: the whole base in fp32 and its merged copy (640 MiB over the baseline); now about
+    one layer in fp32 (120 MiB with the modules and tokenizer export loads). The written weights
+    are the bf16 base's upcast, the adapters' B A alpha/rank added to the targets."""
+    from safetensors import safe_open
+    base, run, root, baseline = lora_bf16
+    out = root / "merged"
+    used = peak_rss("-m", "llmtrain", "export", "--run-dir", str(run), "--out", str(out),
+                    "--merge") - baseline
+    assert used < 3 * LAYER_FP32, f"{used / 2**20:.0f} MiB over the baseline"
+
+    cli("export", "--run-dir", run, "--out", root / "adapter-fp32", check=True)
+    q = "model.layers.3.self_attn.q_proj"
+    with safe_open(out / "model.safetensors", "pt") as merged, \
+            safe_open(base / "model.safetensors", "pt") as stored, \
+            safe_open(root / "adapter-fp32" / "adapter_model.safetensors", "pt") as adapter:
+        a, b = (adapter.get_tensor(f"base_model.model.{q}.lora_{m}.weight") for m in "AB")
+        assert b.abs().max() > 0  # trained: B starts at zero
+        expected = stored.get_tensor(f"{q}.weight").float() + b @ a * (8 / 4)
+        assert torch.equal(merged.get_tensor(f"{q}.weight"), expected)
+        down = "model.layers.3.mlp.down_proj.weight"  # not a target
+        assert torch.equal(merged.get_tensor(down), stored.get_tensor(down).float())
+        assert len(list(merged.keys())) == len(list(stored.keys()))
+    assert json.loads((out / "config.json").read_text())["dtype"] == "float32"
+
+
+def test_generate_from_a_lora_run_loads_the_base_as_stored(lora_bf16):
+    """bf16 on disk, bf16 in memory (before: fp32, 636 MiB over the baseline; now 266)."""
+    from llmtrain.model.export import load_checkpoint_model
+    _, run, _, baseline = lora_bf16
+    model, _ = load_checkpoint_model(run)
+    assert {p.dtype for p in model.parameters()} == {torch.bfloat16}
+    del model
+    used = peak_rss("-m", "llmtrain", "generate", "--run-dir", str(run), "--prompt", "Once upon",
+                    "--max-new-tokens", "3") - baseline
+    assert used < 4 * BASE_PARAMS, f"{used / 2**20:.0f} MiB over the baseline: more than the base in fp32"

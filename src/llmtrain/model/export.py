@@ -16,6 +16,10 @@ bf16/fp16 are compute precisions); bf16 halves the folder and is what serving us
 A LoRA run exports its adapters as peft writes them (adapter_config.json naming the base's
 folder, adapter_model.safetensors): `PeftModel.from_pretrained(base, out)` loads them; with
 --merge, the adapters folded into the base's weights, a plain model folder.
+
+Memory: export never holds the model. An adapter export reads the adapters alone (the base is
+not opened); a model folder is written one decoder layer at a time (shards.py), so the peak is
+about one layer in fp32, not the model (a 70B's was 280 GB and more).
 """
 
 from __future__ import annotations
@@ -35,7 +39,7 @@ from ..config import LoraSpec, UserError
 from ..rundir import META
 from ..training.checkpoint import BUFFERS, resolve
 from .lora import apply_lora, is_adapter, peft_config
-from .lora import merge as merge_adapters
+from .shards import Checkpoint, write_weights
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 # What `model.generate(**inputs)` on an export does when asked nothing else (and what
@@ -45,16 +49,17 @@ SAMPLING = {"do_sample": True, "temperature": 0.8, "top_k": 0, "max_new_tokens":
 
 
 def load_checkpoint_model(run_dir: Path, step: int | None = None):
-    """(model, tokenizer) of a run's checkpoint, full fp32 weights on CPU, in eval mode, set up
-    for generation (KV cache on, the export's generation config). A LoRA run's: its base model
-    from the base's folder with the checkpoint's adapters on it (lora.py)."""
+    """(model, tokenizer) of a run's checkpoint on CPU, in eval mode, set up for generation (KV
+    cache on, the export's generation config): a full run's fp32 weights; a LoRA run's base
+    from the base's folder in the dtype it is stored in (a bf16 base is not doubled to fp32),
+    with the checkpoint's adapters on it (lora.py), cast to that dtype too."""
     ckpt = resolve(Path(run_dir), step)
     return _load(ckpt, *lora_of(ckpt))
 
 
 def _load(ckpt: Path, spec: LoraSpec | None, base: Path | None):
     if spec is not None:
-        model = AutoModelForCausalLM.from_pretrained(base, dtype=torch.float32)
+        model = AutoModelForCausalLM.from_pretrained(base, dtype="auto")
         apply_lora(model, spec)
         state = {"model": {k: v for k, v in model.state_dict().items() if is_adapter(k)}}
     else:
@@ -73,6 +78,8 @@ def _load(ckpt: Path, spec: LoraSpec | None, base: Path | None):
         buffers = torch.load(ckpt / BUFFERS, weights_only=True)
         for name, buf in model.named_buffers():
             buf.copy_(buffers[name])
+    else:  # the layers' inputs arrive in the base's dtype; the adapters (fp32) must match them
+        model.to(model.get_input_embeddings().weight.dtype)
     tokenizer = AutoTokenizer.from_pretrained(ckpt)
     # Checkpoints carry the training config, where model/build.py turns the KV cache off; without it
     # generate recomputes the whole sequence for every token (56x slower for 200 tokens).
@@ -113,22 +120,28 @@ def export(run_dir: Path, out: Path, step: int | None = None, dtype: str = "fp32
     if merge and spec is None:
         raise UserError(f"--merge: {run_dir} is not a LoRA run (its checkpoints hold the whole model); "
                         f"export it without --merge")
-    model, tokenizer = _load(ckpt, spec, base)
-    if spec is not None and merge:
-        merge_adapters(model)
-    model.to(DTYPES[dtype])  # config.json's dtype follows: from_pretrained loads it as saved
+    checkpoint = Checkpoint(ckpt)
+    tokenizer = AutoTokenizer.from_pretrained(ckpt)
     new_parents = [p for p in out.parents if not p.exists()]
     tmp = out.with_name(f".{out.name}.tmp")
     shutil.rmtree(tmp, ignore_errors=True)
+    tmp.mkdir(parents=True)
     if spec is not None and not merge:
         from safetensors.torch import save_file
-        tmp.mkdir(parents=True)
-        adapters = {f"base_model.model.{k}": v.contiguous() for k, v in model.state_dict().items()
-                    if is_adapter(k)}
-        save_file(adapters, tmp / "adapter_model.safetensors", metadata={"format": "pt"})
+        adapters = checkpoint.read([n for n in checkpoint.tensors if is_adapter(n)])
+        save_file({f"base_model.model.{n}": t.to(DTYPES[dtype]).contiguous() for n, t in adapters.items()},
+                  tmp / "adapter_model.safetensors", metadata={"format": "pt"})
         (tmp / "adapter_config.json").write_text(json.dumps(peft_config(spec, str(base)), indent=2) + "\n")
     else:
-        model.save_pretrained(tmp)
+        config = AutoConfig.from_pretrained(base if spec is not None else ckpt)
+        with torch.device("meta"):  # the names, shapes and ties, allocating nothing
+            skeleton = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+        write_weights(tmp, checkpoint, skeleton, DTYPES[dtype], (spec, base) if spec is not None else None)
+        config.use_cache = True  # the training config turns it off (model/build.py)
+        config.dtype = str(DTYPES[dtype]).removeprefix("torch.")  # as save_pretrained records it
+        config.architectures = [type(skeleton).__name__]
+        config.save_pretrained(tmp)
+        generation_config(tokenizer, config).save_pretrained(tmp)
     tokenizer.save_pretrained(tmp)
     _share_with_group(tmp)
     for parent in new_parents:

@@ -118,14 +118,8 @@ def peft_config(spec: LoraSpec, base: str | None) -> dict:
 
 
 @torch.no_grad()
-def merge(model: torch.nn.Module) -> None:
-    """Fold every adapter into its layer's weight (W += B A alpha/rank) and remove it: a plain
-    model again."""
-    for module in model.modules():
-        if hasattr(module, "lora_A"):
-            delta = module.lora_B.weight.float() @ module.lora_A.weight.float() * module.lora_scaling
-            module.weight.add_(delta.to(module.weight.dtype))
-            for attr in ("lora_A", "lora_B", "lora_dropout"):
-                delattr(module, attr)
-            del module.lora_scaling
-            del module.forward  # the class's forward again
+def merged_weight(weight: torch.Tensor, lora_a: torch.Tensor, lora_b: torch.Tensor,
+                  scaling: float) -> torch.Tensor:
+    """A target layer's weight with its adapter folded in, W + B A alpha/rank, in fp32 (the
+    base's weight upcast from its storage): `llmtrain export --merge`, one layer at a time."""
+    return weight.float() + lora_b.float() @ lora_a.float() * scaling
