@@ -115,6 +115,8 @@ BROKEN = [
      "parallel.shard_size: only used with parallel.strategy: hsdp (got strategy ddp)"),
     ({"parallel": {"startup_timeout_s": 5}},
      "parallel.startup_timeout_s: must be >= 10 (got 5)"),
+    ({"profile": {"ranks": [0, -1]}},
+     "profile.ranks: must be all or ranks >= 0, like [0, 8] (got [0, -1])"),
     ({"model": {"name_or_path": "/models/llama"}},
      "model.name_or_path: set exactly one of model.name_or_path (pretrained) and "
      "model.architecture (from scratch)"),

@@ -74,6 +74,42 @@ def test_lora_on_a_model_folder_keeps_gradients_and_state_for_the_adapters_only(
     assert full - lora == (4 + 2) * 128256 * 4096
 
 
+@pytest.mark.parametrize("head_trains", [True, False])
+def test_the_loss_row_is_the_chunked_losss_measured_peak_forward_and_backward(
+        home, write_config, monkeypatch, head_trains):
+    """The loss row against torch's memory tracker over the chunked loss's forward and backward
+    (fp32, 4096 tokens x 256 wide, a 4096-token vocabulary, 64-token chunks): the hidden states'
+    gradient, 4 MiB, and with a trained head its fp32 gradient and a chunk's product, 4 MiB each,
+    and one chunk's logits, 1 MiB. The backward scales the saved gradients in place: a copy of
+    each (the old `grad_hidden * grad_out`) made it the peak, 8 and 16 MiB."""
+    import dataclasses
+
+    import torch
+    from torch.distributed._tools.mem_tracker import MemTracker
+
+    from llmtrain.estimate import _loss_bytes
+    from llmtrain.model import loss
+
+    monkeypatch.setattr(loss, "CHUNK_LOGIT_BYTES", 2**20)  # 64 tokens of 4096 fp32 logits
+    shape = model_shape(load_config(write_config(tiny_config(model={"architecture": PROBED},
+                                                             train={"precision": "fp32"}))))
+    if not head_trains:  # LoRA's frozen head
+        shape = dataclasses.replace(shape, head_trainable=0)
+    tokens, width, vocab = 4096, shape.hidden, shape.vocab
+    torch.manual_seed(0)
+    hidden = torch.randn(tokens, width, requires_grad=True)
+    weight = torch.randn(vocab, width, requires_grad=head_trains)
+    targets = torch.randint(0, vocab, (tokens,))
+    tracker = MemTracker()
+    tracker.track_external(hidden, weight)
+    with tracker:
+        loss.chunked_cross_entropy(hidden, weight, targets).backward()
+    measured = tracker.get_tracker_snapshot("peak")[torch.device("cpu")]["Total"] - 4 * (tokens + vocab) * width
+    estimated = _loss_bytes(shape, tokens, 4, 4, False)
+    assert estimated == 4 * tokens * width + 8 * shape.head_trainable + 4 * 64 * vocab
+    assert 0.95 <= measured / estimated <= 1.05, (measured / 2**20, estimated / 2**20)
+
+
 @pytest.mark.parametrize("attn,per_row", [("sdpa", 16 * 64 * 65 + 8 * 8192), ("eager", 4 * 8192**2)])
 def test_the_document_mask_of_each_micro_batch_is_counted(home, write_config, attn, per_row):
     """data.document_masking, 2 rows of 8192 tokens a micro-batch: flex attention's BlockMask

@@ -93,37 +93,55 @@ def annotations(trace: Path) -> set[str]:
 
 
 @pytest.mark.slow
-def test_a_profile_requested_through_control_traces_the_same_steps_on_every_rank(observe):
+def test_profiles_trace_the_configured_ranks_or_those_a_request_names(observe):
+    """Two ranks, profile.ranks [1]: the planned step 2 is traced on rank 1 only; a request
+    with --ranks all traces the same steps on both; one without --ranks, the config's rank 1."""
     root, config = observe
     run_dir = root / "home" / "runs" / "profiled"
     proc = torchrun_popen(2, "train", "--config", config, "--set", "run.name=profiled",
                           "--set", "train.max_steps=100000", "--set", "train.log_every=1",
-                          "--set", "train.eval_every=0", "--set", "train.checkpoint_every=0")
+                          "--set", "train.eval_every=0", "--set", "train.checkpoint_every=0",
+                          "--set", "profile.start_step=2", "--set", "profile.steps=1",
+                          "--set", "profile.ranks=[1]")
+
+    def wait_for_traces(count: int) -> None:
+        while len(list((run_dir / "profile").glob("*.json"))) < count:
+            assert proc.poll() is None and time.monotonic() < deadline, f"no trace {count} came"
+            time.sleep(0.1)
+
     try:
         deadline = time.monotonic() + 120
-        while logged_step(run_dir) < 2:
-            assert proc.poll() is None and time.monotonic() < deadline, "the run never reached step 2"
-            time.sleep(0.1)
-        asked = cli("control", run_dir, "profile", "--steps", "2", check=True)
+        wait_for_traces(1)  # the planned one, before any request (one under way defers it)
+        asked = cli("control", run_dir, "profile", "--steps", "2", "--ranks", "all", check=True)
         assert asked.stdout.startswith(f"profile requested: {run_dir}/control/profile")
-        while len(list((run_dir / "profile").glob("*.json"))) < 2:
-            assert proc.poll() is None and time.monotonic() < deadline, "no trace came"
-            time.sleep(0.1)
+        wait_for_traces(3)
+        cli("control", run_dir, "profile", "--steps", "2", check=True)
+        wait_for_traces(4)
         cli("control", run_dir, "stop", check=True)
         out, _ = proc.communicate(timeout=120)
     finally:
         if proc.poll() is None:
             proc.kill()
     assert proc.returncode == 0, out
-    traces = sorted((run_dir / "profile").glob("*.json"))
-    first = int(traces[0].name.split("-")[1])
-    assert [t.name for t in traces] == [f"steps-{first}-{first + 1}-rank-{r}.json" for r in (0, 1)]
-    for trace in traces:
-        assert {f"step {first}", f"step {first + 1}", *PHASES} <= annotations(trace)
-        assert f"step {first + 2}" not in annotations(trace)
+    names = {t.name for t in (run_dir / "profile").glob("*.json")}
+    both = sorted(int(n.split("-")[1]) for n in names if n.endswith("-rank-0.json"))
+    assert len(both) == 1, names
+    first = both[0]
+    last = next(int(n.split("-")[1]) for n in names if n.endswith("-rank-1.json") and int(n.split("-")[1]) > first)
+    assert names == {"steps-2-2-rank-1.json", f"steps-{first}-{first + 1}-rank-0.json",
+                     f"steps-{first}-{first + 1}-rank-1.json", f"steps-{last}-{last + 1}-rank-1.json"}
+    assert {"step 2", *PHASES} <= annotations(run_dir / "profile" / "steps-2-2-rank-1.json")
+    for rank in (0, 1):
+        trace = annotations(run_dir / "profile" / f"steps-{first}-{first + 1}-rank-{rank}.json")
+        assert {f"step {first}", f"step {first + 1}", *PHASES} <= trace
+        assert f"step {first + 2}" not in trace
     log = (run_dir / "logs" / "rank-0.log").read_text()
-    assert f"profile requested (2 steps) through {run_dir}/control/profile" in log
+    assert f"profile requested (2 steps on ranks 0-1 (all)) through {run_dir}/control/profile" in log
+    assert f"profile requested (2 steps on ranks 1) through {run_dir}/control/profile" in log
+    # where the traces are: printed by the lowest rank that traced them
     assert f"profile of steps {first}-{first + 1}: {run_dir}/profile/steps-{first}-{first + 1}-rank-*.json" in log
+    assert "profile of steps 2-2: " not in log
+    assert f"profile of steps 2-2: {run_dir}/profile/steps-2-2-rank-*.json" in out
 
 
 def fake_run(run_dir: Path, name: str, scale: float, steps: int = 60) -> None:
@@ -176,9 +194,14 @@ def test_plot_of_what_cannot_be_drawn_is_one_line(tmp_path):
     assert not (empty / "plot.png").exists()
 
 
-def test_control_profile_needs_a_positive_step_count(tmp_path):
-    proc = cli("control", tmp_path, "profile", "--steps", "0")
-    assert (proc.returncode, proc.stderr) == (1, "error: --steps: must be >= 1 (got 0)\n")
+@pytest.mark.parametrize("args,line", [
+    (["profile", "--steps", "0"], "--steps: must be >= 1 (got 0)"),
+    (["profile", "--ranks", "0,-8"], "--ranks: must be all or ranks >= 0, like 0,8 (got '0,-8')"),
+    (["save", "--ranks", "1"], "--ranks: only for profile (got save --ranks 1)"),
+])
+def test_control_profile_needs_positive_steps_and_ranks(tmp_path, args, line):
+    proc = cli("control", tmp_path, *args)
+    assert (proc.returncode, proc.stderr) == (1, f"error: {line}\n")
 
 
 @pytest.mark.parametrize("missing,key", [("wandb", "metrics.wandb.project=p"),

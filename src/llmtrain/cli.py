@@ -7,7 +7,7 @@
     llmtrain export --run-dir DIR [--step N] --out DIR [--dtype fp32|bf16|fp16]
     llmtrain generate (--model DIR | --run-dir DIR [--step N]) --prompt TEXT [--chat]
     llmtrain status RUN_DIR|JOB_ID [--follow]
-    llmtrain control RUN_DIR save|stop|profile
+    llmtrain control RUN_DIR save|stop|profile [--steps N] [--ranks 0,8|all]
     llmtrain download [--config FILE] [--model ID] [--dataset ID] [--force] ...
     llmtrain sbatch-command prepare|train|continuation --config FILE --script PATH [...] [-- ARGS]
     llmtrain submit --config FILE [--set ...] [--dry-run | --local] [-- SBATCH ARGS]   # submit.sh
@@ -34,7 +34,7 @@ import sys
 import time
 from typing import NoReturn
 
-from .config import ConfigError, UserError, load_config
+from .config import ConfigError, UserError, load_config, parse_ranks
 
 EXIT_CONFIG = 2  # a config problem, as for a usage error
 EXIT_USER = 1  # anything else the user can fix: data, model, paths
@@ -312,8 +312,10 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("run_dir", help="the run's directory, <run.dir>/<run.name>")
     p.add_argument("action", choices=["save", "stop", "profile"], help="save: checkpoint now and go "
                    "on; stop: checkpoint and end (not requeued); profile: a torch.profiler trace of "
-                   "the next steps on every rank, into RUN_DIR/profile")
+                   "the next steps, into RUN_DIR/profile")
     p.add_argument("--steps", type=int, default=3, help="profile: how many steps (default: 3)")
+    p.add_argument("--ranks", help="profile: the ranks that trace, like 0,8, or all (default: "
+                   "the config's profile.ranks, rank 0 unless set)")
     p.set_defaults(func=cmd_control)
 
     p = sub.add_parser("plot", help="draw runs' loss, eval loss, learning rate, tokens/s, MFU, "
@@ -597,8 +599,17 @@ def cmd_control(args) -> int:
     from .training.control import request
     if args.action == "profile" and args.steps < 1:
         raise UserError(f"--steps: must be >= 1 (got {args.steps})")
+    reason = str(args.steps) if args.action == "profile" else "user"
+    if args.ranks is not None:  # profile's switch text becomes `STEPS RANKS` (control._take_profile)
+        if args.action != "profile":
+            raise UserError(f"--ranks: only for profile (got {args.action} --ranks {args.ranks})")
+        try:
+            ranks = parse_ranks(args.ranks)
+        except ValueError as e:
+            raise UserError(f"--ranks: {e}, like 0,8 (got {args.ranks!r})") from None
+        reason += " " + (ranks if ranks == "all" else ",".join(map(str, ranks)))
     # a run that is not running: one line, exit 1
-    path = request(args.run_dir, args.action, str(args.steps) if args.action == "profile" else "user")
+    path = request(args.run_dir, args.action, reason)
     print(f"{args.action} requested: {path} (acted on within seconds, at a step boundary)")
     return 0
 

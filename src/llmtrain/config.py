@@ -295,7 +295,32 @@ class ProfileConfig:
     llmtrain control RUN_DIR profile."""
     start_step: Optional[int] = None  # the first profiled step; None: only on request
     steps: int = 3  # steps per trace
+    # The ranks that trace: a list, one rank, or "all" (a trace is hundreds of MB: on 512 ranks,
+    # every rank's would flood the shared filesystem). Checked by validate, read through rank_set.
+    ranks: Any = (0,)
     memory_history: bool = False  # CUDA: record every allocation's stack, for the out-of-memory snapshot
+
+    @property
+    def rank_set(self) -> "tuple[int, ...] | str":
+        return parse_ranks(self.ranks)
+
+
+def parse_ranks(value: Any) -> "tuple[int, ...] | str":
+    """profile.ranks or `llmtrain control ... --ranks` as written: "all", one rank, a list of
+    ranks or a comma-separated string of them -> "all" or the sorted ranks; ValueError."""
+    if isinstance(value, str):
+        if value.strip() == "all":
+            return "all"
+        try:
+            value = [int(v) for v in value.split(",")]
+        except ValueError:
+            value = None
+    elif isinstance(value, int):
+        value = [value]
+    if (not isinstance(value, (list, tuple)) or not value
+            or not all(isinstance(v, int) and not isinstance(v, bool) and v >= 0 for v in value)):
+        raise ValueError("must be all or ranks >= 0")
+    return tuple(sorted(set(value)))
 
 
 @dataclass(frozen=True)
@@ -460,6 +485,8 @@ def load_yaml(text: str) -> Any:
 
 def _coerce(value: Any, hint: Any) -> Any:
     origin, args = typing.get_origin(hint), typing.get_args(hint)
+    if hint is Any:  # a key of several shapes, checked in validate
+        return value
     if origin is typing.Union:  # Optional[X]
         if value is None:
             return None
@@ -902,6 +929,10 @@ def _check_tracking(cfg: Config) -> list[str]:
         p.append(f"profile.start_step: must be >= 1 (got {pc.start_step})")
     if pc.steps < 1:
         p.append(f"profile.steps: must be >= 1 (got {pc.steps})")
+    try:
+        pc.rank_set
+    except ValueError as e:
+        p.append(f"profile.ranks: {e}, like [0, 8] (got {pc.ranks!r})")
     return p
 
 

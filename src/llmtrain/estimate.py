@@ -36,7 +36,8 @@ layers, vocabulary; Pl, Pr, H: one layer's, the root's (embeddings, final norm, 
 - loss (train.chunked_loss): T r h (the hidden states' gradient) + 4 H (the head's fp32
   gradient) + C V (4 + p) (a chunk's fp32 logits and their cast, C = 256 MiB / 4 V tokens) +
   p H (a chunk's head-gradient product); a frozen head (LoRA) has neither gradient nor product;
-  autocast's cast of an fp32 head, p H; the full logits' loss: T V (12 + p)
+  autocast's cast of an fp32 head, p H; the full logits' loss: T V (12 + p). The chunked loss's
+  backward scales its saved gradients in place, so it holds no more than its forward
 - comm buffers (FSDP2): the prefetched layer's all-gather output (p Pl per
   parallel.prefetch_layers) and the previous reduce-scatter's fp32 input (4 Pl; the root's 4 Pr),
   kept until the next one instead of record_stream. DDP: none, NCCL reduces the buckets in place

@@ -7,10 +7,10 @@ A plain loss materialises the logits of every token at once, [tokens x vocab], a
 and its gradient: at a 128k vocabulary and 8192 tokens, ~4 GB each. Here the output head is
 applied to a chunk of tokens at a time: each chunk's logits give its loss and, at once, the
 gradients of the hidden states and of the head's weight (softmax minus one-hot, divided by the
-token count), and are freed. Backward only scales the saved gradients. Peak extra memory: one
-chunk's logits, the hidden states' gradient and the head's fp32 gradient (none for a frozen
-head, LoRA's: neither it nor its matmul is computed). The same sums as the
-plain loss, in chunks: equal within float rounding (tests/test_model.py).
+token count), and are freed. Backward only scales the saved gradients, in place (no second
+copy). Peak extra memory, in forward: one chunk's logits, the hidden states' gradient and the
+head's fp32 gradient (none for a frozen head, LoRA's: neither it nor its matmul is computed).
+The same sums as the plain loss, in chunks: equal within float rounding (tests/test_model.py).
 
 The head is reached through HF's `get_output_embeddings()`; `chunk_head` makes that module
 return its input, so the model's forward (under its FSDP2 hooks, which gather the head with the
@@ -148,5 +148,9 @@ class _ChunkedCrossEntropy(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad_out):
         grad_hidden, grad_weight = ctx.saved_tensors
-        return (grad_hidden * grad_out, None if grad_weight is None else grad_weight * grad_out,
+        # In place: `grad_hidden * grad_out` would hold a second [tokens x hidden] (and head-sized)
+        # copy beside the saved one, and make this backward, not the forward, the loss's peak.
+        # Nothing reads the saved tensors again (a second backward through this graph, under
+        # retain_graph, fails loudly on their version counters instead of reading scaled values).
+        return (grad_hidden.mul_(grad_out), None if grad_weight is None else grad_weight.mul_(grad_out),
                 None, None, None, None)

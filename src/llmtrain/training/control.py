@@ -13,7 +13,7 @@ Requests come from:
   `profile` (trace the next N steps, training/profiling.py), written by
   `llmtrain control RUN_DIR stop|save|profile` or by train.slurm's trap when Slurm sends the batch
   shell its warning signal (`--signal=B:USR1@lead`). A file's text is the reason ("preempt",
-  "user"), or profile's step count.
+  "user"), or profile's `STEPS [RANKS]` (`2 0,8`, `3 all`; without RANKS, profile.ranks).
   A switch older than this launch was meant for an earlier one: rank 0 removes it at start.
 - the job's end time: rank 0 reads it from Slurm once, and asks to stop early enough that the
   step under way, the next one (a stop is read a step later), an evaluation and the final save
@@ -21,7 +21,8 @@ Requests come from:
   never later than `slurm.signal_lead_s` before the end).
 
 Rank 0 stats the switch files at most every second; the agreement is a MAX all-reduce of
-[stop, save, non-finite, profile steps] so every rank takes the same decision at the same step.
+[stop, save, non-finite, profile steps, then a 0/1 per rank: it traces them] so every rank takes
+the same decision at the same step (4 bytes a rank: 2 KiB at 512 ranks, still one small message).
 The all-reduce stays on the device: the optimizer skips a non-finite step there (fused AdamW's
 `found_inf`), and the host reads the flags from a pinned copy one step later, unless the step logs, evaluates or
 saves (then at once). So a step that does nothing else never waits for the device, and a stop
@@ -44,7 +45,7 @@ from dataclasses import dataclass
 from datetime import datetime
 from pathlib import Path
 
-from ..config import Config, UserError
+from ..config import Config, UserError, parse_ranks
 from ..rundir import Log, write_atomic
 
 SWITCH_POLL_S = 1.0
@@ -71,12 +72,13 @@ class Verdict:
     reason: str
     samples: object = None  # this rank's sample indices in that step (named if it is skipped)
     profile: int = 0  # steps to profile from the next one (a request through control/profile)
+    profile_ranks: tuple = ()  # the ranks that trace them
 
 
 class Agreement:
-    """One step's flags [stop, save, non-finite, profile steps], all-reduced on the device; `read()` gives the
-    Verdict. On CUDA the flags are copied into pinned memory behind the step's work, so reading
-    them a step later waits for nothing that is still running."""
+    """One step's flags [stop, save, non-finite, profile steps, tracing ranks], all-reduced on
+    the device; `read()` gives the Verdict. On CUDA the flags are copied into pinned memory
+    behind the step's work, so reading them a step later waits for nothing that is still running."""
 
     def __init__(self, control: "Control", step: int, flags, samples=None):
         import torch
@@ -97,12 +99,14 @@ class Agreement:
         if self._verdict is None:
             if self.event is not None:
                 self.event.synchronize()
-            stop, save, bad, profile = self.host.tolist()
+            flags = self.host.tolist()
+            stop, save, bad, profile = flags[:4]
             control = self.control
             if stop and not control.reason:
                 control.reason = "signal"  # another rank's request; rank 0 writes the reason it saw
             self._verdict = Verdict(self.step, bool(stop), bool(save), bool(bad), control.reason,
-                                    self.samples, int(profile))
+                                    self.samples, int(profile),
+                                    tuple(rank for rank, traces in enumerate(flags[4:]) if traces))
         return self._verdict
 
 
@@ -156,6 +160,7 @@ class Control:
         self.signal_reason: str | None = None
         self.reason = ""
         self.lead_s = cfg.slurm.signal_lead_s
+        self.profile_ranks = cfg.profile.rank_set  # a profile request's, unless it names its own
         end_time = job_end_time() if world.is_main and self.lead_s > 0 else None
         self.deadline = Deadline(end_time, self.lead_s, save_s) if end_time else None
         self.last_poll = self.last_arm = 0.0
@@ -213,7 +218,7 @@ class Control:
         import torch
         import torch.distributed as dist
 
-        stop, save, profile = 0.0, 0.0, 0.0
+        stop, save, profile, tracing = 0.0, 0.0, 0, ()
         if self.signal_reason:
             stop, self.reason = 1.0, self.signal_reason
         if self.world.is_main:
@@ -227,15 +232,19 @@ class Control:
                     stop, self.reason = 1.0, reason
                 if self._take("save"):
                     save = 1.0
-                profile = float(self._take_profile())
+                profile, tracing = self._take_profile()
             if self.deadline:
                 self.deadline.agreed(now)
                 if not stop and self.deadline.due(now):
                     stop, self.reason = 1.0, "deadline"
                     self.log.info(f"stopping for the time limit: {self.deadline.why()}")
-        device = finite.device  # torch.full fills on the device; torch.tensor would copy and wait
-        flags = torch.stack([torch.full((), stop, device=device), torch.full((), save, device=device),
-                             (~finite).float(), torch.full((), profile, device=device)])
+        # [stop, save, non-finite, profile steps, then one per rank: 1 if it traces them], filled
+        # on the device: a Python number is a fill kernel (torch.tensor would copy and wait); the
+        # ranks' index list is copied only with a request
+        flags = torch.zeros(4 + self.world.world_size, device=finite.device)
+        flags[0], flags[1], flags[2], flags[3] = stop, save, ~finite, profile
+        if tracing:
+            flags[[4 + rank for rank in tracing]] = 1.0
         dist.all_reduce(flags, op=dist.ReduceOp.MAX)  # NCCL: queued on the device, no host wait
         return Agreement(self, step, flags, samples)
 
@@ -260,19 +269,32 @@ class Control:
         except FileNotFoundError:
             return None
         path.unlink(missing_ok=True)
-        what = f"{reason} steps" if name == "profile" else reason
-        self.log.info(f"{name} requested ({what}) through {path}")
+        if name != "profile":  # _take_profile says what it read
+            self.log.info(f"{name} requested ({reason}) through {path}")
         return reason
 
-    def _take_profile(self) -> int:
-        """Steps to profile that `llmtrain control RUN_DIR profile` asked for (0: none)."""
+    def _take_profile(self) -> tuple[int, tuple[int, ...]]:
+        """(steps, ranks) that `llmtrain control RUN_DIR profile` asked for ((0, ()): none), from
+        its `STEPS [RANKS]`; RANKS as profile.ranks takes them, the config's where absent."""
         text = self._take("profile")
         if text is None:
-            return 0
+            return 0, ()
+        words = text.split()
         try:
-            return max(1, int(text))
+            steps = max(1, int(words[0]))
         except ValueError:
-            return PROFILE_STEPS
+            steps = PROFILE_STEPS
+        try:
+            ranks = parse_ranks(words[1]) if len(words) > 1 else self.profile_ranks
+        except ValueError:  # the CLI checks; a hand-written file falls back to the config's
+            ranks = self.profile_ranks
+        world = self.world.world_size
+        ranks = range(world) if ranks == "all" else ranks
+        tracing = tuple(rank for rank in ranks if rank < world)
+        outside = "" if len(tracing) == len(ranks) else f"; ranks >= {world} are not in this run"
+        self.log.info(f"profile requested ({steps} steps on ranks {_ranks_text(tracing, world)}{outside}) "
+                      f"through {self.folder / 'profile'}")
+        return steps, tracing
 
     def exit(self, reason: str, step: int, trained: int) -> None:
         """Record why training ended, for train.slurm (rank 0), and how many steps this launch
@@ -292,9 +314,13 @@ def write_exit(folder: Path, reason: str, step: int, **extra) -> None:
                              "job_id": os.environ.get("SLURM_JOB_ID"), **extra}) + "\n")
 
 
+def _ranks_text(ranks, world: int) -> str:
+    return f"0-{world - 1} (all)" if len(ranks) == world > 1 else ", ".join(map(str, ranks)) or "none"
+
+
 def request(run_dir: Path, what: str, reason: str = "user") -> Path:
     """`llmtrain control RUN_DIR stop|save|profile`: ask a running trainer to stop, save or
-    profile (`reason`: profile's step count). A run that is
+    profile (`reason`: profile's `STEPS [RANKS]`). A run that is
     not running is refused (UserError), and nothing is written: a switch must not wait in the
     run directory for a later launch."""
     from ..login.status import assess, latest_job

@@ -271,7 +271,7 @@ def loop(cfg: Config, world: World, watch: Watchdog, log: Log, job: Job) -> None
             for verdict in verdicts:
                 account(verdict, state, t, log)
                 if verdict.profile:
-                    profiler.request(state.step, verdict.profile)
+                    profiler.request(state.step, verdict.profile, verdict.profile_ranks)
             meter.step()
             checkpointer.poll()
             if watch.starting:

@@ -1,13 +1,16 @@
-"""torch.profiler traces of chosen steps on every rank, and the CUDA memory snapshot of an
+"""torch.profiler traces of chosen steps on chosen ranks, and the CUDA memory snapshot of an
 out-of-memory error.
 
 Steps are profiled from the config (`profile: {start_step, steps}`) or on request
-(`llmtrain control RUN_DIR profile --steps N`): rank 0 reads the request and the step's agreement
-all-reduce carries it to every rank, which all read it at the same step (control.py), so every
-rank profiles the same steps. Each step is labelled `step N` and its phases `data`, `forward`,
+(`llmtrain control RUN_DIR profile --steps N [--ranks 0,8|all]`): rank 0 reads the request and the
+step's agreement all-reduce carries it, with the ranks that trace it, to every rank, which all
+read it at the same step (control.py), so the traced ranks profile the same steps (one still
+tracing an earlier plan starts after it). Only the ranks in `profile.ranks` (default: rank 0;
+"all") trace, or those a request names: one trace is hundreds of MB, and 512 of them would flood
+the shared filesystem. Each step is labelled `step N` and its phases `data`, `forward`,
 `backward`, `optimizer` and `communication` (the step's agreement all-reduce; the gradient
 reduction runs inside `backward`, where DDP and FSDP2 launch it), and where they happen `log`
-(the metrics gather), `eval` and `checkpoint`. One trace per rank:
+(the metrics gather), `eval` and `checkpoint`. One trace per traced rank:
 <run_dir>/profile/steps-<first>-<last>-rank-<r>.json, for https://ui.perfetto.dev or TensorBoard.
 
 Outside the profiled steps a phase is a null context: no record_function overhead.
@@ -33,15 +36,20 @@ class Profiler:
         self.folder = cfg.run_dir / PROFILE_DIR
         self.rank, self.device, self.log = rank, device, log
         p = cfg.profile
-        self.plans: list[tuple[int, int]] = [(p.start_step, p.steps)] if p.start_step else []
+        ranks = p.rank_set
+        # (first step, steps, the rank that prints where the traces are: the lowest traced)
+        self.plans: list[tuple[int, int, int]] = []
+        if p.start_step and (ranks == "all" or rank in ranks):
+            self.plans.append((p.start_step, p.steps, 0 if ranks == "all" else ranks[0]))
         self.prof = None
-        self.first = self.last = 0
+        self.first = self.last = self.reporter = 0
         self.step_range = None
 
-    def request(self, step: int, steps: int) -> None:
-        """Profile `steps` steps from the one after `step` (a request every rank read at `step`)."""
-        if self.prof is None:
-            self.plans.append((step + 1, steps))
+    def request(self, step: int, steps: int, ranks: tuple[int, ...]) -> None:
+        """Profile `steps` steps from the one after `step` (a request every rank read at `step`)
+        if this rank is one of `ranks`; after the trace under way, if one is."""
+        if self.rank in ranks:
+            self.plans.append((step + 1 if self.prof is None else self.last + 1, steps, min(ranks)))
 
     def begin(self, step: int) -> None:
         if self.prof is None:
@@ -54,7 +62,7 @@ class Profiler:
                 activities.append(torch.profiler.ProfilerActivity.CUDA)
             self.prof = torch.profiler.profile(activities=activities)
             self.prof.start()
-            self.first, self.last = step, step + plan[1] - 1
+            self.first, self.last, self.reporter = step, step + plan[1] - 1, plan[2]
         self.step_range = torch.profiler.record_function(f"step {step}")
         self.step_range.__enter__()
 
@@ -82,9 +90,8 @@ class Profiler:
             tmp.unlink(missing_ok=True)
             self.log.info(f"warning: the profile of steps {self.first}-{step} was not written ({e})")
             return
-        if self.rank == 0:
-            self.log.info(f"profile of steps {self.first}-{step}: {self.folder}/steps-{self.first}-{step}-rank-*.json "
-                          f"(open in https://ui.perfetto.dev)")
+        self.log.info(f"profile of steps {self.first}-{step}: {self.folder}/steps-{self.first}-{step}-rank-*.json "
+                      f"(open in https://ui.perfetto.dev)", all_ranks=self.rank == self.reporter)
 
     def after_step(self, step: int) -> None:
         """The step's range ends here; the trace ends at the plan's last step."""

@@ -86,8 +86,11 @@ class Watchdog:
     def step(self, step: int) -> None:
         if self.current is not None and not any(n == "first step" for n, _ in self.times):
             self.current = "first step"
+        first = self.step_time is None
         self.step_no, self.step_t0, self.stage = step, time.monotonic(), "compute"
         self.step_time = time.time()
+        if first:  # the run shows as running from its first step on, not from the thread's next look
+            self._beat()
 
     @property
     def starting(self) -> bool:
