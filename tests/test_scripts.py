@@ -199,7 +199,7 @@ esac
 # The trainer's own record of a stop in this job: Control.exit, the code training/loop.py calls.
 TRAINER_STOPS = ('python -c "import pathlib, sys, types; from llmtrain.training.control import Control; '
                  'Control.exit(types.SimpleNamespace(world=types.SimpleNamespace(is_main=True), '
-                 'folder=pathlib.Path(sys.argv[1])), \'preempt\', 7)" "$LLMTRAIN_RUN_DIR/control"')
+                 'folder=pathlib.Path(sys.argv[1])), \'preempt\', 7, 7)" "$LLMTRAIN_RUN_DIR/control"')
 
 
 def fake_job(tmp_path, step: str = "", **env):
