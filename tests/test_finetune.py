@@ -157,7 +157,7 @@ def test_prepare_lays_samples_out_in_rows_with_their_flags(tmp_path, monkeypatch
     part = manifest["splits"]["train"]
     tok = AutoTokenizer.from_pretrained(tmp_path / "tok")
     assert manifest["source"]["format"] == "chat" and manifest["samples"]["packing"] is True
-    assert f"train: {part['samples']} samples in {part['rows']} rows of 97 tokens" in out
+    assert f"train: {part['samples']} samples in {part['rows']} rows of 96 tokens" in out
     assert part["samples"] == 108 and part["rows"] < 0.7 * part["samples"]  # rows shared
     batch = rows.batch(np.arange(part["rows"]), 96)
     assert batch.targets() == part["trained_tokens"] == rows.targets(np.arange(part["rows"]), 96)
@@ -194,8 +194,8 @@ def test_truncation_cuts_or_leaves_out_long_samples_and_says_so(tmp_path, monkey
     _, manifest, _, dropped = prepared_rows(tmp_path, monkeypatch, "drop", seq_len=64, truncation="drop")
     n_long = manifest["splits"]["train"]["dropped_long"]
     assert n_long > 0
-    assert f"{n_long} truncated to 65 tokens" in cut
-    assert f"{n_long} left out as longer than 65 tokens (data.truncation: drop)" in dropped
+    assert f"{n_long} truncated to fit a row" in cut
+    assert f"{n_long} left out as longer than a row (data.truncation: drop)" in dropped
     assert manifest["splits"]["train"]["samples"] == 108 - n_long
 
 

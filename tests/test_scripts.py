@@ -92,6 +92,14 @@ def test_setup_in_a_path_with_spaces_then_demo_through_submit(tmp_path):
                "--set", "train.max_steps=100", "--set", "train.log_every=1", "--set", "train.eval_every=50",
                env=env)
     assert sft.returncode == 0, sft.stderr[-3000:]
+    # A shipped demo runs clean, one row length everywhere (prepare's and the trainer's).
+    assert "warning:" not in sft.stdout + sft.stderr, [x for x in sft.stdout.splitlines() if "warning:" in x]
+    assert " rows of 128 tokens " in sft.stdout and " rows (" in sft.stdout and " of 128 tokens;" in sft.stdout
+    # The README's figures are the run's: the model's size and the LoRA's (its losses and replies
+    # are 300 steps' and one seed's: the reply's shape is checked below).
+    readme = (REPO / "README.md").read_text()
+    assert "557,696" in readme and "model: 557,696 parameters" in demo.stdout
+    assert "81,920" in readme and "LoRA: 81,920 trainable parameters" in sft.stdout
     tuned = read_metrics(home / "runs" / "sft-demo")
     train = [r["loss"] for r in tuned if r["kind"] == "train"]
     evals = [r["eval_loss"] for r in tuned if r["kind"] == "eval"]

@@ -229,16 +229,17 @@ def flatten(ds) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
 
 
 def summary(split: str, part: dict, seq_len: int, truncation: str) -> str:
-    """prepare's line about a split of samples: kept, cut, left out, rows and padding."""
+    """prepare's line about a split of samples: kept, cut, left out, rows and padding. A row is
+    seq_len tokens, as the trainer counts them (it stores seq_len + 1: the last one's target)."""
     cut = []
     if part["truncated"]:
-        cut.append(f"{part['truncated']:,} truncated to {seq_len + 1} tokens")
+        cut.append(f"{part['truncated']:,} truncated to fit a row")
     if part["dropped_long"]:
-        cut.append(f"{part['dropped_long']:,} left out as longer than {seq_len + 1} tokens "
+        cut.append(f"{part['dropped_long']:,} left out as longer than a row "
                    f"(data.truncation: {truncation})")
     if part["dropped_untrained"]:
         cut.append(f"{part['dropped_untrained']:,} left out with no token to train")
     fill = part["tokens"] / max(1, part["rows"] * part["row_tokens"])
-    return (f"{split}: {part['samples']:,} samples in {part['rows']:,} rows of {seq_len + 1} tokens "
+    return (f"{split}: {part['samples']:,} samples in {part['rows']:,} rows of {seq_len} tokens "
             f"({fill:.0%} filled, {part['trained_tokens']:,} trained tokens)"
             + (f"; {'; '.join(cut)}" if cut else ""))
