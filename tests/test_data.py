@@ -399,6 +399,88 @@ def test_a_column_that_is_not_text_is_one_line(home, tmp_path, write_config):
         prepare(config_for(write_config, src, text_field="n"), log=lambda _: None)
 
 
+
+def test_records_with_no_text_are_skipped_and_counted(home, tmp_path, write_config, tokenizer):
+    """A jsonl record without the text field and a whole chunk of null ones: skipped and counted
+    (were empty documents, an EOS alone each), and no empty shard file for the chunk."""
+    records = [{"text": d} for d in DOCS[:150]] + [{"text": None}] * 150
+    records[3] = {"body": DOCS[3]}
+    src = tmp_path / "docs.jsonl"
+    src.write_text("".join(json.dumps(r) + "\n" for r in records))
+    path = write_config(tiny_config(data={"dataset": str(src), "validation_fraction": 0, "num_proc": 2},
+                                    train={"eval_every": 0}))
+    proc = cli("prepare", "--config", path, check=True)
+    assert "train: 151 records with no text skipped (no 'text' field, or null)" in proc.stdout.splitlines()
+    folder = prepared_path(load_config(path))
+    train = json.loads((folder / "manifest.json").read_text())["splits"]["train"]
+    assert train["documents"] == 149 and train["no_text"] == 151
+    assert train["tokens"] == expected_tokens(tokenizer, DOCS[:3] + DOCS[4:150])
+    assert sorted(p.name for p in folder.iterdir()) == sorted(["manifest.json", *(s["file"] for s in train["shards"])])
+    assert all(s["tokens"] > 0 for s in train["shards"]) and len(train["shards"]) < 8  # 8 chunks
+
+
+@pytest.mark.parametrize("name", ["docs.txt", "docs.jsonl", "docs.csv"])
+def test_bytes_that_are_not_utf8_name_the_file_and_line_or_are_replaced(home, tmp_path, write_config,
+                                                                         tokenizer, name):
+    """Line 12 holds a 0xff byte: strict (the default) names the file, line and column and leaves
+    nothing; data.encoding_errors: replace / ignore prepare it as U+FFFD / without the byte, each
+    in a folder of its own."""
+    src = tmp_path / name
+    _write(src, name.split(".")[1], DOCS)
+    lines = src.read_bytes().split(b"\n")
+    lines[11] = lines[11].replace(b"Anna", b"An\xffna", 1)
+    src.write_bytes(b"\n".join(lines))
+    doc = 10 if name.endswith(".csv") else 11  # the csv's first line is its header
+    column = lines[11].index(b"\xff") + 1
+    path = write_config(tiny_config(data={"dataset": str(src), "validation_fraction": 0}, train={"eval_every": 0}))
+    proc = cli("prepare", "--config", path)
+    assert proc.returncode == 1 and "Traceback" not in proc.stderr
+    assert proc.stderr.splitlines()[-1] == (
+        f"error: data.dataset: {src} line 12 is not valid UTF-8 (byte 0xff at column "
+        f"{column}); fix the file, or set data.encoding_errors: replace (or ignore)")
+    assert not list((home / "prepared").iterdir())
+    strict = prepared_path(load_config(path))
+    for errors, fixed in (("replace", "An\ufffdna"), ("ignore", "Anna")):
+        cli("prepare", "--config", path, "--set", f"data.encoding_errors={errors}", check=True)
+        folder = prepared_path(load_config(path, [f"data.encoding_errors={errors}"]))
+        assert folder != strict
+        docs = [d.replace("Anna", fixed, 1) if i == doc else d for i, d in enumerate(DOCS)]
+        train = json.loads((folder / "manifest.json").read_text())["splits"]["train"]
+        assert train["tokens"] == expected_tokens(tokenizer, docs)
+
+
+@pytest.mark.parametrize("source", ["saved", "txt"])
+def test_a_full_disk_is_one_line_naming_the_folder_and_leaves_nothing(home, tmp_path, write_config, source):
+    """A 400 KiB filesystem as data.prepared_dir. txt: the library's copy of the source (1 MB)
+    does not fit (was a line blaming the source); saved: a save_to_disk folder, read in place,
+    and the shards of 2 tokenizing processes (580 KB) do not (was a worker's traceback)."""
+    from datasets import Dataset
+    rng = np.random.default_rng(0)
+    words = np.array("Anna had a red ball and Tom saw the big blue kite in the park today".split())
+    docs = [" ".join(rng.choice(words, 60)) for _ in range(4000)]
+    if source == "saved":
+        Dataset.from_dict({"text": docs}).save_to_disk(str(tmp_path / "saved"))
+    else:
+        (tmp_path / "saved.txt").write_text("\n".join(docs) + "\n")
+    mount = tmp_path / "small"
+    mount.mkdir()
+    if subprocess.run(["mount", "-t", "tmpfs", "-o", "size=400k", "tmpfs", str(mount)],
+                      capture_output=True).returncode:
+        pytest.skip("mounting a 400 KiB tmpfs needs root (CI runs as root on this machine kind)")
+    try:
+        path = write_config(tiny_config(data={
+            "dataset": str(tmp_path / ("saved" if source == "saved" else "saved.txt")),
+            "prepared_dir": str(mount), "num_proc": 2, "validation_fraction": 0}, train={"eval_every": 0}))
+        proc = cli("prepare", "--config", path)
+        assert proc.returncode == 1 and "Traceback" not in proc.stderr
+        assert proc.stderr.splitlines()[-1] == (
+            f"error: data.prepared_dir: {mount} is full (No space left on device); nothing was kept; "
+            f"free space there, or set data.prepared_dir to a folder with room")
+        assert not list(mount.iterdir())
+    finally:
+        # lazily: the datasets this process opened may still map files there until collected
+        subprocess.run(["umount", "-l", str(mount)], capture_output=True)
+
 def test_add_bos_auto_adds_a_distinct_bos_to_every_document(home, tmp_path, write_config, tokenizer):
     """A Llama-3 style tokenizer: its own bos_token, not its eos_token, and prepare tokenizes
     without special tokens, so only data.add_bos puts it there."""

@@ -199,6 +199,25 @@ def test_truncation_cuts_or_leaves_out_long_samples_and_says_so(tmp_path, monkey
     assert manifest["splits"]["train"]["samples"] == 108 - n_long
 
 
+
+def test_a_conversation_record_without_messages_is_one_line(tmp_path, monkeypatch):
+    """Record 6 names its conversation `msgs`: one line naming the file, the record and the
+    column (was the chat template's TypeError traceback), and nothing left prepared."""
+    monkeypatch.setenv("LLMTRAIN_HOME", str(tmp_path / "home"))
+    write_chat(tmp_path / "chat.jsonl", 40)
+    lines = (tmp_path / "chat.jsonl").read_text().splitlines()
+    lines[5] = json.dumps({"msgs": json.loads(lines[5])["messages"]})
+    (tmp_path / "chat.jsonl").write_text("\n".join(lines) + "\n")
+    path = tmp_path / "chat.yaml"
+    path.write_text(yaml.safe_dump(sft_config(tmp_path)))
+    proc = cli("prepare", "--config", path)
+    assert proc.returncode == 1 and "Traceback" not in proc.stderr
+    assert proc.stderr.splitlines()[-1] == (
+        f"error: data.messages_field: record 6 of {tmp_path}/chat.jsonl has no 'messages' (1 record "
+        f"in all: the field is missing, or null); give every record a 'messages', or remove those records")
+    prepared = tmp_path / "home" / "prepared"
+    assert prepared.is_dir() and not list(prepared.iterdir())
+
 def test_rows_in_more_shard_files_than_open_files_read_whole(tmp_path, monkeypatch):
     """Rows a shard each (3 files: tokens, flags, positions), ~200 files, read under a limit of
     64 open files: the same rows as one shard holds."""

@@ -126,6 +126,9 @@ class DataConfig:
     packing: bool = True  # chat/prompt_completion: several samples per sequence, never attending across
     document_masking: bool = False  # text: attention stays within each document, positions restart
     text_unit: Literal["line", "file"] = "line"  # .txt sources: a document is a line, or a whole file
+    # .txt/.csv/.json(l) files: bytes that are not UTF-8 stop prepare (strict), become U+FFFD
+    # (replace) or are dropped (ignore)
+    encoding_errors: Literal["strict", "replace", "ignore"] = "strict"
     split: str = "train"  # split of the source dataset to read
     validation: Optional[str] = None  # evaluation documents: a split of the dataset, or a file/glob
     validation_fraction: Optional[float] = None  # share of documents held out; None: 0.01 (0 with validation)
@@ -836,7 +839,9 @@ def _check_columns(path: Path, d: DataConfig) -> list[str]:
     if kind not in (".jsonl", ".csv"):
         return []  # txt has no columns; json, parquet and folders are checked by prepare
     try:
-        with opener(path, "rt", encoding="utf-8", newline="") as f:
+        # Bytes that are not UTF-8 are prepare's to name (file and line) or replace
+        # (data.encoding_errors): here, only the first record's columns count.
+        with opener(path, "rt", encoding="utf-8", errors="replace", newline="") as f:
             if kind == ".csv":
                 columns = next(csv.reader(f), [])
                 first = None

@@ -90,6 +90,8 @@ def fingerprint(cfg: Config) -> str:
         "split": d.split,
         "text_field": d.text_field,
         "text_unit": d.text_unit,
+        # only when set: the folders prepared before the option keep their fingerprint
+        **({"encoding_errors": d.encoding_errors} if d.encoding_errors != "strict" else {}),
         **({"data_format": d.format, "columns": d.columns, "train_on": d.train_on, "truncation": d.truncation,
             "packing": d.packing, "seq_len": d.seq_len} if d.samples else {}),
         "add_bos": d.add_bos,  # auto decides by the tokenizer, whose files are hashed below

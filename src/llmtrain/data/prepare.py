@@ -23,6 +23,7 @@ killed at 90% no longer starts from zero.
 
 from __future__ import annotations
 
+import errno
 import itertools
 import json
 import os
@@ -96,6 +97,9 @@ def prepare(cfg: Config, log=print) -> Path:
             tmp.mkdir(parents=True)
         (tmp / OWNER).write_text(json.dumps({"job_id": os.environ.get("SLURM_JOB_ID")}) + "\n")
     except OSError as e:
+        if disk_full(e, tmp.parent):
+            shutil.rmtree(tmp, ignore_errors=True)
+            raise full_disk_error(tmp.parent) from None
         raise PrepareError(f"data.prepared_dir: cannot create {tmp.parent} ({e.strerror}); "
                            f"choose a writable folder") from None
     # The datasets library's files (the source's Arrow copy, the held-out split's indices,
@@ -129,6 +133,10 @@ def prepare(cfg: Config, log=print) -> Path:
                 log(samples.summary(split, part, cfg.data.seq_len, cfg.data.truncation))
             else:
                 part = write_stream(ds, tokenizer, cfg, tmp, split, dtype, tokenizer.eos_token_id, bos)
+                if part.get("no_text"):
+                    n = part["no_text"]
+                    log(f"{split}: {n:,} record{'s' if n != 1 else ''} with no text skipped "
+                        f"(no {cfg.data.text_field!r} field, or null)")
             manifest["splits"][split] = part
             manifest["splits"][split]["dataset_fingerprint"] = ds._fingerprint
         shutil.rmtree(scratch)  # the datasets above map its files: unlinked, still readable
@@ -146,8 +154,12 @@ def prepare(cfg: Config, log=print) -> Path:
             if read_manifest(final) is None:
                 raise
             shutil.rmtree(tmp)
-    except BaseException:
+    except BaseException as e:
+        # Measured before the cleanup frees the space: a short write's error may not say why.
+        full = isinstance(e, Exception) and not isinstance(e, UserError) and disk_full(e, tmp.parent)
         shutil.rmtree(tmp, ignore_errors=True)
+        if full:
+            raise full_disk_error(tmp.parent) from None
         raise
     if manifest["splits"]["train"]["tokens"] == 0:
         shutil.rmtree(final, ignore_errors=True)
@@ -159,6 +171,30 @@ def prepare(cfg: Config, log=print) -> Path:
     counts = ", ".join(f"{s} {m['tokens']:,} tokens" for s, m in manifest["splits"].items())
     log(f"prepared {final} ({counts}) in {time.time() - t0:.1f}s")
     return final
+
+
+def disk_full(e: BaseException, folder: Path) -> bool:
+    """Whether `e` comes from a full filesystem at `folder`: ENOSPC or EDQUOT in its chain (a
+    worker's error comes back with its errno), or an OSError without an errno with under 1 MiB
+    free there: numpy and pyarrow report a short write so ("60437 requested and 38912 written"),
+    and the datasets library wraps its own in a DatasetGenerationError. (A read-only or
+    missing folder has an errno of its own: not taken for a full one.)"""
+    seen, chain = e, []
+    while seen is not None and len(chain) < 20:
+        chain.append(seen)
+        seen = seen.__cause__ or seen.__context__
+    if any(isinstance(x, OSError) and x.errno in (errno.ENOSPC, errno.EDQUOT) for x in chain):
+        return True
+    try:
+        return (any(isinstance(x, OSError) and x.errno is None for x in chain)
+                and shutil.disk_usage(folder).free < 1 << 20)
+    except OSError:
+        return False
+
+
+def full_disk_error(folder: Path) -> PrepareError:
+    return PrepareError(f"data.prepared_dir: {folder} is full (No space left on device); nothing "
+                        f"was kept; free space there, or set data.prepared_dir to a folder with room")
 
 
 OWNER = "owner.json"  # in a temporary folder: the Slurm job that writes it (null outside Slurm)
@@ -244,6 +280,10 @@ def _read(src: Path, split: str, key: str, cfg: Config, datasets, scratch: Path)
         ds = _load(src, split, key, cfg, datasets, scratch)
     except (datasets.exceptions.DatasetGenerationError, ValueError, OSError) as e:
         cause = e.__cause__ or e
+        if disk_full(e, scratch):  # the library's copy of the source: the source is not to blame
+            raise
+        if isinstance(cause, UnicodeDecodeError):
+            raise not_utf8(src, key, cfg) from None
         if "sample_by" in str(e):  # the builder of a folder of parquet/json files has no such option
             raise PrepareError(f"data.text_unit: only for .txt files, and {src} is not text "
                                f"(got {cfg.data.text_unit})") from None
@@ -269,7 +309,65 @@ def _read(src: Path, split: str, key: str, cfg: Config, datasets, scratch: Path)
             raise PrepareError(f"data.{key}: column {field!r} of {src} holds "
                                f"{describe(feature, datasets)}, not text; choose a column of strings "
                                f"(columns: {', '.join(ds.column_names)})")
+        if cfg.data.samples:  # a text record without text is skipped (write_stream counts them)
+            _every_record_has(ds, key, field, src)
     return ds.select_columns(list(cfg.data.columns.values()))
+
+
+def _every_record_has(ds, key: str, field: str, src: Path) -> None:
+    """A fine-tuning sample needs each of its columns: a record without one (a jsonl line
+    that names it otherwise, or null) is one line naming it, not a tokenizer's traceback. The
+    Arrow column's null count is kept with its data: no pass over the records."""
+    column = ds.with_format("arrow")[field]
+    if column.null_count:
+        import pyarrow.compute as pc
+        first = pc.index(pc.is_null(column), True).as_py()
+        raise PrepareError(f"data.{key}: record {first + 1:,} of {src} has no {field!r} "
+                           f"({column.null_count:,} record{'s' if column.null_count != 1 else ''} "
+                           f"in all: the field is missing, or null); give every record a {field!r}, "
+                           f"or remove those records")
+
+
+def not_utf8(src: Path, key: str, cfg: Config) -> PrepareError:
+    """The first byte of `src`'s files that is not UTF-8, named by file, line and column, and
+    data.encoding_errors as the way past it (for the files whose builder takes it)."""
+    files = source_files(str(src))
+    if files is None:  # a folder: its text files, as the library lists them
+        files = sorted(f for f in src.rglob("*") if f.is_file() and file_suffix(f) in DECODED)
+    for path in files:
+        if (bad := first_bad_utf8(path)) is not None:
+            line, column, byte = bad
+            where = f"{path} line {line:,} is not valid UTF-8 (byte 0x{byte:02x} at column {column})"
+            break
+    else:
+        where = f"{src} is not valid UTF-8"
+    how = (" or set data.encoding_errors: replace (or ignore)"
+           if source_files(str(src)) is not None else " or convert it to UTF-8")
+    return PrepareError(f"data.{key}: {where}; fix the file,{how}")
+
+
+def first_bad_utf8(path: Path, block: int = 16 << 20) -> tuple[int, int, int] | None:
+    """(line, byte column, byte) of the first invalid UTF-8 in a file (compressed ones read as
+    the library reads them), or None. Whole lines at a time: a character is never cut in two."""
+    import bz2
+    import gzip
+    import lzma
+    opener = {".gz": gzip.open, ".bz2": bz2.open, ".xz": lzma.open}.get(path.suffix, open)
+    line, rest = 1, b""
+    with opener(path, "rb") as f:
+        while True:
+            more = f.read(block)
+            data = rest + more
+            cut = data.rfind(b"\n") + 1 if more else len(data)
+            try:
+                data[:cut].decode("utf-8")
+            except UnicodeDecodeError as u:
+                start = data.rfind(b"\n", 0, u.start) + 1
+                return line + data.count(b"\n", 0, u.start), u.start - start + 1, data[u.start]
+            if not more:
+                return None
+            line += data.count(b"\n", 0, cut)
+            rest = data[cut:]
 
 
 def _is_message_list(feature, datasets) -> bool:
@@ -312,8 +410,26 @@ def _load(src: Path, split: str, key: str, cfg: Config, datasets, scratch: Path)
                            f"({', '.join(suffixes)}); use one format per source")
     builder = builders.pop()
     procs = min(procs, len(files))
+    options = {**(text if builder == "text" else {}), **decoding(cfg, builder)}
     return datasets.load_dataset(builder, data_files=[str(f) for f in files], split="train", **build,
-                                 num_proc=procs if procs > 1 else None, **(text if builder == "text" else {}))
+                                 num_proc=procs if procs > 1 else None, **options)
+
+
+DECODED = (".txt", ".csv", ".json", ".jsonl")  # the files a builder decodes (Arrow's are UTF-8)
+
+
+def decoding(cfg: Config, builder: str) -> dict:
+    """The builder's options for data.encoding_errors (text, csv: strict is their default)."""
+    errors = cfg.data.encoding_errors
+    if builder == "json":
+        # The json builder hands UTF-8 bytes to Arrow unread, and Arrow's JSON reader does not
+        # check them: a bad byte surfaced later, as a tokenizing worker's traceback. It decodes
+        # each block of whole lines (with encoding_errors) only when the encoding is not spelled
+        # "utf-8" (datasets 5.x packaged_modules/json/json.py): the same codec spelled otherwise.
+        return {"encoding": "utf_8", "encoding_errors": errors}
+    if errors == "strict" or builder not in ("text", "csv"):
+        return {}
+    return {"encoding_errors": errors}
 
 
 def _split_key(key: str) -> str:
@@ -408,7 +524,7 @@ def write_stream(ds, tokenizer, cfg: Config, folder: Path, split: str, dtype, eo
     tasks = [task for task in tasks if task[0] not in {r[0] for r in done}]
     state = (ds, tokenizer.backend_tokenizer, cfg.data.text_field, folder, split, dtype, eos, bos)
     bar = tqdm(total=len(ds), desc=f"tokenize {split}" + (f" ({procs} processes)" if procs > 1 else ""),
-               unit=" documents", initial=sum(r[2] for r in done))
+               unit=" documents", initial=sum(r[2] for r in done), disable=None)  # None: off unless a terminal
     pool = None
     with bar:
         if procs == 1:  # here, the tokenizer's own threads on every core
@@ -433,9 +549,12 @@ def write_stream(ds, tokenizer, cfg: Config, folder: Path, split: str, dtype, eo
             _set_chunk_state()
             if pool is not None:
                 pool.shutdown(cancel_futures=True)
-    # Every chunk holds a document, so an EOS at least: no empty file (which no memmap opens).
-    shards = [{"file": name, "tokens": tokens} for _, name, _, tokens in sorted(done)]
-    return {"documents": len(ds), "tokens": sum(s["tokens"] for s in shards), "shards": shards}
+    # A chunk of records with no text has an empty file, which no memmap opens: it is left out
+    # (prepare removes it with the other chunks the manifest does not name).
+    shards = [{"file": name, "tokens": tokens} for _, name, _, tokens, _ in sorted(done) if tokens]
+    no_text = sum(r[4] for r in done)
+    return {"documents": len(ds) - no_text, "tokens": sum(s["tokens"] for s in shards),
+            **({"no_text": no_text} if no_text else {}), "shards": shards}
 
 
 _chunk_state: tuple = ()
@@ -455,24 +574,30 @@ def _start_worker(*state) -> None:
     _set_chunk_state(*state)
 
 
-def _write_chunk(task: tuple[int, int, int]) -> tuple[int, str, int, int]:
-    """Documents [start, stop) as one shard file: (index, file name, documents, tokens); once it
-    is complete, its `.done.json` says so (a killed prepare's continuation keeps it)."""
+def _write_chunk(task: tuple[int, int, int]) -> tuple[int, str, int, int, int]:
+    """Documents [start, stop) as one shard file: (index, file name, records, tokens, records
+    with no text: skipped, not written as an empty document); once it is complete, its
+    `.done.json` says so (a killed prepare's continuation keeps it)."""
     index, start, stop = task
     ds, backend, field, folder, split, dtype, eos, bos = _chunk_state
-    name, tokens = f"{split}-{index:05d}.bin", 0
+    name, tokens, no_text = f"{split}-{index:05d}.bin", 0, 0
     with open(folder / name, "wb") as f:
         for at in range(start, stop, ENCODE_DOCS):
             texts = ds[at:min(at + ENCODE_DOCS, stop)][field]
-            encodings = backend.encode_batch_fast([t or "" for t in texts], add_special_tokens=False)
+            if None in texts:  # a record without the field (jsonl), or null
+                no_text += len(texts)
+                texts = [t for t in texts if t is not None]
+                no_text -= len(texts)
+            encodings = backend.encode_batch_fast(texts, add_special_tokens=False)
             offsets, values = flat_ids([e.ids for e in encodings])
             stream = with_bos_eos(offsets, values, bos, eos, dtype)
             stream.tofile(f)
             tokens += len(stream)
     done = folder / f"{name}{DONE}"
-    done.with_suffix(".tmp").write_text(json.dumps({"start": start, "stop": stop, "tokens": tokens}))
+    done.with_suffix(".tmp").write_text(json.dumps({"start": start, "stop": stop, "tokens": tokens,
+                                                    "no_text": no_text}))
     os.replace(done.with_suffix(".tmp"), done)
-    return index, name, stop - start, tokens
+    return index, name, stop - start, tokens, no_text
 
 
 def finished_chunk(folder: Path, split: str, task: tuple[int, int, int], dtype) -> tuple | None:
@@ -487,7 +612,7 @@ def finished_chunk(folder: Path, split: str, task: tuple[int, int, int], dtype) 
         return None
     if (record.get("start"), record.get("stop")) != (start, stop) or size != record.get("tokens", -1) * np.dtype(dtype).itemsize:
         return None
-    return index, name, stop - start, record["tokens"]
+    return index, name, stop - start, record["tokens"], record.get("no_text", 0)
 
 
 def flat_ids(lists: list[list[int]]) -> tuple[np.ndarray, np.ndarray]:
