@@ -12,7 +12,10 @@ set -euo pipefail
 STATE="${LLMTRAIN_CLUSTER_DIR:-/tmp/llmtrain-cluster}"
 readonly STATE CONF="$STATE/etc/slurm.conf"
 readonly NODES=(node1 node2) ADDRS=(127.0.0.2 127.0.0.3) PORTS=(17001 17002)
-readonly CPUS_PER_NODE=8  # declared, not real: lets two small jobs share the fake nodes
+# Declared, not real: lets several small jobs share the fake nodes. The nodes share this
+# machine's cores, so a job on both asks for its real share (doc/overview.md: slurm.cpus_per_node=1
+# on 2 cores): 8 threads a process on 2 cores trains several times slower.
+readonly CPUS_PER_NODE=8
 
 usage() {
   echo "Usage: bash cluster/local-cluster.sh install|start|stop|status" >&2

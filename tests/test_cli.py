@@ -113,3 +113,45 @@ except dist.DistNetworkError:
     bare = code.replace("import llmtrain.training.torchrun\n", "")
     proc = subprocess.run([sys.executable, "-c", bare], capture_output=True, text=True, env=env, timeout=120)
     assert "TCPStore.cpp" in proc.stderr and "recvVector failed" in proc.stderr
+
+
+def test_a_local_run_needs_no_slurm_keys(home, write_config, tmp_path):
+    """slurm.procs_per_node is what Slurm starts on a CPU-only node; a local run of one process,
+    given by --nproc or by default, trains without it (a Slurm submission still asks for it)."""
+    from conftest import read_metrics, tiny_config
+    cfg = tiny_config(run={"name": "cpu-local"}, train={"max_steps": 2, "warmup_steps": 1, "eval_every": 0},
+                      data={"prepared_dir": str(tmp_path / "prepared")})
+    cfg["slurm"] = {"nodes": 2, "gpus_per_node": 0}  # no procs_per_node; two nodes count not here
+    path = write_config(cfg)
+    for nproc, steps in ((["--nproc", "1"], 2), ([], 4)):  # the second launch resumes the first
+        proc = llmtrain("submit", "--local", "--config", path, *nproc, "--set", f"train.max_steps={steps}")
+        assert proc.returncode == 0, proc.stderr[-3000:]
+        assert "one process (no torchrun needed)" in proc.stdout and f"done: {steps} steps" in proc.stdout
+    steps = [r["step"] for r in read_metrics(home / "runs" / "cpu-local") if r["kind"] == "train"]
+    assert steps == [1, 2, 3, 4]
+    proc = llmtrain("check-config", path)
+    assert proc.returncode == 2
+    assert proc.stderr.splitlines() == [
+        "slurm.procs_per_node: set it on CPU-only nodes (slurm.gpus_per_node is 0)"]
+
+
+def test_help_lists_the_users_commands_and_not_the_scripts_plumbing(monkeypatch):
+    """sbatch-command and requeue are run by submit.sh's code and train.slurm: they still work
+    (and have their own --help), but `llmtrain --help` lists only what a user types, one line each
+    where it fits; `sweep status` is listed under sweep, as it is typed."""
+    from conftest import cli
+    monkeypatch.setenv("COLUMNS", "100")
+    proc = cli("--help")
+    assert proc.returncode == 0
+    listed = re.findall(r"^    (\S+)", proc.stdout, flags=re.M)
+    assert listed == ["check-config", "submit", "sweep", "prepare", "train", "export", "generate",
+                      "status", "control", "plot", "bench", "estimate", "download"]
+    assert "    check-config  validate a config without importing torch" in proc.stdout.splitlines()
+    assert "`llmtrain sweep status SWEEP_DIR`" in " ".join(proc.stdout.split())
+    for plumbing in ("requeue", "sbatch-command", "sweep-status"):
+        assert plumbing not in proc.stdout
+    for command, usage in ((["requeue"], "usage: llmtrain requeue"),
+                           (["sbatch-command"], "usage: llmtrain sbatch-command"),
+                           (["sweep", "status"], "usage: llmtrain sweep status [-h] [--config FILE] SWEEP_DIR|NAME")):
+        proc = cli(*command, "--help")
+        assert proc.returncode == 0 and proc.stdout.startswith(usage), proc.stdout

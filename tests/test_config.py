@@ -120,6 +120,17 @@ BROKEN = [
     ({"model": {"name_or_path": "/models/llama"}},
      "model.name_or_path: set exactly one of model.name_or_path (pretrained) and "
      "model.architecture (from scratch)"),
+    # other trainers' names: difflib finds nothing, or a misleading key (batch_size -> micro_batch_size)
+    ({"train": {"learning_rate": 3e-4}}, "train.learning_rate: unknown key (did you mean 'lr'?)"),
+    ({"train": {"batch_size": 8}},
+     "train.batch_size: unknown key (llmtrain's are global_batch_size and micro_batch_size)"),
+    ({"train": {"gradient_accumulation_steps": 4}},
+     "train.gradient_accumulation_steps: unknown key (accumulation follows from global_batch_size / "
+     "(micro_batch_size x world size))"),
+    ({"train": {"num_train_epochs": 3}}, "train.num_train_epochs: unknown key (did you mean 'epochs'?)"),
+    ({"train": {"warmup_ratio": 0.1}},
+     "train.warmup_ratio: unknown key (llmtrain counts warmup in steps: warmup_steps)"),
+    ({"train": {"max_grad_norm": 1.0}}, "train.max_grad_norm: unknown key (did you mean 'grad_clip'?)"),
 ]
 
 

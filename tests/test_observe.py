@@ -4,6 +4,9 @@ request, status, and none of it imported by a run that does not ask for it."""
 from __future__ import annotations
 
 import json
+import os
+import re
+import signal
 import subprocess
 import sys
 import time
@@ -12,7 +15,8 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from conftest import cli, env_with, prepared_home, read_metrics, tiny_config, torchrun, torchrun_popen
+from conftest import (cli, env_with, llmtrain, prepared_home, read_metrics, tiny_config, torchrun,
+                      torchrun_popen)
 from test_checkpoint import kill_when, logged_step
 from trackers import tensorboard_scalars, wandb_runs
 
@@ -24,6 +28,56 @@ PHASES = ("data", "forward", "backward", "optimizer", "communication")
 def observe(tmp_path_factory):
     with prepared_home(tmp_path_factory, "observe", tiny_config()) as prepared:
         yield prepared
+
+
+def test_prepare_into_a_log_file_prints_no_progress_bars(tmp_path):
+    """stderr a pipe (a Slurm .out file): the libraries' progress bars (datasets' `Generating
+    train split`) and prepare's own are off; no carriage returns, only the plain lines."""
+    cfg = tiny_config(data={"prepared_dir": str(tmp_path / "prepared")})
+    config = tmp_path / "c.yaml"
+    config.write_text(json.dumps(cfg))
+    env = {k: v for k, v in env_with().items() if "PROGRESS_BARS" not in k}
+    proc = llmtrain("prepare", "--config", config, check=True, env=env)
+    assert "\r" not in proc.stdout + proc.stderr, proc.stderr
+    assert "Generating" not in proc.stderr and "tokenize" not in proc.stderr, proc.stderr
+    assert proc.stdout.splitlines()[-1].startswith(f"prepared {tmp_path / 'prepared'}/")
+
+
+def family(pid: int) -> list[int]:
+    """`pid` and every process it started, theirs too (W&B's service has a session of its own)."""
+    parents = {}
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:  # pid (comm) state ppid ...: comm may hold spaces, so split after its ')'
+            parents[int(stat.parent.name)] = int(stat.read_text().rsplit(")", 1)[1].split()[1])
+        except (OSError, IndexError, ValueError):
+            pass
+    found = [pid]
+    for p in found:
+        found += [child for child, parent in parents.items() if parent == p]
+    return found
+
+
+@pytest.mark.slow
+def test_scancel_of_a_run_with_wandb_reads_as_a_clean_stop(observe):
+    """scancel (and a preemption) sends SIGTERM to every process of the job at once: torchrun's
+    agent, the workers, W&B's service. The workers save and stop; the log holds no traceback:
+    neither the agent's SignalException nor W&B's `Connection lost` from its exit handler."""
+    root, config = observe
+    run_dir = root / "home" / "runs" / "scancelled"
+    proc = torchrun_popen(2, "train", "--config", config, "--set", "run.name=scancelled",
+                          "--set", "metrics.wandb.project=llmtrain-tests", "--set", "train.max_steps=400",
+                          "--set", "train.eval_every=0", "--set", "train.checkpoint_every=1000")
+    deadline = time.monotonic() + 120
+    while logged_step(run_dir) < 5 and proc.poll() is None and time.monotonic() < deadline:
+        time.sleep(0.05)
+    for pid in family(proc.pid):
+        os.kill(pid, signal.SIGTERM)
+    out = proc.communicate(timeout=60)[0]
+    assert proc.returncode == 128 + signal.SIGTERM, out
+    stop = json.loads((run_dir / "control" / "exit.json").read_text())
+    assert (run_dir / "checkpoints" / f"step-{stop['step']:08d}" / "meta.json").is_file()
+    assert f"stopping at step {stop['step']} (signal); the checkpoint is saved" in out
+    assert not re.search(r"Traceback|SignalException|death signal|closing signal", out), out
 
 
 @pytest.mark.slow

@@ -12,7 +12,7 @@ import yaml
 
 from conftest import tiny_config
 from llmtrain.cli import main
-from llmtrain.training.preflight import by_node, slow_nodes, verdict
+from llmtrain.training.preflight import by_node, matmul_tflops, slow_nodes, verdict
 
 
 @pytest.mark.parametrize("figures,slow", [
@@ -26,6 +26,26 @@ from llmtrain.training.preflight import by_node, slow_nodes, verdict
 ])
 def test_a_node_below_the_ratio_times_the_other_nodes_median_is_slow(figures, slow):
     assert slow_nodes(figures, 0.7) == pytest.approx(slow)
+
+
+def test_more_threads_than_cores_alone_do_not_make_a_node_slow():
+    """Two CPU nodes alike but for their processes' thread counts: one thread, and eight times as
+    many threads as this machine has cores (the local cluster's two fake nodes given 8 CPUs each
+    on a 2-core box). Timed on their training threads, the crowded one looked about half as fast
+    and was named slow; timed on one thread each, neither is, and training keeps its threads."""
+    import torch
+    before = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        alone = matmul_tflops(torch.device("cpu"))
+        crowded_threads = 8 * len(os.sched_getaffinity(0))
+        torch.set_num_threads(crowded_threads)
+        crowded = matmul_tflops(torch.device("cpu"))
+        assert torch.get_num_threads() == crowded_threads
+    finally:
+        torch.set_num_threads(before)
+    assert slow_nodes({"node1": crowded, "node2": alone}, 0.7) == {}, (crowded, alone)
+    assert slow_nodes({"node1": alone, "node2": crowded}, 0.7) == {}, (crowded, alone)
 
 
 def test_a_node_is_as_fast_as_its_slowest_rank_and_the_line_names_it(tmp_path):

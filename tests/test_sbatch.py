@@ -299,6 +299,37 @@ def test_the_partitions_rules_on_accounts_qos_and_nodes(config, rules, slurm, pr
     assert partition_problems(cfg, "gpu", "partition gpu", rules) == problems
 
 
+@pytest.mark.parametrize("storage,account,default,problems", [
+    ("accounting_storage/slurmdbd", None, "bio\n", ["slurm.account: partition gpu allows only accounts chem, "
+     "physics, and no account is given (your default: bio); set slurm.account"]),
+    ("accounting_storage/slurmdbd", None, "\n", ["slurm.account: partition gpu allows only accounts chem, "
+     "physics, and no account is given (your default: none); set slurm.account"]),
+    ("accounting_storage/slurmdbd", None, "physics\n", []),
+    ("accounting_storage/slurmdbd", None, None, []),  # sacctmgr does not answer: sbatch decides
+    ("accounting_storage/slurmdbd", "chem", "bio\n", []),
+    (None, None, None, []),  # neither scontrol nor sacctmgr says
+    ("accounting_storage/none", "chem", None, ["slurm.account: partition gpu allows only accounts chem, "
+     "physics, and this cluster keeps no accounting (AccountingStorageType=accounting_storage/none), so "
+     "Slurm never knows a job's account and the job would pend forever; choose another partition "
+     "(slurm.partition)"]),
+], ids=["default-not-allowed", "no-default", "default-allowed", "no-sacctmgr", "account-given", "unknown",
+        "no-accounting"])
+def test_the_account_slurm_would_charge_against_the_partitions_allow_list(config, storage, account,
+                                                                          default, problems):
+    """With no slurm.account Slurm charges the user's default account (`sacctmgr -nP show user
+    NAME format=DefaultAccount`); without accounting no job has one, and each would pend forever."""
+    from llmtrain.login.feasibility import job_account_problems
+
+    def sacctmgr(args):
+        assert args[:2] == ["show", "user"] and args[3] == "format=DefaultAccount"
+        return default
+
+    cfg = load_config(config(slurm={"account": account}))
+    rules = {"AllowAccounts": "physics,chem"}
+    assert job_account_problems(cfg, "partition gpu", rules, lambda: storage, sacctmgr) == problems
+    assert job_account_problems(cfg, "partition gpu", {"AllowAccounts": "ALL"}, lambda: storage, sacctmgr) == []
+
+
 def test_accounting_limits_where_sacctmgr_answers(config):
     """The user's associations and a QOS's MaxWall and MaxTRESPerJob (`sacctmgr -nP` output)."""
     from llmtrain.login.feasibility import accounting_problems

@@ -65,6 +65,23 @@ def test_a_pending_job_by_its_id_and_by_its_run_directory(job_config):
 
 
 @pytest.mark.slow
+def test_a_pending_job_cancelled_reads_the_same_by_its_id_and_by_its_run_directory(job_config):
+    """It never started, so it left no log in the run directory: the folder's status finds it
+    where the id's does, in what Slurm still knows (MinJobAge), instead of "not started"."""
+    config = job_config()
+    cli("prepare", "--config", config, check=True)
+    job = submit("--config", config, "--set", "run.name=dropped", "--", "--hold")
+    subprocess.run(["scancel", job["job_id"]], check=True)
+    assert wait_for(job["job_id"]) == "CANCELLED"
+    run_dir = Path(job["run_dir"])
+    state = f"state: cancelled (job {job['job_id']}) before its first step"
+    assert status_lines(job["job_id"])[1] == state
+    assert status_lines(run_dir)[1] == state
+    assert status_lines(run_dir) == status_lines(job["job_id"])
+    assert not list(run_dir.glob("*.out"))  # what the folder alone cannot tell
+
+
+@pytest.mark.slow
 def test_a_failed_job_shows_the_trainers_error_line(job_config):
     config = job_config(slurm={"nodes": 1, "procs_per_node": 1})
     cli("prepare", "--config", config, check=True)
@@ -119,5 +136,53 @@ def test_a_training_job_that_never_started_shows_its_prepare_jobs_error(tmp_path
         "data.dataset: no such file or folder (got 'gone.txt', resolved to /data/gone.txt)\n")
     verdict = assess(run_dir, None)
     assert (verdict.state, verdict.text) == (
-        "failed", f"failed before its first step: its prepare job failed: data.dataset: no such "
+        "failed", f"failed before its first step: its prepare job 150 failed: data.dataset: no such "
         f"file or folder (got 'gone.txt', resolved to /data/gone.txt) (see {run_dir}/prepare-150.out)")
+
+
+def test_a_prepare_job_that_failed_is_named_with_its_line_and_its_log(tmp_path, monkeypatch):
+    """A prepare job killed at its time limit (Slurm's line, no llmtrain error): the training job
+    Slurm cancelled, and the run's folder, name the prepare job, the line and its log; the
+    status shows that log's tail, since no training log exists."""
+    from llmtrain.login.status import assess
+    monkeypatch.setenv("PATH", str(tmp_path / "no-slurm"))  # no squeue/sacct/scontrol here
+    run_dir = tmp_path / "run"
+    run_dir.mkdir()
+    killed = "slurmstepd: error: *** JOB 150 ON node1 CANCELLED AT 2026-01-01T00:10:00 DUE TO TIME LIMIT ***"
+    (run_dir / "prepare-150.out").write_text(
+        f"llmtrain prepare job 150 on node1: /runs/run/submitted/x.yaml\ntokenizing 2 files\n{killed}\n")
+    failed = (f"its prepare job 150 failed: {killed.removeprefix('slurmstepd: ')} "
+              f"(see {run_dir}/prepare-150.out)")
+    assert assess(run_dir, "151", ("CANCELLED", "", "scontrol")).text == (
+        f"cancelled (job 151) before its first step: {failed}")
+    lines = status_lines(run_dir)
+    assert lines[1] == f"state: failed before its first step: {failed}"
+    assert lines[-4:] == [f"log: {run_dir}/prepare-150.out (last 3 lines)",
+                          "  llmtrain prepare job 150 on node1: /runs/run/submitted/x.yaml",
+                          "  tokenizing 2 files", f"  {killed}"]
+
+
+def test_a_run_and_a_sweep_by_their_names(home, tmp_path, write_config):
+    """A NAME is a run (or a sweep) in run.dir: $LLMTRAIN_HOME/runs, run.dir's default, or the
+    run.dir of --config's file; a name found nowhere says where it was looked for."""
+    import json
+    for root, name in ((home / "runs", "fresh"), (tmp_path / "elsewhere", "other")):
+        (root / name).mkdir(parents=True)
+    assert status_lines("fresh")[:2] == [f"run: fresh  ({home / 'runs' / 'fresh'})",
+                                         "state: not started: no job and no step logged yet"]
+    config = write_config(tiny_config(run={"name": "other", "dir": str(tmp_path / "elsewhere")}))
+    proc = cli("status", "other", "--config", config)
+    assert proc.returncode == 0 and proc.stdout.splitlines()[0] == f"run: other  ({tmp_path / 'elsewhere' / 'other'})"
+    proc = cli("status", "other")
+    assert (proc.returncode, proc.stdout) == (1, "")
+    assert proc.stderr.splitlines() == [
+        f"error: other: no such run directory, not a job id, nor a run in {home / 'runs'}; give the "
+        f"run directory, <run.dir>/<run.name>, or --config FILE for its run.dir"]
+    sweep = home / "runs" / "lr-sweep"
+    sweep.mkdir()
+    (sweep / "sweep.json").write_text(json.dumps({"name": "lr", "array_job_id": None, "points": [
+        {"index": 0, "overrides": ["train.lr=1e-3"], "run_name": "lr-0", "run_dir": str(home / "runs" / "lr-0")}]}))
+    proc = cli("sweep", "status", "lr")
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stdout.splitlines()[0] == f"sweep: lr  ({sweep})"
+    assert proc.stdout.splitlines()[3] == "| 0 | lr-0 | train.lr=1e-3 | not started | - | - |"

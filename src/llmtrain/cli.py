@@ -6,15 +6,18 @@
     llmtrain estimate --config FILE [--set ...] [--world-size N] [--gpu-mem GIB]   # memory per GPU
     llmtrain export --run-dir DIR [--step N] --out DIR [--dtype fp32|bf16|fp16]
     llmtrain generate (--model DIR | --run-dir DIR [--step N]) --prompt TEXT [--chat]
-    llmtrain status RUN_DIR|JOB_ID [--follow]
+    llmtrain status RUN_DIR|JOB_ID|NAME [--config FILE] [--follow]   # NAME: a run in run.dir
     llmtrain control RUN_DIR save|stop|profile [--steps N] [--ranks 0,8|all]
     llmtrain download [--config FILE] [--model ID] [--dataset ID] [--force] ...
-    llmtrain sbatch-command prepare|train|continuation --config FILE --script PATH [...] [-- ARGS]
     llmtrain submit --config FILE [--set ...] [--dry-run | --local] [-- SBATCH ARGS]   # submit.sh
-    llmtrain sweep --config FILE --grid SECTION.KEY=V,V ... [--local];  llmtrain sweep status DIR
+    llmtrain sweep --config FILE --grid SECTION.KEY=V,V ... [--local];  llmtrain sweep status DIR|NAME
     llmtrain bench --config FILE (--nprocs 1,2,4 | --nodes 1,2,4);  llmtrain plot RUN_DIR ...
-    llmtrain requeue RUN_DIR JOB_ID --config F --script S --restarts N --max-requeues M   # train.slurm
     llmtrain --version
+
+Plumbing, which the scripts run and `llmtrain --help` does not list:
+
+    llmtrain sbatch-command prepare|train|continuation --config FILE --script PATH [...] [-- ARGS]
+    llmtrain requeue RUN_DIR JOB_ID --config F --script S --restarts N --max-requeues M   # train.slurm
 
 A config is always `--config FILE` (check-config also takes it as its one positional argument),
 and `llmtrain COMMAND --help` shows every option with its default.
@@ -42,6 +45,9 @@ EXIT_USER = 1  # anything else the user can fix: data, model, paths
 
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else list(argv)
+    if not sys.stderr.isatty():  # a Slurm .out file, a pipe: no progress bars' carriage returns
+        for var in ("HF_DATASETS_DISABLE_PROGRESS_BARS", "HF_HUB_DISABLE_PROGRESS_BARS"):
+            os.environ.setdefault(var, "1")  # read once when datasets / huggingface_hub load
     # check-config and sbatch-command take sbatch arguments after `--`, verbatim (they start
     # with dashes, which argparse would read as its own options).
     split = argv[:1] in (["check-config"], ["sbatch-command"], ["submit"], ["sweep"], ["requeue"]) \
@@ -84,49 +90,68 @@ RANK0_WAIT_S = 20.0
 def entry() -> NoReturn:
     """The `llmtrain` command and `python -m llmtrain`."""
     code = main()
-    if code in (EXIT_USER, EXIT_CONFIG) and os.environ.get("RANK", "0") != "0":
-        # Rank 0 prints a user error (error_lines); this rank, which failed the same way, leaves
-        # once rank 0 has recorded it, or torchrun would stop rank 0 before it prints when this
-        # one is first (rank 0 may still be importing torch on a loaded node).
-        wait_for_rank0(_train_error_file)
+    rank = os.environ.get("RANK", "0")
+    if code in (EXIT_USER, EXIT_CONFIG) and rank != "0":
+        # Rank 0 records the run's user error (logs/error.txt); this rank, which failed the same
+        # way, leaves once rank 0 has, or torchrun would stop rank 0 before it does when this one
+        # is first (rank 0 may still be importing torch on a loaded node).
+        if wait_for_rank0(_train_error_file):
+            error_lines(_error_lines)  # again: the run's line is in logs/error.txt now
+        else:  # rank 0 did not fail so: this rank's line is the run's, saying where
+            import socket
+            where = f"error: rank {rank} on {socket.gethostname()}: "
+            own = [where + line.removeprefix("error: ") for line in _error_lines]
+            with contextlib.suppress(OSError):
+                from .rundir import write_atomic
+                write_atomic(_train_error_file, "".join(f"{line}\n" for line in own))
+            error_lines(own)
     exit_process(code)
 
 
 _train_error_file = None  # the run's logs/error.txt, once cmd_train knows the run directory
+_error_lines: list[str] = []  # this process's user error (error_lines)
+# Keys of a rank's torchrun error file that training/torchrun.py reads: the user error's lines,
+# and whether the run's logs/error.txt holds the run's line.
+USER_ERROR, IN_ERROR_TXT = "llmtrain_user_error", "llmtrain_in_error_txt"
 
 
-def wait_for_rank0(error_file) -> None:
-    """Until rank 0 has written the run's error file (then a moment for its line to print), at
-    most RANK0_WAIT_S; RANK0_GRACE_S where there is no run directory to watch."""
+def wait_for_rank0(error_file) -> bool:
+    """Until rank 0 has written the run's error file (then a moment for it to record the line
+    for torchrun), at most RANK0_WAIT_S: whether it did; RANK0_GRACE_S and True where there is
+    no run directory to watch."""
     if error_file is None:
         time.sleep(RANK0_GRACE_S)
-        return
+        return True
     deadline = time.monotonic() + RANK0_WAIT_S
     while not os.path.exists(error_file) and time.monotonic() < deadline:
         time.sleep(0.1)
     time.sleep(0.5)
+    return os.path.exists(error_file)
 
 
 def error_lines(lines: list[str]) -> None:
     """All lines in one write: ranks sharing a terminal never interleave half-lines.
 
-    Under torchrun the lines also go to torchrun's error file, so its failure summary shows them
-    instead of a traceback, and only rank 0 prints them: every rank fails the same way on a
-    user error, and the user reads the line once (a rank that fails alone is in the summary).
+    Under torchrun no rank prints them: each records them in torchrun's error file, and
+    llmtrain's agent (training/torchrun.py) prints them once, last, instead of torchrun's failure
+    summary (which shows them, not a traceback, under a plain torchrun).
     """
+    global _error_lines
+    _error_lines = list(lines)
     text = "".join(f"{line}\n" for line in lines)
     error_file = os.environ.get("TORCHELASTIC_ERROR_FILE")
-    if error_file:
-        import json
-        message = {"message": text.rstrip(), "extraInfo": {"py_callstack": text.rstrip(),
-                                                          "timestamp": str(int(time.time()))}}
-        try:
-            with open(error_file, "w") as f:
-                json.dump({"message": message}, f)
-        except OSError:
-            pass
-    if os.environ.get("RANK", "0") == "0":
+    if not error_file:
         os.write(sys.stderr.fileno(), text.encode())
+        return
+    import json
+    message = {"message": text.rstrip(), "extraInfo": {"py_callstack": text.rstrip(),
+                                                      "timestamp": str(int(time.time()))}}
+    shown = _train_error_file is not None and os.path.exists(_train_error_file)
+    try:
+        with open(error_file, "w") as f:
+            json.dump({"message": message, USER_ERROR: text, IN_ERROR_TXT: shown}, f)
+    except OSError:
+        os.write(sys.stderr.fileno(), text.encode())  # the agent will not find them
 
 
 class _Help(argparse.ArgumentDefaultsHelpFormatter):
@@ -138,6 +163,14 @@ class _Help(argparse.ArgumentDefaultsHelpFormatter):
         if "default" in text or action.default is None or action.required:
             return text
         return super()._get_help_string(action)
+
+    def add_argument(self, action):
+        super().add_argument(action)
+        if isinstance(action, argparse._SubParsersAction):  # argparse leaves out the commands'
+            # own indent when it sizes the column, which wraps the longest command's line
+            names = [len(sub.dest) for sub in action._get_subactions()]
+            self._action_max_length = max(self._action_max_length, max(names, default=0)
+                                          + self._current_indent + self._indent_increment)
 
 
 class _Parser(argparse.ArgumentParser):
@@ -168,7 +201,8 @@ class _Version(argparse.Action):
 
 def parser() -> argparse.ArgumentParser:
     ap = _Parser(prog="llmtrain", description="Train Hugging Face causal LMs with DDP, FSDP2 or "
-                 "HSDP, on a laptop or a Slurm cluster.")
+                 "HSDP, on a laptop or a Slurm cluster.", epilog="`llmtrain COMMAND --help` shows "
+                 "a command's options and their defaults.")
     ap.add_argument("--version", action=_Version, help="print the versions of llmtrain, torch, "
                     "transformers and python, and exit")
     sub = ap.add_subparsers(required=True, metavar="COMMAND")
@@ -206,7 +240,8 @@ def parser() -> argparse.ArgumentParser:
     p.set_defaults(func=cmd_submit)
 
     p = sub.add_parser("sweep", help="one run per point of a grid: a Slurm job array with at "
-                       "most --max-parallel points at once, or one after another with --local")
+                       "most --max-parallel points at once, or one after another with --local; "
+                       "`llmtrain sweep status SWEEP_DIR`: each point's state, step and eval loss")
     _config(p)
     _overrides(p)
     p.add_argument("--grid", action="append", default=[], required=True, metavar="SECTION.KEY=V,V",
@@ -218,14 +253,18 @@ def parser() -> argparse.ArgumentParser:
             local="train the points here, one after another", nproc="--local: processes per point")
     p.set_defaults(func=cmd_sweep)
 
-    p = sub.add_parser("sweep-status", help="`llmtrain sweep status SWEEP_DIR`: each point's state, "
-                       "step and latest eval loss")
-    p.add_argument("sweep_dir", metavar="SWEEP_DIR", help="<run.dir>/<run.name>-sweep, as "
-                   "llmtrain sweep printed")
+    # Not listed apart from sweep (no help=): `llmtrain sweep status` is main's spelling of it.
+    p = sub.add_parser("sweep-status", prog="llmtrain sweep status", description="each point's "
+                       "state, step and latest eval loss")
+    p.add_argument("sweep_dir", metavar="SWEEP_DIR|NAME", help="<run.dir>/<run.name>-sweep, as "
+                   "llmtrain sweep printed, or the sweep's run.name")
+    _runs(p)
     p.set_defaults(func=cmd_sweep_status)
 
-    p = sub.add_parser("sbatch-command", help="print the sbatch command line of a run's job, "
-                       "NUL-separated (--shell: quoted, for reading); no torch")
+    # Plumbing, run by submit.sh's and train.slurm's code, not listed in `llmtrain --help`
+    # (a parser added without help= is not); its own --help still describes it.
+    p = sub.add_parser("sbatch-command", description="print the sbatch command line of a run's "
+                       "job, NUL-separated (--shell: quoted, for reading); no torch")
     p.add_argument("job", choices=["prepare", "train", "continuation"], help="prepare: tokenize "
                    "on one CPU node; train: the training job; continuation: train again after "
                    "the job --after names ends, where requeue is refused")
@@ -242,9 +281,9 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--shell", action="store_true", help="print the line shell-quoted instead")
     p.set_defaults(func=cmd_sbatch_command)
 
-    p = sub.add_parser("requeue", help="after a job's step (train.slurm): requeue it if its trainer "
-                       "asked and slurm.max_requeues allows, else a continuation job; arguments after "
-                       "-- go to the continuation's batch script")
+    p = sub.add_parser("requeue", description="after a job's step (train.slurm): requeue it if "
+                       "its trainer asked and slurm.max_requeues allows, else a continuation job; "
+                       "arguments after -- go to the continuation's batch script")
     p.add_argument("run_dir", help="the run's directory")
     p.add_argument("job_id", help="this job's id ($SLURM_JOB_ID)")
     p.add_argument("--config", required=True, metavar="FILE", help="the frozen config the job "
@@ -300,8 +339,9 @@ def parser() -> argparse.ArgumentParser:
 
     p = sub.add_parser("status", help="whether a run is running, pending, stopped, finished or "
                        "failed; its progress, checkpoints and log")
-    p.add_argument("target", metavar="RUN_DIR|JOB_ID", help="a run directory, or a Slurm job id "
-                   "(pending, running, or finished within Slurm's MinJobAge)")
+    p.add_argument("target", metavar="RUN_DIR|JOB_ID|NAME", help="a run directory, a Slurm job "
+                   "id (pending, running, or finished within Slurm's MinJobAge), or a run.name")
+    _runs(p)
     p.add_argument("--follow", action="store_true", help="refresh until interrupted")
     p.add_argument("--interval", type=float, default=10.0, help="seconds between refreshes "
                    "(default: 10)")
@@ -375,6 +415,19 @@ def _launch(p: argparse.ArgumentParser, dry_run: str, local: str, nproc: str) ->
     p.add_argument("--local", action="store_true", help=local)
     p.add_argument("--nproc", type=int, help=f"{nproc} (default: slurm.procs_per_node, else 1)")
     p.add_argument("--script", help="the batch script (default: $LLMTRAIN_REPO/train.slurm)")
+
+
+def _runs(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--config", metavar="FILE", help="a NAME is a run in this config's run.dir "
+                   "(default: run.dir's default, $LLMTRAIN_HOME/runs)")
+
+
+def _runs_dir(args):
+    """The run.dir of status's --config, where a run's name is looked up (None: the default)."""
+    if not args.config:
+        return None
+    from pathlib import Path
+    return Path(load_config(args.config, world_size=1).run.dir)  # its run.dir, not its Slurm keys
 
 
 def _config(p: argparse.ArgumentParser) -> None:
@@ -538,7 +591,7 @@ def cmd_sweep(args) -> int:
 
 def cmd_sweep_status(args) -> int:
     from .login.sweep import read_sweep, status_table
-    print(status_table(read_sweep(args.sweep_dir)))
+    print(status_table(read_sweep(args.sweep_dir, _runs_dir(args))))
     return 0
 
 
@@ -644,7 +697,7 @@ def cmd_plot(args) -> int:
 def cmd_status(args) -> int:
     from .login.status import status
     try:
-        status(args.target, args.follow, args.interval)
+        status(args.target, args.follow, args.interval, _runs_dir(args))
     except BrokenPipeError:
         # The reader left (`llmtrain status X | head -1`): what it read was right; no traceback,
         # and nothing more to flush at exit (the Python docs' recipe, signal.SIGPIPE notes).

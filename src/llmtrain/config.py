@@ -361,8 +361,11 @@ _SECTION_TYPES = typing.get_type_hints(Config)
 # Loading
 
 
-def load_config(path: str | os.PathLike, overrides: list[str] = (), world_size: int | None = None) -> Config:
-    """Read, override, type-check and cross-check a config file; raise ConfigError."""
+def load_config(path: str | os.PathLike, overrides: list[str] = (),
+                world_size: int | Literal["local"] | None = None) -> Config:
+    """Read, override, type-check and cross-check a config file; raise ConfigError.
+    world_size: the processes the run will have; None: what the slurm section asks for (a Slurm
+    job); "local": a local run's default, slurm.procs_per_node, else 1."""
     path = Path(path)
     try:
         raw = load_yaml(path.read_text())
@@ -391,6 +394,8 @@ def load_config(path: str | os.PathLike, overrides: list[str] = (), world_size: 
         wrong = {q.split(":")[0] for q in problems} | {
             f"{q.split('.')[0]}.{m.group(1)}" for q in problems
             for m in [re.search(r"unknown key \(did you mean '(\w+)'\?\)", q)] if m}
+        if world_size == "local":
+            world_size = cfg.slurm.procs_per_node or 1
         problems += [q for q in validate(cfg, world_size, written) if q.split(":")[0] not in wrong]
     if problems:
         raise ConfigError(problems)
@@ -440,7 +445,9 @@ def _build_section(section: str, cls: type, body: dict, base: Path, problems: li
     values, ok = {}, True
     for key in body:
         if key not in fields:  # reported; the section is still built, so the checks of the rest run
-            problems.append(f"{section}.{key}: unknown key{_did_you_mean(key, fields)}")
+            hint = _OTHER_NAMES.get(f"{section}.{key}")
+            problems.append(f"{section}.{key}: unknown key"
+                            + (f" ({hint})" if hint else _did_you_mean(key, fields)))
     for name, f in fields.items():
         where = f"{section}.{name}"
         if name in body:
@@ -531,6 +538,25 @@ def _coerce(value: Any, hint: Any) -> Any:
             raise ValueError("must be a list of strings")
         return value
     raise TypeError(f"unsupported config type {hint}")  # a bug in this module, not in the file
+
+
+# Other trainers' names (Hugging Face Trainer's, mostly) for what llmtrain calls otherwise: difflib
+# finds no close key for most of them, or a misleading one (batch_size -> micro_batch_size).
+_OTHER_NAMES = {
+    "train.learning_rate": "did you mean 'lr'?",
+    "train.num_train_epochs": "did you mean 'epochs'?",
+    "train.max_grad_norm": "did you mean 'grad_clip'?",
+    "train.adam_epsilon": "did you mean 'eps'?",
+    "train.logging_steps": "did you mean 'log_every'?",
+    "train.eval_steps": "did you mean 'eval_every'?",
+    "train.save_steps": "did you mean 'checkpoint_every'?",
+    "train.batch_size": "llmtrain's are global_batch_size and micro_batch_size",
+    "train.gradient_accumulation_steps": "accumulation follows from global_batch_size / "
+                                         "(micro_batch_size x world size)",
+    "train.warmup_ratio": "llmtrain counts warmup in steps: warmup_steps",
+    "train.gradient_checkpointing": "it is model.activation_checkpointing",
+    "train.bf16": "set train.precision: bf16",
+}
 
 
 def _did_you_mean(name: str, choices) -> str:
@@ -625,6 +651,7 @@ def file_suffix(path: Path) -> str:
 
 def validate(cfg: Config, world_size: int | None = None, written: dict | None = None) -> list[str]:
     """Problems that span keys or touch the filesystem; [] when the config is usable.
+    world_size: the run's processes; None: the slurm section's (and its Slurm-only keys checked).
     written: path keys as the file (or --set) wrote them, for messages that show both forms."""
     p: list[str] = []
     t, d, m, s = cfg.train, cfg.data, cfg.model, cfg.slurm
@@ -708,7 +735,9 @@ def validate(cfg: Config, world_size: int | None = None, written: dict | None = 
         p.append(f"slurm.gpus_per_node: must be >= 0 (got {s.gpus_per_node})")
     if s.procs_per_node is not None and s.procs_per_node < 1:
         p.append(f"slurm.procs_per_node: must be >= 1 (got {s.procs_per_node})")
-    if s.procs_per_node is None and s.gpus_per_node == 0:
+    # Slurm's tasks per node; a caller that gives the world size (a local run, the trainer under
+    # its launcher, bench --nprocs, estimate/check-config --world-size) asks Slurm for nothing.
+    if world_size is None and s.procs_per_node is None and s.gpus_per_node == 0:
         p.append("slurm.procs_per_node: set it on CPU-only nodes (slurm.gpus_per_node is 0)")
     if s.prepare_time is not None and not re.fullmatch(r"(\d+-)?\d{1,2}(:\d{2}){0,2}", s.prepare_time):
         p.append(f"slurm.prepare_time: must be HH:MM:SS or D-HH:MM:SS, or null to estimate it from "

@@ -17,6 +17,7 @@ when the config asks for them; check-config refuses a config that asks for a mis
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import secrets
@@ -114,6 +115,23 @@ class WandB:
                 self.log(record)
 
     @staticmethod
+    @contextlib.contextmanager
+    def _service_lost():
+        """A failure here is W&B's service process gone, mostly: scancel and a preemption send
+        SIGTERM to every process of the job, W&B's too, whose Go runtime exits on it whatever
+        we block or ignore. The caller warns once (MetricsWriter); the connection is dropped
+        now, or W&B's exit handler tries it again and prints a `Connection lost` traceback under
+        the run's clean stop. This launch's files are then incomplete: the next one logs their
+        steps again (the class docstring)."""
+        try:
+            yield
+        except Exception:
+            import wandb
+            with contextlib.suppress(Exception, SystemExit):
+                wandb.teardown()
+            raise
+
+    @staticmethod
     def _set_aside_incomplete(folder: Path, state: dict, log: Log) -> None:
         for launch in sorted(folder.glob(f"offline-run-*-{state['id']}")):
             if launch.name not in state["launches"]:
@@ -124,11 +142,13 @@ class WandB:
 
     def log(self, record: dict) -> None:
         if record["step"] > self.floor:
-            self.run.log(scalars(record), step=record["step"])
+            with self._service_lost():
+                self.run.log(scalars(record), step=record["step"])
             self.last = max(self.last, record["step"])
 
     def close(self, failed: bool = False) -> None:
-        self.run.finish(exit_code=1 if failed else 0)
+        with self._service_lost():
+            self.run.finish(exit_code=1 if failed else 0)
         self.state["logged"] = self.last
         if self.state["mode"] == "offline":
             self.state["launches"].append(Path(self.run.dir).parent.name)
@@ -180,9 +200,11 @@ class PlotRefresher:
         if self.wanted > self.drawn and not self._busy():
             self.drawn = self.wanted
             with open(self.run_dir / "logs" / "plot.log", "w") as out:
+                # Not torchrun's error file of this rank: a plot's error is not the run's.
+                env = {k: v for k, v in os.environ.items() if k != "TORCHELASTIC_ERROR_FILE"}
                 self.proc = subprocess.Popen(
                     [sys.executable, "-m", "llmtrain", "plot", str(self.run_dir), "--out", str(self.run_dir / PLOT)],
-                    stdin=subprocess.DEVNULL, stdout=out, stderr=subprocess.STDOUT)
+                    stdin=subprocess.DEVNULL, stdout=out, stderr=subprocess.STDOUT, env=env)
 
     def _busy(self) -> bool:
         if self.proc is None:

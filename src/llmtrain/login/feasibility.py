@@ -9,7 +9,9 @@ key is one line: what the config asks, what the partition offers, what to change
 
 Judged by: the nodes of the partition (`sinfo -N`: CPUs, memory, GPUs, the time limit); the
 partition's own rules (`scontrol show partition`: AllowAccounts/DenyAccounts, AllowQos/DenyQos,
-MaxNodes); and where Slurm keeps accounting (`sacctmgr`, which answers only then), the user's
+MaxNodes), AllowAccounts against the account Slurm would charge (the user's default account
+where none is given; none at all where `scontrol show config` says the cluster keeps no
+accounting); and where Slurm keeps accounting (`sacctmgr`, which answers only then), the user's
 associations (may this user charge slurm.account?) and the QOS's limits (MaxWall, and nodes or
 GPUs per job in MaxTRESPerJob). What none of them shows is left to sbatch.
 """
@@ -84,8 +86,48 @@ def cluster_problems(cfg: Config) -> list[str]:
     if seconds(s.time) > limit:
         p.append(f"slurm.time: asks {s.time}; {key} allows at most {format_limit(limit)}; lower "
                  f"slurm.time (a requeue continues the run) or choose another partition")
-    p += partition_problems(cfg, partition, key, _partition_rules(partition))
+    rules = _partition_rules(partition)
+    p += job_account_problems(cfg, key, rules, _accounting_storage, _sacctmgr)
+    p += partition_problems(cfg, partition, key, rules)
     return p + accounting_problems(cfg, _sacctmgr)
+
+
+def job_account_problems(cfg: Config, key: str, rules: dict[str, str], accounting_storage,
+                         sacctmgr) -> list[str]:
+    """A partition with AllowAccounts judges the account of the job's *association*
+    (slurmctld's part_policy_valid_acct gets `assoc_ptr->acct`, NULL without one), not the
+    `--account` text: with no account given Slurm takes the user's default account, and where
+    Slurm keeps no accounting no job has an association, so every job, --account or not, pends
+    forever ("Job's account not known, so it can't use this partition"). sbatch accepts both.
+    accounting_storage() -> `scontrol show config`'s AccountingStorageType, or None;
+    sacctmgr(args) -> its -nP output, or None."""
+    s = cfg.slurm
+    allowed = _names(rules.get("AllowAccounts", "ALL"))
+    if allowed is None or (s.account and s.account not in allowed):
+        return []  # any account goes, or partition_problems names the account it refuses
+    only = f"{key} allows only accounts {', '.join(allowed)}"
+    storage = accounting_storage()
+    if storage is not None and storage.removeprefix("accounting_storage/") in ("none", "(null)", ""):
+        return [f"slurm.account: {only}, and this cluster keeps no accounting (AccountingStorageType="
+                f"{storage or '(null)'}), so Slurm never knows a job's account and the job would pend "
+                f"forever; choose another partition (slurm.partition)"]
+    if s.account:
+        return []
+    default = default_account(sacctmgr)
+    if default is None or default in allowed:
+        return []  # sacctmgr does not answer (sbatch decides), or the default is allowed
+    return [f"slurm.account: {only}, and no account is given (your default: {default or 'none'}); "
+            f"set slurm.account"]
+
+
+def default_account(sacctmgr) -> str | None:
+    """The account Slurm charges when --account is not given (`sacctmgr show user`'s
+    DefaultAccount); "" for a user without one, None where sacctmgr does not answer."""
+    user = _user()
+    out = sacctmgr(["show", "user", user, "format=DefaultAccount"]) if user else None
+    if out is None:
+        return None
+    return next((line.strip() for line in out.splitlines() if line.strip()), "")
 
 
 def partition_problems(cfg: Config, partition: str, key: str, rules: dict[str, str]) -> list[str]:
@@ -110,10 +152,7 @@ def accounting_problems(cfg: Config, sacctmgr) -> list[str]:
     answers); sacctmgr(args) -> its -nP output, or None."""
     s, p = cfg.slurm, []
     if s.account:
-        try:
-            user = getpass.getuser()
-        except (OSError, KeyError):  # no USER/LOGNAME and no passwd entry: ask for nobody
-            user = ""
+        user = _user()
         out = sacctmgr(["show", "assoc", f"user={user}", "format=Account"]) if user else None
         accounts = sorted({line.strip() for line in (out or "").splitlines() if line.strip()})
         if out is not None and accounts and s.account not in accounts:
@@ -144,6 +183,23 @@ def _names(value: str) -> list[str] | None:
     if value.strip().upper() == "ALL":
         return None
     return sorted(x for x in value.split(",") if x and x != "(null)")
+
+
+def _user() -> str:
+    try:
+        return getpass.getuser()
+    except (OSError, KeyError):  # no USER/LOGNAME and no passwd entry: ask for nobody
+        return ""
+
+
+def _accounting_storage() -> str | None:
+    """AccountingStorageType (`scontrol show config`); None where scontrol does not say."""
+    try:
+        proc = subprocess.run(["scontrol", "show", "config"], capture_output=True, text=True, timeout=30)
+    except (OSError, subprocess.TimeoutExpired):
+        return None
+    m = re.search(r"^AccountingStorageType\s*=\s*(\S*)", proc.stdout, re.M)
+    return m.group(1) if proc.returncode == 0 and m else None
 
 
 def _partition_rules(partition: str) -> dict[str, str]:

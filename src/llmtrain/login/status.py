@@ -1,4 +1,6 @@
-"""`llmtrain status RUN_DIR|JOB_ID [--follow]`: where a run stands, from its files and Slurm.
+"""`llmtrain status RUN_DIR|JOB_ID|NAME [--config FILE] [--follow]`: where a run stands, from its
+files and Slurm. A NAME is a run under run.dir: the --config file's, else run.dir's default,
+$LLMTRAIN_HOME/runs.
 
     run: demo  (/shared/me/llmtrain/runs/demo)
     state: stopped by request at step 57 of 300; launch the same config again to continue
@@ -55,8 +57,8 @@ class Verdict:
         return f"{self.text}; {self.hint}" if self.hint else self.text
 
 
-def status(target: str, follow: bool = False, interval: float = 10.0) -> None:
-    run_dir, job_id = resolve_target(target)
+def status(target: str, follow: bool = False, interval: float = 10.0, runs: Path | None = None) -> None:
+    run_dir, job_id = resolve_target(target, runs)
     while True:
         text = render(run_dir, job_id or latest_job(run_dir))
         if not follow:
@@ -66,7 +68,14 @@ def status(target: str, follow: bool = False, interval: float = 10.0) -> None:
         time.sleep(interval)
 
 
-def resolve_target(target: str) -> tuple[Path, str | None]:
+def runs_root(runs: Path | None = None) -> Path | None:
+    """Where a run's NAME is looked up: `runs` (a config's run.dir), else run.dir's default."""
+    import os
+    home = os.environ.get("LLMTRAIN_HOME")
+    return runs or (Path(home) / "runs" if home else None)
+
+
+def resolve_target(target: str, runs: Path | None = None) -> tuple[Path, str | None]:
     if re.fullmatch(r"\d+(_\d+)?", target):  # a job, or a job array's task (squeue's 4242_3)
         fields = _scontrol(target)
         if not fields.get("StdOut") or not fields.get("ArrayTaskId", "0").isdigit():  # unsplit tasks
@@ -78,14 +87,20 @@ def resolve_target(target: str) -> tuple[Path, str | None]:
         job = fields.get("JobId", target)
         return run_dir, None if fields.get("JobName", "").startswith("prepare-") else job
     run_dir = Path(target)
+    root = runs_root(runs)
+    if not run_dir.is_dir() and "/" not in target and root and (root / target).is_dir():
+        run_dir = root / target  # a run's name
     if not run_dir.is_dir():
-        raise UserError(f"{target}: no such run directory, and not a job id")
+        where = f", nor a run in {root}" if root and "/" not in target else ""
+        raise UserError(f"{target}: no such run directory, not a job id{where}; give the run "
+                        f"directory, <run.dir>/<run.name>, or --config FILE for its run.dir")
     return run_dir.resolve(), None  # the paths it prints work from anywhere
 
 
 def latest_job(run_dir: Path) -> str | None:
     """The newest training job of the run: one that logged into it (<name>-<jobid>.out), or one
-    still queued that will (its log file appears only when it starts)."""
+    Slurm knows that would have (its log file appears only when it starts): queued, or ended
+    before it started (a pending job cancelled), as the job's id shows it."""
     jobs = [m.group(1) for p in run_dir.glob("*-*.out") if not p.name.startswith("prepare-")
             for m in [re.fullmatch(r".+-(\d+)\.out", p.name)] if m]
     queued = _queued_jobs(run_dir)  # {id: state}
@@ -97,11 +112,12 @@ def latest_job(run_dir: Path) -> str | None:
 
 
 def _queued_jobs(run_dir: Path) -> dict[str, str]:
-    """The run's jobs in Slurm's queue, and their states: those named as the run, and a sweep
-    point's task of its job array (named as the sweep; submitted/array.json says which)."""
+    """The run's jobs Slurm knows, and their states: those named as the run, in the queue or
+    ended within MinJobAge (squeue --states all: what `scontrol show job` of its id still finds),
+    and a sweep point's task of its job array (named as the sweep; submitted/array.json says which)."""
     if not shutil.which("squeue"):
         return {}
-    out = _run(["squeue", "-h", "-n", _run_name(run_dir), "-o", "%i|%T"]) or ""
+    out = _run(["squeue", "-h", "-t", "all", "-n", _run_name(run_dir), "-o", "%i|%T"]) or ""
     jobs = dict(line.split("|", 1) for line in out.split() if "|" in line)
     queued = {job: state for job, state in jobs.items()
               if Path(_scontrol(job).get("StdOut", "/")).parent.resolve() == run_dir.resolve()}
@@ -229,11 +245,10 @@ def _stopped(run: _Run, stop: dict) -> Verdict:
 
 def _ended(run: _Run, state: str) -> Verdict:
     """No record of a stop: the job or the launch ended another way, or never started."""
-    preps = sorted(run.dir.glob("prepare-*.out"), key=lambda p: int(p.stem.split("-")[-1]))
-    prep_failed = not run.step and preps and _log_search(preps[-1], r"^((?:error: |[a-z_]+\.[a-z_.]+: ).*)")
+    prep_failed = None if run.step else _prepare_failure(run.dir)
     if state == "CANCELLED":  # by scancel, or by Slurm when a job it waited for failed
         return Verdict("cancelled", f"cancelled{run.job} {run.at()}"
-                       + (f": its prepare job failed: {prep_failed}" if prep_failed else ""))
+                       + (f": {prep_failed}" if prep_failed else ""))
     if state == "COMPLETED" and run.total and run.step == run.total:
         return Verdict("finished", f"finished{run.job}: {run.step} of {run.total} steps")
     error = _error_line(run.dir, run.job_id)
@@ -248,9 +263,38 @@ def _ended(run: _Run, state: str) -> Verdict:
         return Verdict("not started", f"not started: no step logged yet (starting up, or it ended "
                        f"before its first step; see {run.dir}/logs/rank-0.log)")
     if prep_failed:  # the training job never started: Slurm cancelled it (--kill-on-invalid-dep)
-        return Verdict("failed", f"failed before its first step: its prepare job failed: {prep_failed} "
-                       f"(see {preps[-1]})")
+        return Verdict("failed", f"failed before its first step: {prep_failed}")
     return Verdict("not started", "not started: no job and no step logged yet")
+
+
+PREPARE_FAILED = ("FAILED", "TIMEOUT", "OUT_OF_MEMORY", "NODE_FAIL", "CANCELLED", "BOOT_FAIL", "DEADLINE")
+
+
+def _prepare_log(run_dir: Path) -> Path | None:
+    """The log of the run's latest prepare job, <run_dir>/prepare-<job id>.out."""
+    preps = sorted(run_dir.glob("prepare-*.out"), key=lambda p: int(p.stem.split("-")[-1]))
+    return preps[-1] if preps else None
+
+
+def _prepare_failure(run_dir: Path) -> str | None:
+    """How the run's latest prepare job failed, and where its log is; None where it did not (or
+    left no log). Its error line: llmtrain's own (error: ..., or a config key's), else Slurm's
+    (slurmstepd's time limit or memory kill), else a traceback's exception; its state: Slurm's,
+    while Slurm knows the job."""
+    log = _prepare_log(run_dir)
+    if log is None:
+        return None
+    lines = log.read_text(errors="replace").splitlines()
+    patterns = (r"((?:error: |[a-z_]+\.[a-z_.]+: ).*)", r"slurmstepd: (error: .*)")
+    line = next((m.group(1) for pattern in patterns for text in lines
+                 for m in [re.match(pattern, text)] if m), None) or next(
+        (text for text in reversed(lines) if re.match(r"\w+(Error|Exception|Interrupt)\b", text)), None)
+    job = log.stem.split("-")[-1]
+    state = job_state(job)[0]
+    if state == "COMPLETED" or (not line and state not in PREPARE_FAILED):
+        return None
+    said = f" (Slurm: {state})" if state in PREPARE_FAILED else ""
+    return f"its prepare job {job} failed{said}" + (f": {line}" if line else "") + f" (see {log})"
 
 
 def render(run_dir: Path, job_id: str | None) -> str:
@@ -268,8 +312,10 @@ def render(run_dir: Path, job_id: str | None) -> str:
     pointer = latest_checkpoint(run_dir / CHECKPOINTS)
     lines.append("checkpoints: " + (", ".join(f"{c}{' (latest)' if c == pointer else ''}"
                                               for c in ckpts) or "none yet"))
-    log = _job_log(run_dir, job_id) or run_dir / "logs" / "rank-0.log"
-    if log.exists():
+    # The training job's log, else the trainer's, else (no training yet) the prepare job's.
+    log = next((p for p in (_job_log(run_dir, job_id), run_dir / "logs" / "rank-0.log",
+                            _prepare_log(run_dir)) if p and p.exists()), None)
+    if log:
         tail = log.read_text(errors="replace").splitlines()[-LOG_LINES:]
         lines.append(f"log: {log} (last {len(tail)} lines)")
         lines += [f"  {line}" for line in tail]

@@ -272,14 +272,13 @@ def run_local(config: str | os.PathLike, overrides: list[str] | tuple[str, ...] 
               nproc: int | None = None) -> int:
     """Train on this machine under torchrun (llmtrain's, without its launcher traceback): checked
     and prepared first. Ctrl-C saves and stops, as `llmtrain control RUN_DIR stop` does. Returns
-    torchrun's exit code; the trainer's own error line is printed last."""
+    torchrun's exit code; a failure's line is the last one printed."""
     overrides = list(overrides)
-    if nproc is None:
-        cfg = load_config(config, overrides)
-        nproc = cfg.slurm.procs_per_node or 1
-    if nproc < 1:
+    if nproc is not None and nproc < 1:
         raise UserError(f"--nproc: must be a positive integer (got {nproc})")
-    cfg = load_config(config, overrides, world_size=nproc)
+    # Checked for this machine's processes: slurm.nodes and the Slurm-only keys do not count here.
+    cfg = load_config(config, overrides, world_size=nproc or "local")
+    nproc = nproc or cfg.slurm.procs_per_node or 1
     refusals(cfg, config, offline=True, launch=True, cluster=False)
     from ..data.prepare import prepare
     # The ranks train from this folder, found once here: none of them reads the source's files.
@@ -306,7 +305,7 @@ def run_local(config: str | os.PathLike, overrides: list[str] | tuple[str, ...] 
         # One process gets a session of its own, as torchrun's workers do: the terminal's
         # Ctrl-C reaches this launcher only, however many times it is pressed.
         child = subprocess.Popen(cmd, env=env, start_new_session=nproc == 1,
-                                 preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_IGN))
+                                 preexec_fn=child_of_this_launcher())
         for sig in (signal.SIGTERM, signal.SIGHUP):  # a killed launcher stops torchrun too
             before[sig] = signal.signal(sig, lambda s, _: child.send_signal(s))
         rc = child.wait()
@@ -314,12 +313,38 @@ def run_local(config: str | os.PathLike, overrides: list[str] | tuple[str, ...] 
         for sig, handler in before.items():
             signal.signal(sig, handler)
     rc = 128 - rc if rc < 0 else rc  # killed by signal N: 128 + N, as a shell says
-    if rc:  # the trainer's own line last, below torchrun's failure summary (one process: said)
-        if nproc > 1 and error_file.exists():
-            sys.stderr.write(error_file.read_text())
+    if rc:  # the trainer's line was the last one (llmtrain's torchrun; one process: the trainer)
         return rc
     print(f"run_dir: {cfg.run_dir}")
     return 0
+
+
+def child_of_this_launcher():
+    """The Popen preexec_fn of a local run's child (torchrun's agent, or the one trainer): it
+    ignores SIGINT (the launcher takes Ctrl-C) and gets SIGTERM when this launcher dies. A
+    launcher killed with SIGKILL (kill -9, the OOM killer) runs none of its handlers, and the
+    child, in a session of its own, trained on as an orphan, holding the run directory's lock and
+    the CPUs. With Linux's PR_SET_PDEATHSIG the kernel tells it: SIGTERM is "save and stop" to
+    the trainer (a checkpoint is better than nothing; it then exits), and torchrun forwards it to
+    its workers, which also die with the agent (training/distributed.py `die_with_launcher`). The
+    signal follows the *thread* that forked the child: this is called from the launcher's main
+    thread, which waits for the child until it ends."""
+    prctl = None
+    if sys.platform.startswith("linux"):
+        import ctypes
+        try:  # looked up here, before the fork, not in the child
+            prctl = ctypes.CDLL(None, use_errno=True).prctl
+        except (OSError, AttributeError):
+            pass
+    launcher = os.getpid()
+
+    def setup() -> None:
+        signal.signal(signal.SIGINT, signal.SIG_IGN)
+        if prctl is not None:
+            prctl(1, int(signal.SIGTERM))  # 1: PR_SET_PDEATHSIG
+            if os.getppid() != launcher:  # the launcher died before the call: nobody would tell us
+                os._exit(1)
+    return setup
 
 
 def ask_to_stop(run_dir: Path) -> None:

@@ -82,15 +82,17 @@ class Sweep:
                 "prepare_job_ids": self.prepare_job_ids}
 
 
-def plan(config: str | os.PathLike, overrides: list[str], grid: list[str]) -> tuple[Sweep, list[Config]]:
-    """Every point's config, each validated and checked as `llmtrain submit` checks one run."""
+def plan(config: str | os.PathLike, overrides: list[str], grid: list[str],
+         world_size: int | str | None = None) -> tuple[Sweep, list[Config]]:
+    """Every point's config, each validated and checked as `llmtrain submit` checks one run
+    (world_size: load_config's; a local sweep's process count, or "local")."""
     todo = points(parse_grid(grid))
     cfgs, problems, name = [], [], None
     for i, point in enumerate(todo):  # the config alone need not be valid: the grid may mend it
         try:
             if name is None:
-                name = load_config(config, [*overrides, *point]).run.name
-            cfgs.append(load_config(config, [*overrides, *point, f"run.name={name}-{i}"]))
+                name = load_config(config, [*overrides, *point], world_size).run.name
+            cfgs.append(load_config(config, [*overrides, *point, f"run.name={name}-{i}"], world_size))
         except ConfigError as e:
             problems += [f"point {i} ({', '.join(point)}): {line}" for line in e.problems]
     if problems:
@@ -154,7 +156,7 @@ def sweep_local(config: str | os.PathLike, overrides: list[str], grid: list[str]
                 nproc: int | None = None) -> tuple[Sweep, list[int]]:
     """The points one after another on this machine; each one's exit code. A point that fails
     does not stop the others; one stopped by Ctrl-C stops the sweep."""
-    sweep, cfgs = plan(config, overrides, grid)
+    sweep, cfgs = plan(config, overrides, grid, nproc or "local")
     for cfg in cfgs:
         refusals(cfg, config, offline=True, launch=True, cluster=False)
     sweep.dir.mkdir(parents=True, exist_ok=True)
@@ -179,11 +181,18 @@ def _write_record(sweep: Sweep) -> None:
     write_atomic(sweep.dir / RECORD, json.dumps(sweep.record(), indent=1) + "\n")
 
 
-def read_sweep(target: str | os.PathLike) -> Sweep:
-    folder = Path(target)
+def read_sweep(target: str | os.PathLike, runs: Path | None = None) -> Sweep:
+    """The sweep in folder `target`, or named `target` (its run.name) under run.dir: `runs`,
+    else run.dir's default ($LLMTRAIN_HOME/runs)."""
+    from .status import runs_root
+    folder, root = Path(target), runs_root(runs)
+    if not folder.is_dir() and "/" not in str(target) and root:
+        folder = next((f for f in (root / f"{target}-sweep", root / str(target)) if (f / RECORD).is_file()),
+                      folder)
     record = read_json(folder / RECORD)
     if not isinstance(record, dict) or "points" not in record:
-        raise UserError(f"{target}: not a sweep directory (no {RECORD}); it is "
+        where = f", nor a sweep named so in {root}" if root and "/" not in str(target) else ""
+        raise UserError(f"{target}: not a sweep directory (no {RECORD}){where}; it is "
                         f"<run.dir>/<run.name>-sweep, which llmtrain sweep prints")
     return Sweep(record["name"], folder.resolve(), record["points"], record.get("array_job_id"),
                  record.get("prepare_job_ids", []))

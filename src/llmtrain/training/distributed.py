@@ -27,7 +27,9 @@ def die_with_launcher() -> None:
     the workers: they trained on with no launcher, held the run directory's lock and the GPU, and
     a restart found the run "in use by a live run". Linux: the kernel sends SIGKILL at the
     parent's death (prctl PR_SET_PDEATHSIG), as a lost node would; the restart resumes from the
-    last checkpoint. (Under Slurm the job step's cgroup ends them anyway.)"""
+    last checkpoint. (Under Slurm the job step's cgroup ends them anyway; on one machine the
+    agent itself gets SIGTERM when `llmtrain submit --local` dies: login/submit.py
+    `child_of_this_launcher`.)"""
     if "TORCHELASTIC_RUN_ID" not in os.environ or not sys.platform.startswith("linux"):
         return
     import ctypes

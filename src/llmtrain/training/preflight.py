@@ -7,9 +7,10 @@ Under Slurm (SLURM_JOB_ID set; a local run skips it) with `slurm.preflight: true
 process group exists and before the model is built, every rank measures:
 
 - matmul: the fastest of timed products of two square matrices on its device (CUDA: 8192 x 8192
-  in bf16; CPU: 256 x 256 in fp32, which stays in a core's cache, so ranks that share a machine's
-  memory do not disturb each other's figure), repeated for 0.1 s and at least 5 times, as TFLOP/s
-  (2 n^3 per product);
+  in bf16; CPU: 256 x 256 in fp32 on one thread, which stays in a core's cache, so ranks that
+  share a machine's memory do not disturb each other's figure: a core's speed, whatever threads
+  each process trains with), repeated for 0.1 s and at least 5 times, as TFLOP/s (2 n^3 per
+  product);
 - all-reduce: the best of a few timed sums of one buffer over all ranks (CUDA 64 MiB, CPU
   4 MiB, fp32), as bus bandwidth in GB/s, 2 (n - 1) / n x bytes / seconds (nccl-tests' "busbw":
   comparable across world sizes). Every rank times the same collective, so this is the group's
@@ -75,6 +76,7 @@ def run(cfg: Config, world: World, log: Log) -> str:
     me = node_name()
     slowed = os.environ.get("LLMTRAIN_TEST_SLOW_HOST") == me
     mine = {"rank": world.rank, "local_rank": world.local_rank, "node": me,
+            "threads": torch.get_num_threads(),  # training's; a CPU matmul is timed on one
             "matmul_tflops": matmul_tflops(world.device, slowed),
             "all_reduce_busbw_gbps": all_reduce_busbw(world.device, world.world_size)}
     if world.device.type == "cuda":  # its matrices freed: the run's peak memory is the run's own
@@ -109,9 +111,27 @@ def run(cfg: Config, world: World, log: Log) -> str:
 
 def matmul_tflops(device: torch.device, slowed: bool = False) -> float:
     """The fastest of at least REPEATS timed products on `device`, repeated for MATMUL_S, in
-    TFLOP/s (after one warm-up product: cuBLAS handles, the CPU thread pool). A rank's count of
-    repetitions is its own: no collective in between."""
+    TFLOP/s (after one warm-up product: cuBLAS handles). On a CPU, on one thread. A rank's count
+    of repetitions is its own: no collective in between."""
     n, dtype = MATMUL[device.type]
+    # CPU: one thread, the process's own setting back after. A product on T threads waits for
+    # its slowest thread, so where threads outnumber free cores (the local cluster's fake nodes
+    # sharing one machine; a job with more OMP threads than cores; a neighbour's load) one
+    # preempted thread makes every product look slow, and a node was named slow for that alone
+    # (measured here on 2 cores: 16 threads 0.05 TFLOP/s, 2 threads 0.19 or 0.002 by luck, one
+    # thread 0.10 every time). One thread times the core, the same quantity on every node, and the
+    # best of the repetitions is an undisturbed one.
+    threads = torch.get_num_threads()
+    if device.type == "cpu":
+        torch.set_num_threads(1)
+    try:
+        return _timed_products(device, n, dtype, slowed)
+    finally:
+        if device.type == "cpu":
+            torch.set_num_threads(threads)
+
+
+def _timed_products(device: torch.device, n: int, dtype: torch.dtype, slowed: bool) -> float:
     # Constant operands: the timing does not depend on the values, and the run's random state
     # (seeded just before) stays as it was.
     a = torch.full((n, n), 1 / n, device=device, dtype=dtype)

@@ -1,13 +1,24 @@
-"""torchrun without its own traceback: `python -m llmtrain.training.torchrun ARGS` is
-`torchrun ARGS` (same options, same agent), except that when a worker fails it ends with
-torchrun's failure summary, which names the first failure and shows a user error's one line,
-and exit code 1, instead of a Python traceback of the launcher printed above that summary.
-submit.sh --local and train.slurm start training through it."""
+"""torchrun with llmtrain's endings: `python -m llmtrain.training.torchrun [--quiet-user-error]
+ARGS` is `torchrun ARGS` (same options, same agent); only how a run ends on stderr differs.
+
+- A user error of the trainer (every rank records its line in torchrun's error file:
+  cli.error_lines): that line, once, last; none of torchrun's ~25-line failure summary.
+  With --quiet-user-error, not even the line when the run's logs/error.txt holds it: the caller
+  prints that file last (train.slurm, below srun's own lines and its requeue decision).
+- Any other worker failure (a segfault, a killed worker, a bug, whose traceback is above):
+  one line naming the first failing rank, its host and its exit code or signal.
+- A stop signal to the agent (scancel, a preemption: SIGTERM to every process of the job):
+  the workers save and stop, as on Ctrl-C, and the agent ends with 128 + the signal's number
+  instead of a SignalException traceback.
+
+A failure is exit 1. submit.sh --local, train.slurm and llmtrain bench start training through it."""
 
 from __future__ import annotations
 
 import logging
 import os
+import signal
+import socket
 import sys
 
 # The same end-of-run race in C++: the other agent's last store operation finds the socket
@@ -16,6 +27,7 @@ import sys
 # workers it starts get the variable as the user set it.
 _USER_CPP_LOG_LEVEL = os.environ.get("TORCH_CPP_LOG_LEVEL")
 os.environ["TORCH_CPP_LOG_LEVEL"] = "ERROR"
+from torch.distributed.elastic.multiprocessing import SignalException  # noqa: E402
 from torch.distributed.elastic.multiprocessing.errors import ChildFailedError  # noqa: E402
 from torch.distributed.run import main  # noqa: E402
 
@@ -24,27 +36,67 @@ if _USER_CPP_LOG_LEVEL is None:
 else:
     os.environ["TORCH_CPP_LOG_LEVEL"] = _USER_CPP_LOG_LEVEL
 
+from ..cli import IN_ERROR_TXT, USER_ERROR, exit_process  # noqa: E402 (a worker's error file)
 
-class _EndOfRunRace(logging.Filter):
-    """Drops one warning: at the end of a multi-node run the first node's agent, which hosts the
-    rendezvous, can exit before another node's agent marks the rendezvous closed, and that agent
-    then says it "has failed to shutdown the rendezvous". Every worker has ended by then (the
-    agents passed their exit barrier), so nothing is lost; the line only reads like a failure."""
+QUIET_USER_ERROR = "--quiet-user-error"
+
+# torchrun's log lines that the one line at the end replaces (logger name: parts of messages).
+_REPLACED = {
+    "torch.distributed.elastic.agent.server.api": ("death signal, shutting down workers",),
+    "torch.distributed.elastic.multiprocessing.api": ("closing signal", "failed (exitcode: "),
+    "torch.distributed.elastic.multiprocessing.errors.error_handler": ("no error file defined for parent",),
+    # At the end of a multi-node run the first node's agent, which hosts the rendezvous, can exit
+    # before another node's agent marks the rendezvous closed, and that agent then says it "has
+    # failed to shutdown the rendezvous". Every worker has ended by then (the agents passed their
+    # exit barrier), so nothing is lost; the line only reads like a failure.
+    "torch.distributed.elastic.rendezvous.dynamic_rendezvous": ("has failed to shutdown the rendezvous",),
+}
+
+
+class _Replaced(logging.Filter):
+    def __init__(self, parts: tuple[str, ...]):
+        super().__init__()
+        self.parts = parts
 
     def filter(self, record: logging.LogRecord) -> bool:
-        return "has failed to shutdown the rendezvous" not in record.getMessage()
+        return not any(part in str(record.msg) for part in self.parts)
 
 
 def launch(argv: list[str] | None = None) -> int:
-    logging.getLogger("torch.distributed.elastic.rendezvous.dynamic_rendezvous").addFilter(_EndOfRunRace())
+    argv = sys.argv[1:] if argv is None else list(argv)
+    quiet = argv[:1] == [QUIET_USER_ERROR]
+    for name, parts in _REPLACED.items():
+        logging.getLogger(name).addFilter(_Replaced(parts))
     try:
-        main(argv)  # @record inside copies the first failure into torchrun's error file
+        main(argv[quiet:])
     except ChildFailedError as e:
-        sys.stderr.write(f"{e}\n")  # the summary (ChildFailedError's message)
+        user = user_error(e.failures)
+        if user is None:
+            sys.stderr.write(failure_line(e.failures) + "\n")
+        elif not (quiet and user.get(IN_ERROR_TXT)):
+            sys.stderr.write(user[USER_ERROR])
         return 1
+    except SignalException as e:  # the workers had their stop signal and the time to save
+        return 128 + e.sigval
     return 0
 
 
+def user_error(failures: dict) -> dict | None:
+    """The record of the lowest failed rank that recorded a user error: rank 0's where it did (a
+    rank that fails alone records its line with its rank and host: cli.entry)."""
+    recorded = {rank: f.error_file_data for rank, f in failures.items()
+                if isinstance(f.error_file_data, dict) and f.error_file_data.get(USER_ERROR)}
+    return recorded[min(recorded)] if recorded else None
+
+
+def failure_line(failures: dict) -> str:
+    """The first failure, one line; a rank the agent itself stopped (SIGTERM) after another
+    failed is not a cause (failures in the same second share a timestamp)."""
+    rank, failure = min(failures.items(), key=lambda rf: (rf[1].exitcode == -signal.SIGTERM, rf[1].timestamp))
+    how = (f"was killed by signal {failure.signal_name()}" if failure.exitcode < 0
+           else f"exited with code {failure.exitcode}")
+    return f"error: rank {rank} on {socket.gethostname()} {how}"
+
+
 if __name__ == "__main__":
-    from ..cli import exit_process
     exit_process(launch())
