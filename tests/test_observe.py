@@ -198,15 +198,18 @@ def test_profiles_trace_the_configured_ranks_or_those_a_request_names(observe):
     assert f"profile of steps 2-2: {run_dir}/profile/steps-2-2-rank-*.json" in out
 
 
-def fake_run(run_dir: Path, name: str, scale: float, steps: int = 60) -> None:
-    """A run directory as training leaves it, with made-up curves (the plot's input is the file)."""
-    run_dir.mkdir(parents=True)
+def fake_run(run_dir: Path, name: str, scale: float, steps: int = 60, mem_gib=None) -> None:
+    """A run directory as training leaves it, with made-up curves (the plot's input is the file);
+    mem_gib: (first, last) peak memory, else 10 x scale throughout."""
+    run_dir.mkdir(parents=True, exist_ok=True)
     (run_dir / "config.yaml").write_text(f"run:\n  name: {name}\ntrain:\n  max_steps: {steps}\n")
     lines = []
+    first, last = mem_gib or (10 * scale, 10 * scale)
     for s in range(1, steps + 1):
         lines.append({"kind": "train", "step": s, "loss": scale * (2 + 8 / s ** 0.5), "lr": 1e-3,
                       "grad_norm": 1 / s, "tokens": 4096 * s, "tokens_per_sec": 1e5 * scale,
-                      "mfu": 0.4 * scale, "peak_mem_gib": 10 * scale, "elapsed_s": s, "eta_s": steps - s})
+                      "mfu": 0.4 * scale, "elapsed_s": s, "eta_s": steps - s,
+                      "peak_mem_gib": first + (last - first) * s / steps})
         if s % 20 == 0:
             lines.append({"kind": "eval", "step": s, "eval_loss": scale * (2.2 + 8 / s ** 0.5)})
     (run_dir / "metrics.jsonl").write_text("".join(json.dumps(x) + "\n" for x in lines))
@@ -234,6 +237,55 @@ def test_plot_draws_one_run_and_compares_three(tmp_path, monkeypatch):
     assert {c0, c1, c2} <= drawn_three
     assert imread(runs[0] / "plot.png").shape[:2] == (720, 1600)
     assert not list(tmp_path.glob("compare/.*tmp*"))  # written atomically: no temporary left
+
+
+def test_a_sweeps_plot_names_its_points_by_their_overrides_and_keeps_its_labels_apart(tmp_path):
+    """`llmtrain plot` of a sweep's points: each is labelled by its overrides (was its name,
+    sw-0, sw-1: which lr was which?), a run of no sweep by its name; no two labels of a log axis
+    overlap (every minor tick was labelled: 0.06 0.07 0.08 0.09 in one smear); and the memory
+    axis starts at 0, so a run whose peak went 0.411 -> 0.418 GiB does not fill the panel as a
+    climb. The figure's objects, drawn as the image is, not its pixels."""
+    from matplotlib.backends.backend_agg import FigureCanvasAgg
+
+    from llmtrain.login.sweep import _write_record, plan
+    from llmtrain.plot import DPI, figure, load_runs
+
+    cfg = tiny_config(run={"name": "sw", "dir": str(tmp_path / "runs")})
+    config = tmp_path / "sw.yaml"
+    config.write_text(json.dumps(cfg))
+    sweep, cfgs = plan(config, [], ["train.lr=1e-3,3e-3", "train.micro_batch_size=4"])
+    sweep.dir.mkdir(parents=True)
+    _write_record(sweep)  # as `llmtrain sweep` leaves it
+    for i, point in enumerate(cfgs):
+        fake_run(point.run_dir, point.run.name, 1 + i / 4, mem_gib=(0.411, 0.418))
+    fake_run(tmp_path / "runs" / "baseline", "baseline", 1.5, mem_gib=(0.411, 0.418))
+    fig = figure(load_runs([str(c.run_dir) for c in cfgs] + [str(tmp_path / "runs" / "baseline")]))
+    fig.set_dpi(DPI)
+    canvas = FigureCanvasAgg(fig)
+    canvas.draw()
+    renderer = canvas.get_renderer()
+
+    legend = [t.get_text() for t in fig.axes[0].get_legend().get_texts()]
+    assert legend == ["lr=1e-3, micro_batch_size=4 train", "lr=1e-3, micro_batch_size=4 eval",
+                      "lr=3e-3, micro_batch_size=4 train", "lr=3e-3, micro_batch_size=4 eval",
+                      "baseline train", "baseline eval"]
+    assert fig.get_suptitle().startswith("3 runs: sw-0 (lr=1e-3, micro_batch_size=4): step 60/60")
+    log_axes = [ax for ax in fig.axes if ax.get_yscale() == "log"]
+    assert [ax.get_title() for ax in log_axes] == ["Loss", "Loss against tokens seen",
+                                                   "Gradient norm (before clipping)"]
+    for ax in log_axes:
+        low, high = sorted(ax.get_ylim())
+        boxes = [(tick.label1.get_text(), tick.label1.get_window_extent(renderer))
+                 for tick in ax.yaxis.get_major_ticks() + ax.yaxis.get_minor_ticks()
+                 if low <= tick.get_loc() <= high and tick.label1.get_visible() and tick.label1.get_text()]
+        assert len(boxes) >= 2, (ax.get_title(), boxes)  # labelled, in plain numbers
+        assert all(re.fullmatch(r"[0-9.]+", text) for text, _ in boxes), boxes
+        overlapping = [(a, b) for i, (a, box) in enumerate(boxes) for b, other in boxes[i + 1:]
+                       if box.overlaps(other)]
+        assert overlapping == [], (ax.get_title(), overlapping)
+    [memory] = [ax for ax in fig.axes if ax.get_ylabel() == "GiB"]
+    bottom, top = memory.get_ylim()
+    assert bottom == 0 and 0.418 < top < 0.5
 
 
 def test_plot_of_what_cannot_be_drawn_is_one_line(tmp_path):

@@ -3,9 +3,12 @@ several runs' on the same axes to compare them.
 
 Eight panels, from metrics.jsonl: loss and eval loss against steps and against tokens (log
 scale), eval loss alone, learning rate, gradient norm (log scale), tokens/s, MFU and peak memory.
-A run also redraws <run_dir>/plot.png at each evaluation (metrics.plot_every_eval), in a child
-process (tracking.PlotRefresher). matplotlib's object API only (no pyplot: no global state, no
-display); imports no torch. The image is written atomically.
+A sweep's point is labelled by its overrides (`lr=1e-3`), from the record of the sweep next to it
+(`<run.dir>/*-sweep/sweep.json`). A log axis labels only the minor ticks that fit (matplotlib's
+LogFormatter thresholds); the memory axis starts at 0 (0.411 -> 0.418 GiB is not a climb). A run
+also redraws <run_dir>/plot.png at each evaluation (metrics.plot_every_eval), in a child process
+(tracking.PlotRefresher). matplotlib's object API only (no pyplot: no global state, no display);
+imports no torch. The image is written atomically.
 """
 
 from __future__ import annotations
@@ -13,7 +16,7 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
-from .config import UserError
+from .config import UserError, read_json
 from .metrics import read_metrics
 from .rundir import run_config
 
@@ -36,6 +39,8 @@ class Run:
         cfg = run_config(run_dir)
         self.name = (cfg.get("run") or {}).get("name") or run_dir.name
         self.max_steps = (cfg.get("train") or {}).get("max_steps")
+        self.overrides = sweep_overrides(run_dir)
+        self.label = self.overrides or self.name  # in the legends
 
     def tokens_at(self, steps: list[int]) -> list[float]:
         """Tokens seen at each step, from the train records (eval records carry no count)."""
@@ -44,14 +49,53 @@ class Run:
 
     def summary(self) -> str:
         last = self.train[-1]
-        text = f"{self.name}: step {last['step']}" + (f"/{self.max_steps}" if self.max_steps else "")
+        text = f"{self.name} ({self.overrides})" if self.overrides else self.name
+        text += f": step {last['step']}" + (f"/{self.max_steps}" if self.max_steps else "")
         text += f", loss {last['loss']:.4f}"
         if self.evals:
             text += f", eval {self.evals[-1]['eval_loss']:.4f}"
         return text
 
 
+def sweep_overrides(run_dir: Path) -> str | None:
+    """A sweep point's overrides, short (`lr=1e-3, micro_batch_size=4`: a key's last part, or the
+    whole key where two would read the same), from the record of the sweep it belongs to: a
+    sweep's folder sits next to its points (login/sweep.py). None for a run of no sweep."""
+    here = run_dir.resolve()
+    for record in sorted(run_dir.parent.glob("*-sweep/sweep.json")):
+        data = read_json(record)
+        points = data.get("points") if isinstance(data, dict) else None
+        for point in points if isinstance(points, list) else ():
+            try:
+                ours = isinstance(point, dict) and Path(point["run_dir"]).resolve() == here
+            except (KeyError, TypeError):
+                continue
+            if ours and point.get("overrides"):
+                pairs = [str(o).partition("=") for o in point["overrides"]]
+                short = [key.rsplit(".", 1)[-1] for key, _, _ in pairs]
+                return ", ".join(f"{name if short.count(name) == 1 else key}={value}"
+                                 for name, (key, _, value) in zip(short, pairs))
+    return None
+
+
 def plot(run_dirs: list[str], out: str | None = None) -> Path:
+    runs = load_runs(run_dirs)
+    target = Path(out) if out else (runs[0].dir / "plot.png" if len(runs) == 1 else Path("runs.png"))
+    fig = figure(runs)
+    target.parent.mkdir(parents=True, exist_ok=True)
+    tmp = target.with_name(f".{target.name}.tmp{os.getpid()}")
+    try:
+        fig.savefig(tmp, dpi=DPI, format="png")
+        os.replace(tmp, target)
+    finally:
+        tmp.unlink(missing_ok=True)
+    return target
+
+
+DPI = 80  # 20 x 9 inches: 1600 x 720 pixels
+
+
+def load_runs(run_dirs: list[str]) -> list[Run]:
     runs = []
     for d in run_dirs:
         path = Path(d)
@@ -65,12 +109,26 @@ def plot(run_dirs: list[str], out: str | None = None) -> Path:
     if len({r.name for r in runs}) < len(runs):  # the same run.name under different run.dir
         for r in runs:
             r.name = str(r.dir)
-    target = Path(out) if out else (runs[0].dir / "plot.png" if len(runs) == 1 else Path("runs.png"))
+    if len({r.label for r in runs}) < len(runs):  # two sweeps' points with the same values
+        for r in runs:
+            r.label = r.name
+    return runs
+
+
+def figure(runs: list[Run]):
+    """The eight panels of `runs` (a matplotlib Figure, not drawn yet)."""
     try:
         from matplotlib.figure import Figure
-        from matplotlib.ticker import EngFormatter, FuncFormatter
+        from matplotlib.ticker import EngFormatter, LogFormatter
     except ImportError:
         raise UserError("llmtrain plot needs matplotlib: pip install matplotlib") from None
+
+    class Plain(LogFormatter):
+        """LogFormatter's choice of ticks to label (fewer as the axis spans more decades: the
+        labels of 0.06, 0.07, 0.08, 0.09 overlap), written 5, 6, 0.5: not 5 x 10^0."""
+
+        def _num_to_string(self, x, vmin, vmax):
+            return f"{x:g}"
 
     fig = Figure(figsize=(20, 9), layout="constrained")
     axes = fig.subplots(2, 4).flatten()
@@ -78,19 +136,18 @@ def plot(run_dirs: list[str], out: str | None = None) -> Path:
     loss_step, loss_tokens, eval_ax = axes[0], axes[1], axes[2]
     for run, color in zip(runs, colors):
         steps = [r["step"] for r in run.train]
-        loss_step.plot(steps, [r["loss"] for r in run.train], color=color, lw=1.2, label=f"{run.name} train")
+        loss_step.plot(steps, [r["loss"] for r in run.train], color=color, lw=1.2, label=f"{run.label} train")
         loss_tokens.plot(run.tokens_at(steps), [r["loss"] for r in run.train], color=color, lw=1.2,
-                         label=f"{run.name} train")
+                         label=f"{run.label} train")
         if run.evals:
             e_steps, e_loss = [r["step"] for r in run.evals], [r["eval_loss"] for r in run.evals]
             for ax, xs in ((loss_step, e_steps), (loss_tokens, run.tokens_at(e_steps)), (eval_ax, e_steps)):
-                ax.plot(xs, e_loss, color=color, ls="--", marker="o", ms=3, label=f"{run.name} eval")
-    plain = FuncFormatter(lambda value, _: f"{value:g}")  # 5, 6, 0.5: not 5 x 10^0 on a log axis
+                ax.plot(xs, e_loss, color=color, ls="--", marker="o", ms=3, label=f"{run.label} eval")
 
     def log_y(ax):
         ax.set_yscale("log")
-        ax.yaxis.set_major_formatter(plain)
-        ax.yaxis.set_minor_formatter(plain)
+        ax.yaxis.set_major_formatter(Plain(labelOnlyBase=False))
+        ax.yaxis.set_minor_formatter(Plain(labelOnlyBase=False))
 
     loss_step.set(title="Loss", xlabel="step", ylabel="loss (nats/token)")
     loss_tokens.set(title="Loss against tokens seen", xlabel="tokens", ylabel="loss (nats/token)")
@@ -102,18 +159,20 @@ def plot(run_dirs: list[str], out: str | None = None) -> Path:
         _empty(eval_ax, "no evaluation yet (train.eval_every)")
 
     for ax, (key, title, ylabel, log) in zip(axes[3:], SERIES):
-        drawn = False
+        drawn, tallest = False, 0.0
         for run, color in zip(runs, colors):
             points = [(r["step"], r[key] * (100 if key == "mfu" else 1)) for r in run.train
                       if r.get(key) is not None]
             if points:
-                ax.plot(*zip(*points), color=color, lw=1.2, label=run.name)
-                drawn = True
+                ax.plot(*zip(*points), color=color, lw=1.2, label=run.label)
+                drawn, tallest = True, max(tallest, *(y for _, y in points))
         ax.set(title=title, xlabel="step", ylabel=ylabel)
         if key == "tokens_per_sec":
             ax.yaxis.set_major_formatter(EngFormatter())
         if drawn and log:
             log_y(ax)
+        if drawn and key == "peak_mem_gib":  # from 0: autoscaled, 0.411 -> 0.418 GiB filled the panel
+            ax.set_ylim(0, tallest * 1.1 or 1)
         if not drawn:
             _empty(ax, "no MFU: a CPU run, or a GPU without a peak in the table\n(set train.peak_tflops)"
                    if key == "mfu" else "not logged")
@@ -122,15 +181,7 @@ def plot(run_dirs: list[str], out: str | None = None) -> Path:
     loss_step.legend(fontsize=8)
     fig.suptitle(runs[0].summary() if len(runs) == 1 else f"{len(runs)} runs: " + "; ".join(
         r.summary() for r in runs), fontsize=11)
-
-    target.parent.mkdir(parents=True, exist_ok=True)
-    tmp = target.with_name(f".{target.name}.tmp{os.getpid()}")
-    try:
-        fig.savefig(tmp, dpi=80, format="png")
-        os.replace(tmp, target)
-    finally:
-        tmp.unlink(missing_ok=True)
-    return target
+    return fig
 
 
 def _empty(ax, text: str) -> None:

@@ -271,8 +271,9 @@ def submitted_lines(job: Job) -> list[str]:
 def run_local(config: str | os.PathLike, overrides: list[str] | tuple[str, ...] = (),
               nproc: int | None = None) -> int:
     """Train on this machine under torchrun (llmtrain's, without its launcher traceback): checked
-    and prepared first. Ctrl-C saves and stops, as `llmtrain control RUN_DIR stop` does. Returns
-    torchrun's exit code; a failure's line is the last one printed."""
+    and prepared first. Ctrl-C saves and stops, as `llmtrain control RUN_DIR stop` does; a third
+    Ctrl-C ends the run at once, without saving (130). Returns torchrun's exit code; a failure's
+    line is the last one printed."""
     overrides = list(overrides)
     if nproc is not None and nproc < 1:
         raise UserError(f"--nproc: must be a positive integer (got {nproc})")
@@ -296,19 +297,24 @@ def run_local(config: str | os.PathLike, overrides: list[str] | tuple[str, ...] 
         old.unlink(missing_ok=True)
     # torchrun ignores SIGINT (it is told not to take it over: its own handling ends in a
     # SignalException traceback), and so do the workers it starts: the terminal's Ctrl-C reaches
-    # this process, which writes the stop switch, each time it is pressed. One process is the
-    # trainer alone (a group of one), without a launcher's start-up.
+    # this process only (CtrlC). One process is the trainer alone (a group of one), without a
+    # launcher's start-up.
     cmd = (torchrun_command(nproc, config, overrides, ["--signals-to-handle", "SIGTERM,SIGHUP,SIGQUIT"])
            if nproc > 1 else train_command(config, overrides))
-    before = {signal.SIGINT: signal.signal(signal.SIGINT, lambda *_: ask_to_stop(cfg.run_dir))}
+    ctrl_c = CtrlC(cfg.run_dir)
+    before = {signal.SIGINT: signal.signal(signal.SIGINT, ctrl_c.pressed)}
     try:
         # One process gets a session of its own, as torchrun's workers do: the terminal's
         # Ctrl-C reaches this launcher only, however many times it is pressed.
-        child = subprocess.Popen(cmd, env=env, start_new_session=nproc == 1,
-                                 preexec_fn=child_of_this_launcher())
+        child = ctrl_c.child = subprocess.Popen(cmd, env=env, start_new_session=nproc == 1,
+                                                preexec_fn=child_of_this_launcher())
+        if ctrl_c.forced:  # the third press came while the child was being started
+            ctrl_c.end_run()
         for sig in (signal.SIGTERM, signal.SIGHUP):  # a killed launcher stops torchrun too
             before[sig] = signal.signal(sig, lambda s, _: child.send_signal(s))
         rc = child.wait()
+        if ctrl_c.forced:  # with the handler still ours: a fourth press is not a traceback
+            return ctrl_c.ended()
     finally:
         for sig, handler in before.items():
             signal.signal(sig, handler)
@@ -345,6 +351,96 @@ def child_of_this_launcher():
             if os.getppid() != launcher:  # the launcher died before the call: nobody would tell us
                 os._exit(1)
     return setup
+
+
+class CtrlC:
+    """The terminal's Ctrl-C at a local run, as a person at it expects. The first asks the trainer
+    to save and stop (the stop switch); the second says that this is under way and what a third
+    does; the third ends the run at once: a save can take minutes, and a person who cannot wait
+    for it must not have to find and kill the processes (the launcher's own group holds torchrun's
+    agent only; its workers and the one trainer each have a session of their own). Nothing is
+    saved then: the run resumes from its last checkpoint, which the closing line names."""
+
+    def __init__(self, run_dir: Path):
+        self.run_dir = run_dir
+        self.presses = 0
+        self.child: subprocess.Popen | None = None
+        self.tree: list[int] = []
+
+    @property
+    def forced(self) -> bool:
+        return self.presses >= 3
+
+    def pressed(self, *_) -> None:  # the SIGINT handler
+        self.presses += 1
+        if self.presses == 1:
+            ask_to_stop(self.run_dir)
+        elif self.presses == 2:  # the switch stays written once: a second one, written during
+            # the save, would outlive the run and only be removed by the next launch, with a word
+            print("interrupted again: the trainer saves a checkpoint at its next step, then stops; "
+                  "a third Ctrl-C stops it at once, without saving", file=sys.stderr, flush=True)
+        elif self.presses == 3 and self.child is not None:
+            self.end_run()
+
+    def end_run(self) -> None:
+        """SIGKILL the child and every process under it, the group leaders' groups with them
+        (whatever they started). The tree is read before the first kill: a killed agent's
+        workers are no longer its children."""
+        if self.tree:  # already done
+            return
+        self.tree = process_tree(self.child.pid)
+        for pid in self.tree:
+            try:
+                if os.getpgid(pid) == pid:  # the one trainer, torchrun's workers: not the agent
+                    os.killpg(pid, signal.SIGKILL)
+                else:
+                    os.kill(pid, signal.SIGKILL)
+            except (ProcessLookupError, PermissionError):
+                pass  # ended meanwhile
+
+    def ended(self) -> int:
+        """After the child was reaped: wait (briefly) until the rest of its tree is gone, leave
+        no stop request behind, and say what the run can resume from. 130: ended by Ctrl-C."""
+        deadline = time.monotonic() + 10
+        while any(map(running, self.tree)) and time.monotonic() < deadline:
+            time.sleep(0.05)
+        (self.run_dir / "control" / "stop").unlink(missing_ok=True)
+        from ..rundir import CHECKPOINTS, complete_checkpoints
+        done = complete_checkpoints(self.run_dir / CHECKPOINTS)
+        last = f"the last checkpoint is {done[0].name}" if done else "there is no checkpoint yet"
+        print(f"stopped without saving: {last}", file=sys.stderr, flush=True)
+        return 128 + signal.SIGINT
+
+
+def process_tree(root: int) -> list[int]:
+    """`root` and the processes under it, parents first (Linux /proc; elsewhere `root` alone)."""
+    children: dict[int, list[int]] = {}
+    try:
+        pids = [int(p) for p in os.listdir("/proc") if p.isdigit()]
+    except OSError:
+        return [root]
+    for pid in pids:
+        try:
+            with open(f"/proc/{pid}/stat") as f:
+                ppid = int(f.read().rsplit(")", 1)[1].split()[1])  # after the (command name)
+        except (OSError, ValueError, IndexError):
+            continue  # ended meanwhile
+        children.setdefault(ppid, []).append(pid)
+    tree = [root]
+    for pid in tree:  # grows as it is walked
+        tree.extend(children.get(pid, ()))
+    return tree
+
+
+def running(pid: int) -> bool:
+    """The process exists and is not a zombie (a killed one its new parent has not reaped yet)."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except OSError:
+        return False
+    except (ValueError, IndexError):
+        return True
 
 
 def ask_to_stop(run_dir: Path) -> None:

@@ -169,7 +169,7 @@ def sweep_local(config: str | os.PathLike, overrides: list[str], grid: list[str]
               flush=True)
         codes.append(run_local(frozen, [], nproc))
         stop = read_json(cfg.run_dir / "control" / "exit.json") or {}
-        if stop.get("reason") == "user":
+        if stop.get("reason") == "user" or codes[-1] == 130:  # 130: ended by a third Ctrl-C
             print(f"sweep {sweep.name}: stopped by request at point {point['index']}; the others "
                   f"were not run", flush=True)
             break
