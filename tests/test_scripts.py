@@ -149,6 +149,14 @@ def test_local_run_gives_each_process_its_share_of_the_cpus(tmp_path):
     assert [(tmp_path / f"rank-{r}").read_text() for r in (0, 1)] == [share, share]
 
 
+def imported_first(folder, code: str) -> dict:
+    """The environment in which every Python process of a run runs `code` first (a
+    sitecustomize.py in `folder`, on PYTHONPATH): a fault placed in one rank."""
+    (folder / "sitecustomize.py").write_text(code)
+    return {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(folder),
+                                                                      os.environ.get("PYTHONPATH")]))}
+
+
 def test_a_user_error_inside_torchrun_is_one_line_the_last(tmp_path):
     """Printed once (not once per rank), as the last line, instead of torchrun's failure summary
     and its log lines about the failure; no traceback."""
@@ -159,10 +167,7 @@ def test_a_user_error_inside_torchrun_is_one_line_the_last(tmp_path):
     config.write_text(yaml.safe_dump(cfg))
     # The losing order, forced: rank 0 starts late, so rank 1 fails first; torchrun stops the
     # other ranks when one fails, and rank 0 must still get to print the line.
-    (tmp_path / "sitecustomize.py").write_text(
-        "import os, time\nif os.environ.get('RANK') == '0':\n    time.sleep(1.5)\n")
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(tmp_path),
-                                                                     os.environ.get("PYTHONPATH")]))}
+    env = imported_first(tmp_path, "import os, time\nif os.environ.get('RANK') == '0':\n    time.sleep(1.5)\n")
     proc = bash(REPO / "submit.sh", "--local", "--config", config, "--nproc", 2, env=env)
     assert proc.returncode == 1
     lines = proc.stderr.splitlines()
@@ -180,10 +185,8 @@ def test_a_crashed_worker_is_one_line_naming_its_rank_host_and_signal(tmp_path):
                       data={"prepared_dir": str(tmp_path / "prepared")})
     config = tmp_path / "c.yaml"
     config.write_text(yaml.safe_dump(cfg))
-    (tmp_path / "sitecustomize.py").write_text(
-        "import os, signal\nif os.environ.get('RANK') == '1':\n    os.kill(os.getpid(), signal.SIGSEGV)\n")
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(tmp_path),
-                                                                     os.environ.get("PYTHONPATH")]))}
+    env = imported_first(tmp_path, "import os, signal\nif os.environ.get('RANK') == '1':\n"
+                                   "    os.kill(os.getpid(), signal.SIGSEGV)\n")
     proc = bash(REPO / "submit.sh", "--local", "--config", config, "--nproc", 2, env=env)
     assert proc.returncode == 1
     assert proc.stderr.splitlines() == [f"error: rank 1 on {socket.gethostname()} was killed by signal SIGSEGV"]

@@ -191,12 +191,7 @@ def _alive(owner: dict, me: dict, run_dir: Path) -> bool:
     if owner.get("host") == me["host"]:
         return pid_alive(owner.get("pid"))
     if job:
-        try:
-            out = subprocess.run(["squeue", "-h", "-j", str(job), "-o", "%T"], capture_output=True,
-                                 text=True, timeout=20)
-        except (OSError, subprocess.TimeoutExpired):
-            return True  # cannot tell: do not take a live run's directory
-        return out.stdout.strip() in ("RUNNING", "CONFIGURING", "COMPLETING", "SUSPENDED")
+        return job_alive(job)  # cannot tell: do not take a live run's directory
     beat = read_json(run_dir / "logs" / "heartbeat-rank-0.json") or {}
     return time.time() - float(beat.get("time", owner.get("time", 0))) < RunLock.STALE_S
 
