@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import contextlib
 import fcntl
+import functools
 import io
 import json
 import os
@@ -218,10 +219,17 @@ def torchrun_popen(nproc: int, *args: str, env: dict | None = None) -> subproces
                             stderr=subprocess.STDOUT, text=True, env=env, start_new_session=True)
 
 
+@functools.cache
+def _torchrun_has_shutdown_timeout() -> bool:
+    """torchrun's --shutdown-timeout is newer than torch 2.11 (the GPU machine's)."""
+    from torch.distributed.run import get_args_parser
+    return "--shutdown-timeout" in get_args_parser()._option_string_actions
+
+
 def torchrun_command(nproc: int, *args: str, shutdown_timeout: int | None = None) -> list[str]:
     """llmtrain's torchrun, standalone, `-m llmtrain ARGS`: what submit.sh --local runs."""
     cmd = [sys.executable, "-m", "llmtrain.training.torchrun", "--standalone", "--nproc-per-node", str(nproc)]
-    if shutdown_timeout is not None:
+    if shutdown_timeout is not None and _torchrun_has_shutdown_timeout():
         cmd += ["--shutdown-timeout", str(shutdown_timeout)]
     return cmd + ["-m", "llmtrain", *map(str, args)]
 
@@ -241,6 +249,14 @@ def assert_same_curve(a: Path, b: Path, tol: float) -> None:
     assert [x[:2] for x in la] == [x[:2] for x in lb], "different steps logged"
     worst = max(abs(x[2] - y[2]) for x, y in zip(la, lb))
     assert worst <= tol, f"loss curves differ by {worst:.2e} > {tol:.0e}:\n{la}\n{lb}"
+
+
+def imported_first(folder, code: str) -> dict:
+    """The environment in which every Python process of a run runs `code` first (a
+    sitecustomize.py in `folder`, on PYTHONPATH): a fault placed in one rank."""
+    (folder / "sitecustomize.py").write_text(code)
+    return {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(folder),
+                                                                      os.environ.get("PYTHONPATH")]))}
 
 
 def env_with(**extra) -> dict:

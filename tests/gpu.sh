@@ -31,8 +31,9 @@ Usage: bash tests/gpu.sh wheels|run
   run      on the GPU machine, in the repo root: install .whl/*.whl into /tmp/site and run
            python3 -m pytest -m gpu -v tests/test_gpu.py; the full log goes to
            $OUT/gpu-tests.log when OUT is set; a short summary is printed last
-  bench    on the GPU machine: the same install, then python3 bench/gpu.py (its runs' logs
-           under $OUT/bench when OUT is set); the table is printed last
+  bench    on the GPU machine: the same install, then python3 bench/gpu.py [its options, such
+           as --models gpt2-124m --rounds 1] (its runs' logs under $OUT/bench when OUT is set);
+           the table is printed last
 EOF_USAGE
 }
 
@@ -102,7 +103,7 @@ run_bench() {
   install_wheels
   versions
   cd "$REPO"
-  python3 bench/gpu.py ${OUT:+--out "$OUT/bench"}
+  python3 bench/gpu.py ${OUT:+--out "$OUT/bench"} "$@"
 }
 
 run_tests() {
@@ -121,7 +122,7 @@ main() {
   case "${1:-}" in
     wheels) download_wheels ;;
     run) run_tests ;;
-    bench) run_bench ;;
+    bench) shift; run_bench "$@" ;;
     -h | --help) usage ;;
     *) echo "gpu.sh: unknown mode: ${1:-(none given)}" >&2; usage; exit 2 ;;
   esac

@@ -14,8 +14,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from conftest import (DEMO, cli, prepared_home, losses, read_metrics, tiny_config, torchrun,
-                      torchrun_popen, torchrun_unchecked)
+from conftest import (DEMO, cli, imported_first, prepared_home, losses, read_metrics, tiny_config,
+                      torchrun, torchrun_popen, torchrun_unchecked)
 from llmtrain.config import load_config
 from llmtrain.data.loader import StepSampler, TokenStream, open_prepared
 
@@ -91,6 +91,35 @@ def test_killed_and_restarted_run_is_bit_identical(setup, strategy, async_save):
     assert losses(run_dir) == losses(ref_dir)  # every step, train and eval, bit for bit
     log = (run_dir / "logs" / "rank-0.log").read_text()
     assert "resumed from" in log and "step-00000005" in log
+
+
+# torch 2.11's DefaultStager, reproduced on the torch here: it closes its state-dict stager at
+# the end of every stage (pytorch#183413), which empties its copy table.
+STAGER_CLOSES_ITSELF = """
+from torch.distributed.checkpoint.staging import DefaultStager
+_stage = DefaultStager._stage
+def _stage_then_close(self, state_dict, **kwargs):
+    try:
+        return _stage(self, state_dict, **kwargs)
+    finally:
+        self._state_dict_stager.close()
+DefaultStager._stage = _stage_then_close
+"""
+
+
+def test_async_saves_go_on_with_a_stager_that_closes_itself(setup, tmp_path):
+    """On the GPU machine (torch 2.11) the second async save of a run died with KeyError:
+    <class 'type'>: its DefaultStager closes itself after each save. Each save after such a
+    close stages with a fresh one: all four checkpoints of the run are written, and it ends 0."""
+    root, config = setup
+    name = "stager-closes"
+    proc = torchrun_unchecked(1, "train", "--config", config, "--set", f"run.name={name}",
+                              "--set", "parallel.strategy=fsdp", "--set", "train.async_checkpoint=true",
+                              "--set", "train.keep_checkpoints=4", env=imported_first(tmp_path, STAGER_CLOSES_ITSELF))
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    checkpoints = root / "home" / "runs" / name / "checkpoints"
+    assert sorted(p.parent.name for p in checkpoints.glob("step-*/meta.json")) == [
+        "step-00000005", "step-00000010", "step-00000015", "step-00000016"]
 
 
 @pytest.mark.parametrize("first,second", [(2, 1), (1, 2)])

@@ -21,7 +21,7 @@ import torch
 import yaml
 from transformers import AutoTokenizer, LlamaConfig, LlamaForCausalLM
 
-from conftest import (DEMO, REPO, assert_same_curve, env_with, llmtrain, prepared_home, read_metrics,
+from conftest import (DEMO, REPO, assert_same_curve, env_with, imported_first, llmtrain, prepared_home, read_metrics,
                       tiny_config, torchrun)
 from llmtrain.metrics import peak_tflops
 
@@ -115,7 +115,8 @@ def test_a_step_that_does_not_log_never_waits_for_the_gpu(setup, strategy):
     events = {int(k): v for k, v in json.loads((out / "rank-0.json").read_text()).items()}
     due = {6, 12}  # logged, evaluated and saved
     for step in sorted(set(range(1, STEPS + 1)) - due):
-        lagged = [] if step == 1 or step - 1 in due else ["read:tolist (3,)"]
+        # the flags: stop, save, non-finite, profile steps, and a tracing flag for the one rank
+        lagged = [] if step == 1 or step - 1 in due else ["read:tolist (5,)"]
         assert events[step] == ["collective:all_reduce"] + lagged, (step, events[step])
 
 
@@ -276,14 +277,15 @@ def test_out_of_memory_is_one_line_and_leaves_a_memory_snapshot(setup, tmp_path)
     import pickle
 
     _, config = setup
-    (tmp_path / "sitecustomize.py").write_text(CAP_MEMORY)
     proc = llmtrain("train", "--config", config, "--set", "run.name=oom", "--set", "train.micro_batch_size=256",
                     "--set", "train.global_batch_size=256", "--set", "profile.memory_history=true",
-                    env=env_with(PYTHONPATH=str(tmp_path)))
+                    env=imported_first(tmp_path, CAP_MEMORY))
     d = run_dir(setup, "oom")
     snapshot = d / "logs" / "oom-snapshot-rank-0.pickle"
     assert proc.returncode == 1, proc.stderr
-    (line,) = [x for x in proc.stderr.splitlines() if x.startswith("error:")]
+    errors = [x for x in proc.stderr.splitlines() if x.startswith("error:")]
+    assert len(errors) == 1, proc.stderr[-4000:]
+    (line,) = errors
     assert line.startswith("error: out of memory on rank 0 (") and f"memory snapshot: {snapshot} " in line, line
     assert "Traceback" not in proc.stderr
     state = pickle.loads(snapshot.read_bytes())
@@ -322,6 +324,7 @@ def test_the_memory_estimate_is_within_15_percent_of_max_memory_allocated(tmp_pa
         est = estimate(load_config(config, overrides, world_size=1), world_size=1).total
         ratios[name] = est / measured[name]["cuda_max_allocated"]
     print("estimated / max_memory_allocated:", {k: round(v, 3) for k, v in ratios.items()})
+    print("measured:", json.dumps(measured))
     assert all(0.85 <= r <= 1.15 for r in ratios.values()), ratios
 
 
@@ -339,7 +342,8 @@ def test_the_preflight_times_a_bf16_matmul_and_leaves_no_memory_behind(tmp_path,
     world = distributed.init(cfg)
     try:
         assert preflight.run(cfg, world, Log(0)) == "go"
-        assert torch.cuda.max_memory_allocated() < 64 << 20  # not the 3 x 128 MiB of its matrices
+        # not the 3 x 128 MiB of its matrices; cuBLAS's workspace (64 MiB on an H100) stays
+        assert torch.cuda.max_memory_allocated() < 160 << 20
     finally:
         distributed.teardown(world, True)
     record = json.loads((cfg.run_dir / "preflight" / "77-0.json").read_text())

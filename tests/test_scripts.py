@@ -15,7 +15,7 @@ import sys
 import pytest
 import yaml
 
-from conftest import REPO, read_metrics, tiny_config
+from conftest import REPO, imported_first, read_metrics, tiny_config
 
 SCRIPTS = ["setup.sh", "submit.sh", "download_data_model.sh", "train.slurm", "lib/find-env.sh",
            "cluster/local-cluster.sh", ".ci/run", "tests/gpu.sh"]
@@ -147,14 +147,6 @@ def test_local_run_gives_each_process_its_share_of_the_cpus(tmp_path):
     share = str(max(1, len(os.sched_getaffinity(0)) // 2))
     assert f"torchrun: 2 process(es) x {share} thread(s) (OMP_NUM_THREADS)" in proc.stdout.splitlines()
     assert [(tmp_path / f"rank-{r}").read_text() for r in (0, 1)] == [share, share]
-
-
-def imported_first(folder, code: str) -> dict:
-    """The environment in which every Python process of a run runs `code` first (a
-    sitecustomize.py in `folder`, on PYTHONPATH): a fault placed in one rank."""
-    (folder / "sitecustomize.py").write_text(code)
-    return {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(folder),
-                                                                      os.environ.get("PYTHONPATH")]))}
 
 
 def test_a_user_error_inside_torchrun_is_one_line_the_last(tmp_path):

@@ -97,12 +97,7 @@ class Checkpointer:
         # One stager for the whole run: it caches its CPU copies of the state's storages, while
         # a fresh one per save page-faults all of its memory again (under DDP, where each rank
         # stages the full state, that tripled the blocked time). Pinned memory needs CUDA.
-        self.stager = None
-        if self.group is not None:
-            cuda = world.device.type == "cuda"
-            self.stager = DefaultStager(StagingOptions(
-                use_pinned_memory=cuda, use_shared_memory=False, use_async_staging=False,
-                use_non_blocking_copy=cuda))
+        self.stager = self._new_stager() if self.group is not None else None
         if world.is_main:
             self.folder.mkdir(parents=True, exist_ok=True)
             for stale in self.folder.glob(".tmp-*"):
@@ -110,6 +105,21 @@ class Checkpointer:
         dist.barrier()
 
     # -- saving ---------------------------------------------------------------------------
+
+    def _new_stager(self) -> DefaultStager:
+        cuda = self.world.device.type == "cuda"
+        return DefaultStager(StagingOptions(use_pinned_memory=cuda, use_shared_memory=False,
+                                            use_async_staging=False, use_non_blocking_copy=cuda))
+
+    def _reusable_stager(self) -> DefaultStager:
+        """The run's stager, or a fresh one where the last save closed it: torch 2.11's
+        DefaultStager closes itself after each stage (pytorch#183413, fixed after 2.11), and a
+        second save with it fails with KeyError: <class 'type'>. There each save stages afresh."""
+        inner = getattr(self.stager, "_state_dict_stager", None)
+        if inner is not None and not getattr(inner, "_deepcopy_dispatch", True):
+            self.stager.close()
+            self.stager = self._new_stager()
+        return self.stager
 
     def save_s(self) -> float:
         """How long a save takes: the last one measured, else the estimate."""
@@ -148,7 +158,7 @@ class Checkpointer:
                     obj.save_pretrained(tmp)
             if self.group is not None:
                 future = dcp.async_save(state, checkpoint_id=tmp, process_group=self.group,
-                                        async_stager=self.stager)
+                                        async_stager=self._reusable_stager())
                 self.pending = (future, tmp, final, meta, started)
             else:
                 dcp.save(state, checkpoint_id=tmp)
