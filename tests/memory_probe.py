@@ -4,7 +4,7 @@ torchrun:
     torchrun --nproc-per-node 2 tests/memory_probe.py CONFIG OUT_DIR CASE=OVERRIDE,OVERRIDE ...
 
 For each case the model, loss head, optimizer and step are the trainer's own (parallelize,
-chunk_head, build_optimizer, forward_backward, optimizer_step) on random tokens; two steps run
+chunk_head, build_optimizer, training/step.py's Step) on random tokens; two steps run
 first (optimizer state, DDP's rebuilt buckets), then one step under torch's memory tracker
 (MemTracker; FSDPMemTracker for FSDP2), which counts every tensor's storage as the CUDA caching
 allocator would (torch.cuda.max_memory_allocated; on CUDA that figure too). Writes
@@ -31,8 +31,8 @@ from llmtrain.model.build import load_tokenizer, model_config
 from llmtrain.model.loss import chunk_head
 from llmtrain.model.parallel import grad_scaler, parallelize, unwrap
 from llmtrain.training import distributed
-from llmtrain.training.loop import forward_backward, optimizer_step
-from llmtrain.training.optim import build_optimizer
+from llmtrain.optimizers import build_optimizer
+from llmtrain.training.step import Step
 
 
 def measure(cfg, world) -> dict:
@@ -48,12 +48,14 @@ def measure(cfg, world) -> dict:
     shape = (cfg.train.micro_batch_size, cfg.data.seq_len + 1)
     targets = float(shape[0] * (shape[1] - 1))
 
+    trainer = Step(model, head, optimizer, scaler, cfg)
+
     def step(tracker=None):
         batch = Batch(torch.randint(0, 400, shape, generator=generator)).to(world.device)
-        forward_backward(model, head, optimizer, scaler, [batch], targets, cfg)
+        trainer.forward_backward([batch], targets)
         if tracker is not None:  # DDP: its buckets, which the gradients are views of, exist from here on
             tracker.track_external(unwrap(model), optimizer)
-        optimizer_step(optimizer, scaler)
+        trainer.apply()
 
     sharded = cfg.parallel.strategy != "ddp"
     tracker = FSDPMemTracker(model, optimizer) if sharded else MemTracker()

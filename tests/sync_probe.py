@@ -24,7 +24,7 @@ import torch.distributed as dist
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from llmtrain.cli import exit_process, main
-from llmtrain.training import loop
+from llmtrain.training.step import Step
 
 COLLECTIVES = ("all_reduce", "all_gather", "all_gather_object", "broadcast", "broadcast_object_list",
                "reduce_scatter_tensor", "all_gather_into_tensor", "barrier", "gather_object")
@@ -72,13 +72,13 @@ def install() -> None:
                                           getattr(torch.Tensor, op)))
     for name in COLLECTIVES:
         setattr(dist, name, collective(name, getattr(dist, name)))
-    original = loop.forward_backward
+    original = Step.forward_backward
 
     @functools.wraps(original)
     def forward_backward(*args, **kwargs):
         step[0] += 1
         return original(*args, **kwargs)
-    loop.forward_backward = forward_backward
+    Step.forward_backward = forward_backward
 
 
 if __name__ == "__main__":

@@ -13,7 +13,7 @@ from transformers import AutoConfig
 from llmtrain.config import TrainConfig
 from llmtrain.model.build import decoder_layers, flops_per_token, num_params
 from llmtrain.model.loss import chunked_cross_entropy
-from llmtrain.training.optim import lr_at
+from llmtrain.optimizers import lr_at
 
 
 def test_an_8b_model_builds_on_meta_without_memory():

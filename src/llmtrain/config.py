@@ -28,6 +28,8 @@ from typing import Any, Literal, Optional
 
 import yaml
 
+from .optimizers import OPTIMIZERS
+
 HOME_VAR = "LLMTRAIN_HOME"
 _HUB_ID = re.compile(r"^[A-Za-z0-9][\w.-]*(/[\w.-]+)?$")
 _REQUIRED = dataclasses.MISSING
@@ -175,6 +177,7 @@ class TrainConfig:
     lr: float = 3e-4  # peak learning rate
     min_lr: float = 3e-5  # learning rate at the end of the cosine decay
     warmup_steps: int = 0  # linear warmup from 0 to lr
+    optimizer: str = "adamw"  # a name in optimizers.OPTIMIZERS
     weight_decay: float = 0.1  # AdamW decoupled weight decay (not on biases and norms)
     beta1: float = 0.9
     beta2: float = 0.95
@@ -706,6 +709,8 @@ def validate(cfg: Config, world_size: int | None = None, written: dict | None = 
     if s.exclude_slow_nodes and s.max_requeues < 1:
         p.append("slurm.exclude_slow_nodes: the job comes back without a slow node as a requeue, and "
                  "slurm.max_requeues is 0; allow at least 1, or turn exclude_slow_nodes off")
+    if t.optimizer not in OPTIMIZERS:
+        p.append(f"train.optimizer: unknown {t.optimizer!r}; one of: {', '.join(OPTIMIZERS)}")
     if t.keep_checkpoints < 2:
         p.append(f"train.keep_checkpoints: must be >= 2, so a damaged newest checkpoint has a "
                  f"fallback (got {t.keep_checkpoints})")

@@ -17,7 +17,8 @@ layers, vocabulary; Pl, Pr, H: one layer's, the root's (embeddings, final norm, 
 - gradients: 4 Pt / S, fp32; DDP holds them all along (its all-reduce buckets), FSDP2 rebuilds
   them in each backward (held throughout with accumulation); plus unsharded ones in flight, p
   each: the head's until the root's reduce-scatter, a layer's
-- optimizer state: 8 Pt / S (AdamW's two fp32 moments)
+- optimizer state: b Pt / S, b the optimizer's state bytes per parameter in optimizers.OPTIMIZERS
+  (AdamW: 8, its two fp32 moments)
 - param copies: FSDP2 gathers p (Pr + Pl): the root stays gathered from forward to backward, a
   layer while it computes (every layer without reshard_after_forward); DDP's bf16/fp16 autocast
   caches p per trained weight of every layer from forward to backward (a frozen one is cast at
@@ -58,6 +59,7 @@ import re
 from dataclasses import dataclass
 
 from .config import Config, UserError
+from .optimizers import OPTIMIZERS
 
 GIB = 2**30
 HEADROOM = 0.10  # of a GPU's memory: CUDA context, NCCL buffers, allocator fragmentation
@@ -237,7 +239,7 @@ def estimate(cfg: Config, world_size: int | None = None, micro_batch: int | None
         }
     phase, (gradients, copies, activations, loss_bytes, comm) = max(
         phases.items(), key=lambda item: sum(item[1]))
-    return Estimate(parameters=params, gradients=gradients + deferred, optimizer=2 * grads,
+    return Estimate(parameters=params, gradients=gradients + deferred, optimizer=OPTIMIZERS[t.optimizer].state_bytes * _sharded(m, shard, trainable_only=True),
                     param_copies=copies, activations=activations, loss=loss_bytes, comm=comm,
                     phase=phase, params=m.params, trainable=m.trainable, world_size=world,
                     shard_size=shard, micro_batch=micro)
@@ -396,7 +398,7 @@ def _descriptions(cfg: Config, est: Estimate, shape: ModelShape) -> dict[str, st
                   + (" (its linear layers)" if cfg.parallel.strategy == "ddp" else ""))
     head = "the head's fp32 gradient" if shape.head_trainable else "the frozen head: no gradient"
     return {"parameters": f"{stored}, {where}", "gradients": grads,
-            "optimizer": "AdamW: 2 fp32 moments per trainable parameter", "param_copies": copies,
+            "optimizer": OPTIMIZERS[cfg.train.optimizer].about, "param_copies": copies,
             "activations": "kept for backward, a recomputed layer, backward's own",
             "loss": f"a chunk's logits, {head}" if shape.chunked else "the full logits",
             "comm": comm}

@@ -34,6 +34,7 @@ from pathlib import Path
 
 from ..config import (Config, ConfigError, UserError, dump_yaml, load_config, local_path, on_disk,
                       read_json, tokenizer_source)
+from ..optimizers import OPTIMIZERS
 from .slurm import prepare_resources, sbatch_command, with_extra_args
 
 DRY_RUN_JOB_ID = "DRY_RUN_JOB_ID"
@@ -132,7 +133,7 @@ def lead_warning(cfg: Config) -> str | None:
     if isinstance(meta, dict) and isinstance(meta.get("save_s"), (int, float)):
         save_s, save = float(meta["save_s"]), f"a save of ~{meta['save_s']:.0f} s (measured)"
     elif cfg.model.lora is None and (params := approx_params(cfg)):
-        size = 12 * params  # fp32 weights and AdamW's two moments
+        size = (4 + OPTIMIZERS[cfg.train.optimizer].state_bytes) * params  # fp32 weights, optimizer state
         save_s = size / (s.nodes * ASSUMED_WRITE_BYTES_PER_S_PER_NODE)
         save = (f"a save of ~{size / 1e9:,.0f} GB (~{save_s:.0f} s at an assumed "
                 f"{ASSUMED_WRITE_BYTES_PER_S_PER_NODE / 1e9:g} GB/s per node)")

@@ -38,6 +38,7 @@ from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_
 from ..config import Config, UserError, read_json
 from ..model.build import pretrained_dir
 from ..model.parallel import unwrap
+from ..optimizers import OPTIMIZERS
 from ..rundir import (CHECKPOINT_FORMAT, CHECKPOINTS, LATEST, META, Log, complete_checkpoints,
                       latest_checkpoint, step_name, write_atomic)
 from .control import ASSUMED_WRITE_BYTES_PER_S_PER_NODE
@@ -126,11 +127,12 @@ class Checkpointer:
         return self.measured_s if self.measured_s is not None else self.estimated_s
 
     def estimate_save(self, model, optimizer) -> None:
-        """A save's seconds until one is measured: what it writes (the trained weights and, for
-        AdamW, two fp32 states each) at ASSUMED_WRITE_BYTES_PER_S_PER_NODE on every node."""
+        """A save's seconds until one is measured: what it writes (the trained weights and the
+        optimizer's state, optimizers.OPTIMIZERS' bytes each) at ASSUMED_WRITE_BYTES_PER_S_PER_NODE on every node."""
         trained = [p for p in model.parameters() if p.requires_grad or self.options is None]
         state = sum(p.numel() * p.element_size() for p in trained)
-        state += sum(p.numel() * 8 for p in model.parameters() if p.requires_grad)
+        per_param = OPTIMIZERS[self.cfg.train.optimizer].state_bytes
+        state += sum(p.numel() * per_param for p in model.parameters() if p.requires_grad)
         nodes = max(1, self.world.world_size // int(os.environ.get("LOCAL_WORLD_SIZE", 1)))
         self.estimated_s = state / (nodes * ASSUMED_WRITE_BYTES_PER_S_PER_NODE)
 

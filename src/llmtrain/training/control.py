@@ -110,6 +110,17 @@ class Agreement:
         return self._verdict
 
 
+def settle(agreement: Agreement, pending: Agreement | None,
+           read_now: bool) -> tuple[list[Verdict], Agreement | None]:
+    """The verdicts the host reads after a step's update: the previous step's (`pending`, long
+    done), and this step's if `read_now` (it logs, evaluates or saves, or its flags were read for
+    the update) or the previous one asks to stop or save; and what stays pending."""
+    verdicts = [pending.read()] if pending is not None else []
+    if read_now or any(v.stop or v.save for v in verdicts):
+        return verdicts + [agreement.read()], None
+    return verdicts, agreement
+
+
 class Deadline:
     """When to stop for the job's time limit. A stop decided at step N's agreement is read at step
     N+1's and saved after it, so from the decision on the job still needs the rest of step N, step

@@ -14,30 +14,28 @@ import faulthandler
 import json
 import os
 import signal
-import time
 from dataclasses import dataclass
 
-import numpy as np
 import torch
 import torch.distributed as dist
 
 from ..config import Config, ConfigError, UserError, dump_yaml
 from ..data.loader import Prefetcher, SampleRows, StepSampler, TokenStream, open_prepared, open_split
-from ..metrics import (METRICS, MetricsWriter, SampleLog, Throughput, peak_flops, peak_memory_gib, plural,
-                       progress_line)
+from ..metrics import peak_memory_gib, plural
 from ..model.build import (flops_per_token, load_tokenizer, model_config, num_params, pretrained_dir,
                            vocab_padding)
-from ..model.loss import chunk_head, lm_loss
-from ..model.parallel import (autocast, compile_seconds, configure_matmul_precision, grad_scaler, gradient_sync,
-                              parallelize, shard_size)
+from ..model.loss import chunk_head
+from ..model.parallel import configure_matmul_precision, grad_scaler, parallelize, shard_size
+from ..optimizers import apply_settings, build_optimizer, lr_at, set_lr
 from ..rundir import Log, RunLock, hostname, provenance, write_atomic
-from ..tracking import PlotRefresher, open_sinks
 from . import distributed, preflight
 from .checkpoint import Checkpointer, compat_info, will_resume
-from .control import Agreement, Control, Verdict
+from .control import Agreement, Control, Verdict, settle
 from .distributed import World
-from .optim import apply_settings, build_optimizer, lr_at, set_lr
-from .profiling import Profiler, out_of_memory, record_memory_history
+from .hooks import StepHooks
+from .profiling import out_of_memory, record_memory_history
+from .report import Due, Reporter
+from .step import Step
 from .watchdog import Watchdog
 
 
@@ -156,7 +154,7 @@ def run(cfg: Config, world: World, watch: Watchdog, run_lock: RunLock) -> None:
     state = RunState()
     checkpointer = Checkpointer(cfg, world, log, compat_info(cfg, config, manifest),
                                 hf_files=(config, tokenizer))
-    job = Job(model, head, optimizer, scaler, checkpointer, sampler, state, train_data, val_data, accum,
+    job = Job(cfg, model, head, optimizer, scaler, checkpointer, sampler, state, train_data, val_data, accum,
               flops_per_token(config, n_params, seq_len, num_params(model, trainable=True))
               * t.global_batch_size * seq_len)
     checkpointer.estimate_save(model, optimizer)  # the deadline's figure until a save is timed
@@ -190,6 +188,7 @@ def run(cfg: Config, world: World, watch: Watchdog, run_lock: RunLock) -> None:
 class Job:
     """Everything the loop works with, built once by run()."""
 
+    cfg: Config
     model: torch.nn.Module
     head: torch.nn.Module | None  # the output head lm_loss applies in chunks (model/loss.py)
     optimizer: torch.optim.Optimizer
@@ -204,6 +203,9 @@ class Job:
     reason: str = "done"  # why the loop ended (control.py's reasons)
     provenance: dict | None = None  # this start's provenance.json (rank 0), for the W&B run
 
+    def __post_init__(self):
+        self.step = Step(self.model, self.head, self.optimizer, self.scaler, self.cfg)
+
     def carried(self) -> dict:
         """What a checkpoint carries besides the model and optimizer (into meta.json)."""
         return {"run": self.state.state_dict(), "sampler": self.sampler.state.state_dict(),
@@ -216,87 +218,46 @@ class Job:
 
 
 def loop(cfg: Config, world: World, watch: Watchdog, log: Log, job: Job) -> None:
-    t, seq_len = cfg.train, cfg.data.seq_len
-    model, optimizer, scaler, checkpointer = job.model, job.optimizer, job.scaler, job.checkpointer
-    sampler, state, val_data = job.sampler, job.state, job.val_data
-    sinks = []
-    if world.is_main and cfg.metrics.trackers:
-        with watch.phase("opening trackers"):  # TensorBoard's import, W&B's service: seconds
-            sinks = open_sinks(cfg, state.step, log, job.provenance)
-    metrics = MetricsWriter(cfg.run_dir / METRICS if world.is_main else None, state.step, sinks, warn=log.info)
-    plots = PlotRefresher(cfg.run_dir, log) if world.is_main and cfg.metrics.plot_every_eval else None
-    profiler = Profiler(cfg, world.rank, world.device, log)
-    samples = SampleLog(cfg.run_dir / "logs" / f"samples-rank-{world.rank}.jsonl"
-                        if t.log_samples else None, state.step)
-    tokens_per_step = t.global_batch_size * seq_len
-    meter = Throughput(tokens_per_step, job.flops_per_step,
-                       peak_flops(world.device, t.precision, t.tf32, t.peak_tflops),
-                       world.world_size, state.step, t.max_steps)
-    faults = Faults.from_env(world)
-    control = Control(cfg, world, log, save_s=checkpointer.save_s)
-    prefetch = Prefetcher(job.train_data, sampler, job.accum, seq_len, world.device,
+    t, state, step = cfg.train, job.state, job.step
+    control = Control(cfg, world, log, save_s=job.checkpointer.save_s)  # stop, save: every rank agrees
+    hooks = StepHooks(cfg, world, log, watch, control)  # profiler, watchdog beats, injected faults
+    report = Reporter(cfg, world, log, watch, job, control, hooks.phase)  # metrics, eval, checkpoints
+    prefetch = Prefetcher(job.train_data, job.sampler, job.accum, cfg.data.seq_len, world.device,
                           prefetch_depth(cfg, world.device))
-    failed, first = True, state.step
+    pending: Agreement | None = None  # the previous step's, when nothing made the host read it
+    failed, first, reason = True, state.step, "done"
     try:
-        pending: Agreement | None = None  # the previous step's, when nothing made the host read it
-        reason = "done"
         while state.step < t.max_steps:
-            step = state.step + 1
-            profiler.begin(step)
-            control.beat()
-            watch.step(step)
+            n = state.step + 1
+            hooks.begin(n)
+            due = Due.at(n, t, job.val_data is not None)
             lr = lr_at(state.step, t)
-            set_lr(optimizer, lr)
-            step_indices = sampler.next_global()
-            indices = sampler.share(step_indices)
-            samples.write(step, indices)
-            logs = due(step, t.log_every, t.max_steps)
-            evals = val_data is not None and t.eval_every > 0 and due(step, t.eval_every, t.max_steps)
-            periodic = t.checkpoint_every > 0 and due(step, t.checkpoint_every, t.max_steps)
-            with profiler.phase("data"):
-                micro_batches, targets = prefetch.next(step_indices)
-            loss, grad_norm = forward_backward(model, job.head, optimizer, scaler, micro_batches,
-                                               targets / world.world_size, cfg, faults.loss_factor(step),
-                                               norm=logs or t.grad_clip > 0, phase=profiler.phase)
-            faults.maybe_hang(step)
-            faults.maybe_slow()
-            watch.at_sync()
-            with profiler.phase("communication"):
-                agreement = control.agree(step, finite(loss, grad_norm, cfg), samples=indices)
-            with profiler.phase("optimizer"):
-                verdicts, pending = update(optimizer, scaler, agreement, pending, logs or evals or periodic)
-            watch.idle()
-            state.step = step
-            state.tokens += tokens_per_step
+            set_lr(job.optimizer, lr)
+            # The step's samples: the global batch, drawn alike everywhere; this rank reads its share.
+            batch = job.sampler.next_global()
+            mine = job.sampler.share(batch)
+            report.samples.write(n, mine)
+            with hooks.phase("data"):
+                micro_batches, targets = prefetch.next(batch)
+            # Forward and backward over the micro-batches; gradients reduced on the last one.
+            loss, grad_norm = step.forward_backward(micro_batches, targets / world.world_size, hooks.loss_factor(n),
+                                                    norm=due.logs or t.grad_clip > 0, phase=hooks.phase)
+            hooks.synced(n)
+            # One all-reduce on the device: did any rank ask to stop or save, or see a non-finite step?
+            with hooks.phase("communication"):
+                agreement = control.agree(n, step.finite(loss, grad_norm), samples=mine)
+            # The update, or on every rank its skip; the host reads the flags when it must.
+            with hooks.phase("optimizer"):
+                read = step.update(agreement.nonfinite, lambda: agreement.read().nonfinite)
+                verdicts, pending = settle(agreement, pending, read or due.reads)
+            hooks.updated()
+            state.step, state.tokens = n, state.tokens + t.global_batch_size * cfg.data.seq_len
             for verdict in verdicts:
                 account(verdict, state, t, log)
-                if verdict.profile:
-                    profiler.request(state.step, verdict.profile, verdict.profile_ranks)
-            meter.step()
-            checkpointer.poll()
-            if watch.starting:
-                log.info(watch.started())
-                if t.compile:
-                    log.info(f"torch.compile: {compile_seconds():.1f}s compiling in the first step "
-                             f"(caches: {os.environ['TORCHINDUCTOR_CACHE_DIR']}, "
-                             f"{os.environ['TRITON_CACHE_DIR']})")
-
-            if logs:
-                with profiler.phase("log"):
-                    log_step(metrics, log, meter.read(state.step), state, loss, grad_norm, lr, t, world,
-                             scaler, sampler)
-            if evals:
-                with meter.paused(), control.paused("eval"), profiler.phase("eval"):
-                    eval_loss = evaluate(model, job.head, val_data, cfg, world)
-                metrics.write({"kind": "eval", "step": state.step, "eval_loss": eval_loss})
-                log.info(f"eval step {state.step}: eval_loss {eval_loss:.4f}")
-                if plots:
-                    plots.refresh(state.step)
-            stop = next((v for v in verdicts if v.stop), None)
-            if periodic or stop or any(v.save for v in verdicts):
-                with meter.paused(), control.paused("checkpoint"), profiler.phase("checkpoint"):
-                    checkpointer.save(state.step, model, optimizer, job.carried())
-            profiler.after_step(state.step)
+                hooks.requested(state.step, verdict)
+            # Log, evaluate and save when due, or when a rank asked to stop or save.
+            stop = report.after(due, verdicts, loss, grad_norm, lr)
+            hooks.end(state.step)
             if stop:
                 reason = stop.reason
                 log.info(f"stopping at step {state.step} ({reason}); the checkpoint is saved")
@@ -305,13 +266,10 @@ def loop(cfg: Config, world: World, watch: Watchdog, log: Log, job: Job) -> None
         control.exit(reason, state.step, state.step - first)  # for train.slurm: first, whatever the closing below does
     finally:
         prefetch.close()
-        profiler.close(state.step)
-        samples.close()
-        metrics.close(failed)
+        hooks.close(state.step)
+        report.close(failed)
     job.reason = reason
-    if plots and reason == "done":  # a stopping job's time is the final checkpoint's
-        plots.refresh(state.step)  # a run without evaluation is drawn at its end
-        plots.close()
+    report.finish(reason, state.step)
 
 
 def prefetch_depth(cfg: Config, device) -> int:
@@ -332,110 +290,6 @@ def ending(reason: str, step: int) -> str:
     return f"stopped at step {step} ({reason}); a requeued job resumes here"
 
 
-def log_step(metrics: MetricsWriter, log: Log, speed: dict, state: RunState, loss, grad_norm,
-             lr: float, t, world: World, scaler, sampler: StepSampler) -> None:
-    """One metrics line and one progress line: the loss averaged over ranks, and the peak memory
-    of the rank that uses the most (one collective for all of it). fp16 adds the loss scale: the
-    scaler skips a step with inf/NaN gradients by itself and halves it, which shows there. The
-    epoch: fractional in metrics (1.5: halfway through the second), "epoch 2/3" in the line."""
-    per_rank = distributed.gather_floats(
-        [loss.item(), float(grad_norm), peak_memory_gib(world.device)], world.device)
-    peak_rank = max(range(world.world_size), key=lambda r: per_rank[r][2])
-    mean_loss = sum(r[0] for r in per_rank) / world.world_size
-    metrics.write({"kind": "train", "step": state.step, "loss": mean_loss, "lr": lr,
-                   "grad_norm": sum(r[1] for r in per_rank) / world.world_size,
-                   "tokens": state.tokens, **speed, "peak_mem_gib": per_rank[peak_rank][2],
-                   "peak_mem_rank": peak_rank, "skipped_steps": state.skipped,
-                   "epoch": round(sampler.epochs_done(), 4),
-                   **({"loss_scale": scaler.get_scale()} if scaler.is_enabled() else {})})
-    epochs = -(-t.max_steps // sampler.steps_per_epoch)
-    log.info(progress_line(state.step, t.max_steps, mean_loss, lr, speed["tokens_per_sec"],
-                           speed["eta_s"], epoch=(sampler.state.epoch + 1, epochs)))
-
-
-def due(step: int, every: int, last: int) -> bool:
-    """Every `every` steps (0: never), and always at the last step."""
-    return (every > 0 and step % every == 0) or step == last
-
-
-def forward_backward(model, head, optimizer, scaler, micro_batches, normaliser: float, cfg: Config,
-                     loss_factor: float = 1.0, norm: bool = True,
-                     phase=lambda name: contextlib.nullcontext()) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """This rank's micro-batches (on the device) and their gradients, reduced across ranks (see
-    gradient_sync); returns (this rank's part of the step's loss, global gradient norm before
-    clipping). The norm is computed where it is used: to clip, or to log (`norm`); else None.
-
-    The step's loss is the mean over all its trained targets, every rank's and micro-batch's:
-    each micro-batch's summed loss is divided by `normaliser`, the step's count of trained
-    targets over the world size (the gradient reduction averages over ranks). So neither the
-    micro-batch size, the accumulation nor the world size changes it, however unevenly the
-    trained tokens fall; the mean over ranks of what this returns is that loss.
-    `phase`: the profiler's labels (training/profiling.py)."""
-    total = None
-    for i, batch in enumerate(micro_batches):
-        with gradient_sync(model, i == len(micro_batches) - 1, cfg):
-            with phase("forward"), autocast(cfg, batch.tokens.device):
-                loss = lm_loss(model, batch, head, max(normaliser, 1e-9)) * loss_factor
-            with phase("backward"):
-                scaler.scale(loss).backward()
-        total = loss.detach() if total is None else total + loss.detach()
-    with phase("optimizer"):
-        scaler.unscale_(optimizer)
-        grad_norm = None
-        if cfg.train.grad_clip > 0:
-            grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.train.grad_clip)
-        elif norm:
-            grad_norm = torch.nn.utils.get_total_norm([p.grad for p in model.parameters() if p.grad is not None])
-        if hasattr(grad_norm, "full_tensor"):  # FSDP2: a DTensor holding the global norm
-            grad_norm = grad_norm.full_tensor()
-    return total, grad_norm
-
-
-def update(optimizer, scaler, agreement: Agreement, pending: Agreement | None,
-           read_now: bool) -> tuple[list[Verdict], Agreement | None]:
-    """The optimizer step for `agreement`'s step, skipped on the device if it was non-finite;
-    returns the verdicts the host reads now (the previous step's, `pending`, and this step's if
-    it logs, evaluates or saves, or the previous one asks to stop or save) and what stays pending.
-    fp16: the loss scaler decides on the host, so every step is read at once."""
-    if not scaler.is_enabled():
-        optimizer_step(optimizer, scaler, skip=agreement.nonfinite)
-    elif agreement.read().nonfinite:
-        skip_fp16_step(optimizer, scaler)
-    else:
-        optimizer_step(optimizer, scaler)
-    verdicts = [pending.read()] if pending is not None else []
-    if read_now or scaler.is_enabled() or any(v.stop or v.save for v in verdicts):
-        return verdicts + [agreement.read()], None
-    return verdicts, agreement
-
-
-def optimizer_step(optimizer, scaler, skip: torch.Tensor | None = None) -> None:
-    """One update, or none where `skip` (a 0-dim flag on the device) is 1: fused AdamW reads it
-    in its kernel (`found_inf`, as the loss scaler uses it), so skipping costs no host wait."""
-    if skip is not None:
-        optimizer.found_inf = skip
-    scaler.step(optimizer)
-    optimizer.found_inf = None
-    scaler.update()
-    optimizer.zero_grad(set_to_none=True)
-
-
-def finite(loss: torch.Tensor, grad_norm: torch.Tensor | None, cfg: Config) -> torch.Tensor:
-    """False when the loss or the gradient norm is NaN/inf. Under fp16 an infinite norm is the
-    loss scaler's business (it skips that step and lowers the scale), so only the loss counts;
-    with clipping off, steps that do not log have no norm and the loss alone counts."""
-    ok = torch.isfinite(loss)
-    if cfg.train.precision == "fp16" or grad_norm is None:
-        return ok
-    return ok & torch.isfinite(grad_norm.to(loss.device))
-
-
-def skip_fp16_step(optimizer, scaler) -> None:
-    """fp16: unscale_ ran, so the scaler must end this step too, with a lower scale."""
-    optimizer.zero_grad(set_to_none=True)
-    scaler.update(scaler.get_scale() * scaler.get_backoff_factor())
-
-
 def account(verdict: Verdict, state: RunState, t, log: Log) -> None:
     """Count a step's verdict in (in step order): a skipped step is logged with this rank's
     samples, and too many in a row stop the run."""
@@ -453,75 +307,6 @@ def account(verdict: Verdict, state: RunState, t, log: Log) -> None:
             f"a non-finite loss or gradient norm (train.max_bad_steps is {t.max_bad_steps}); lower "
             f"train.lr, check the data (logs/rank-*.log name the samples), or resume from an earlier "
             f"checkpoint with train.resume")
-
-
-@dataclass(frozen=True)
-class Faults:
-    """Testing hooks, read once from the environment (doc/operations.md):
-    LLMTRAIN_INJECT_NAN_STEPS="5,6" makes rank 0's loss NaN at those steps;
-    LLMTRAIN_INJECT_HANG_STEP=5 makes the last rank stop at step 5, after its backward, where
-    the other ranks wait for it in the step's agreement (as they do under NCCL);
-    LLMTRAIN_INJECT_STEP_S=12 makes every step of every rank last 12 s more (a big model's
-    step); "12@0": in the job's first launch only (SLURM_RESTART_COUNT 0 or unset)."""
-
-    nan_steps: frozenset = frozenset()
-    hang_step: int | None = None
-    slow_s: float = 0.0
-
-    @classmethod
-    def from_env(cls, world: World) -> "Faults":
-        nan = os.environ.get("LLMTRAIN_INJECT_NAN_STEPS", "")
-        hang = os.environ.get("LLMTRAIN_INJECT_HANG_STEP")
-        return cls(frozenset(int(s) for s in nan.split(",") if s.strip()) if world.is_main else frozenset(),
-                   int(hang) if hang and world.rank == world.world_size - 1 else None,
-                   slow_step_s())
-
-    def loss_factor(self, step: int) -> float:
-        return float("nan") if step in self.nan_steps else 1.0
-
-    def maybe_hang(self, step: int) -> None:
-        if step == self.hang_step:
-            _injected_fault()
-
-    def maybe_slow(self) -> None:
-        if self.slow_s:
-            time.sleep(self.slow_s)
-
-
-def slow_step_s() -> float:
-    seconds, _, launch = (os.environ.get("LLMTRAIN_INJECT_STEP_S") or "0").partition("@")
-    if launch and launch != os.environ.get("SLURM_RESTART_COUNT", "0"):
-        return 0.0
-    return float(seconds)
-
-
-def _injected_fault() -> None:
-    time.sleep(10**6)
-
-
-@torch.no_grad()
-def evaluate(model, head, data: TokenStream | SampleRows, cfg: Config, world: World) -> float:
-    """Mean loss over the trained targets of the first eval_samples validation samples, whatever
-    the world size.
-
-    The count is rounded down to a multiple of the world size so that every rank runs the same
-    number of forwards: FSDP2 gathers parameters collectively.
-    """
-    seq_len, mb = cfg.data.seq_len, cfg.train.micro_batch_size
-    per_rank = min(data.num_samples(seq_len), cfg.train.eval_samples) // world.world_size
-    indices = np.arange(per_rank) * world.world_size + world.rank
-    total = torch.zeros((), dtype=torch.float64, device=world.device)
-    targets = 0
-    model.eval()
-    for chunk in np.array_split(indices, -(-per_rank // mb)) if per_rank else []:
-        batch = data.batch(chunk, seq_len)
-        targets += batch.targets()
-        with autocast(cfg, world.device):
-            total += lm_loss(model, batch.pinned(world.device).to(world.device), head, normaliser=1.0).double()
-    model.train()
-    sums = torch.stack([total, torch.tensor(float(targets), dtype=torch.float64, device=world.device)])
-    dist.all_reduce(sums)
-    return (sums[0] / sums[1]).item() if sums[1] > 0 else float("nan")
 
 
 def check_eval_split(cfg: Config, data: TokenStream | None, world: World, log: Log) -> None:

@@ -1,0 +1,107 @@
+"""The optimizers a run can use (`train.optimizer`), and the learning-rate schedule.
+
+    optimizer = build_optimizer(model, cfg.train, device)      # the table's entry, checked
+    OPTIMIZERS[cfg.train.optimizer].state_bytes                # what the estimator counts
+
+To add an optimizer: write its builder (param groups, the train section, the device -> a
+torch.optim.Optimizer) and add one entry to OPTIMIZERS. The entry declares two things:
+- skips_on_device: whether its step() leaves every parameter and state untouched when the
+  optimizer's `found_inf` attribute is a 0-dim device tensor holding 1, as torch's fused
+  kernels do for the loss scaler. The trainer sets it on a non-finite step, so skipping costs
+  no wait for the device. An optimizer that ignores `found_inf` declares False, and the step
+  then reads the flag on the host and skips step() (training/step.py): one wait per step.
+  A True declaration is checked when the optimizer is built (`_check_skips`), so a wrong one
+  stops the run instead of applying a step it should have skipped.
+- state_bytes: the optimizer's state per trainable parameter (AdamW: two fp32 moments, 8),
+  for llmtrain estimate and the checkpoint's size.
+
+This module imports nothing else of llmtrain (config.py checks names against the table).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Callable
+
+if TYPE_CHECKING:
+    import torch
+
+    from .config import TrainConfig
+
+
+@dataclass(frozen=True)
+class OptimizerKind:
+    build: Callable[[list, "TrainConfig", "torch.device"], "torch.optim.Optimizer"]
+    settings: Callable[["torch.optim.Optimizer", "TrainConfig"], None]  # the config's, after a resume
+    skips_on_device: bool  # step() honours a 0-dim `found_inf` on the device (see above)
+    state_bytes: int  # optimizer state per trainable parameter
+    about: str = ""  # the state, in llmtrain estimate's breakdown
+
+
+def _adamw(groups: list, t: "TrainConfig", device: "torch.device") -> "torch.optim.Optimizer":
+    import torch
+    # The fused kernel exists for CUDA and CPU, and reads found_inf; foreach is the fallback
+    # elsewhere, and ignores it (_check_skips catches that).
+    return torch.optim.AdamW(groups, lr=lr_at(0, t), fused=device.type in ("cuda", "cpu"))
+
+
+def _adamw_settings(optimizer: "torch.optim.Optimizer", t: "TrainConfig") -> None:
+    for group in optimizer.param_groups:
+        group["betas"], group["eps"] = (t.beta1, t.beta2), t.eps
+
+
+OPTIMIZERS: dict[str, OptimizerKind] = {
+    "adamw": OptimizerKind(_adamw, _adamw_settings, skips_on_device=True, state_bytes=8,
+                           about="AdamW: 2 fp32 moments per trainable parameter"),
+}
+
+
+def build_optimizer(model: "torch.nn.Module", t: "TrainConfig", device: "torch.device") -> "torch.optim.Optimizer":
+    """train.optimizer over the model's trainable parameters: weight decay on matrices only."""
+    kind = OPTIMIZERS[t.optimizer]
+    params = [p for p in model.parameters() if p.requires_grad]
+    groups = [
+        {"params": [p for p in params if p.ndim >= 2], "weight_decay": t.weight_decay},
+        {"params": [p for p in params if p.ndim < 2], "weight_decay": 0.0},  # biases, norms
+    ]
+    if kind.skips_on_device:
+        _check_skips(t, device)
+    optimizer = kind.build(groups, t, device)
+    apply_settings(optimizer, t)
+    return optimizer
+
+
+def apply_settings(optimizer: "torch.optim.Optimizer", t: "TrainConfig") -> None:
+    """The config's weight decay and the optimizer's own settings, on a new optimizer and after
+    a resume: loading a checkpoint restores the saved param_groups, and the config must win."""
+    matrices, vectors = optimizer.param_groups
+    matrices["weight_decay"], vectors["weight_decay"] = t.weight_decay, 0.0
+    OPTIMIZERS[t.optimizer].settings(optimizer, t)
+
+
+def _check_skips(t: "TrainConfig", device: "torch.device") -> None:
+    """One step of the optimizer over a scratch parameter with `found_inf` set: it must leave
+    the parameter as it was, as its entry declares."""
+    import torch
+    param = torch.nn.Parameter(torch.ones(4, 4, device=device))
+    param.grad = torch.ones_like(param)
+    probe = OPTIMIZERS[t.optimizer].build([{"params": [param], "weight_decay": 0.0}], t, device)
+    probe.found_inf = torch.ones((), device=device)
+    probe.step()
+    if not torch.equal(param.detach(), torch.ones_like(param)):
+        raise RuntimeError(f"optimizer {t.optimizer!r} applied a step that found_inf marked to skip, on "
+                           f"{device.type}; its OPTIMIZERS entry must declare skips_on_device=False")
+
+
+def lr_at(step: int, t: "TrainConfig") -> float:
+    """Learning rate for optimizer step `step` (0-based): linear warmup, cosine to min_lr."""
+    if step < t.warmup_steps:
+        return t.lr * (step + 1) / t.warmup_steps
+    progress = (step - t.warmup_steps) / max(1, t.max_steps - t.warmup_steps)
+    return t.min_lr + 0.5 * (t.lr - t.min_lr) * (1 + math.cos(math.pi * min(1.0, progress)))
+
+
+def set_lr(optimizer: "torch.optim.Optimizer", lr: float) -> None:
+    for group in optimizer.param_groups:
+        group["lr"] = lr

@@ -1,0 +1,106 @@
+"""One optimizer step's arithmetic, apart from the loop that schedules it.
+
+    step = Step(model, head, optimizer, scaler, cfg)
+    loss, grad_norm = step.forward_backward(micro_batches, normaliser)   # gradients reduced
+    agreement = control.agree(n, step.finite(loss, grad_norm))           # one all-reduce
+    step.update(agreement.nonfinite, lambda: agreement.read().nonfinite) # update, or skip it
+
+A non-finite step is skipped on every rank without the host waiting for the device where it
+can be: the optimizer reads the step's agreed flag (`found_inf`, a 0-dim device tensor) in its
+own kernel (optimizers.py: skips_on_device). Where it cannot (an optimizer that ignores the flag;
+fp16, whose loss scaler decides on the host), the host reads the flag and skips step() itself.
+Runs in one process without torchrun (tests/test_step.py).
+"""
+
+from __future__ import annotations
+
+import contextlib
+from typing import Callable
+
+import torch
+
+from ..config import Config
+from ..model.loss import lm_loss
+from ..model.parallel import autocast, gradient_sync
+from ..optimizers import OPTIMIZERS
+
+
+def no_phase(name: str):
+    return contextlib.nullcontext()
+
+
+class Step:
+    def __init__(self, model, head, optimizer, scaler: torch.amp.GradScaler, cfg: Config):
+        self.model, self.head, self.optimizer, self.scaler, self.cfg = model, head, optimizer, scaler, cfg
+        # Who decides a skip: the device (the optimizer reads the flag), or the host.
+        self.host_decides = scaler.is_enabled() or not OPTIMIZERS[cfg.train.optimizer].skips_on_device
+
+    def forward_backward(self, micro_batches, normaliser: float, loss_factor: float = 1.0, norm: bool = True,
+                         phase=no_phase) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """This rank's micro-batches (on the device) and their gradients, reduced across ranks (see
+        gradient_sync); returns (this rank's part of the step's loss, global gradient norm before
+        clipping). The norm is computed where it is used: to clip, or to log (`norm`); else None.
+
+        The step's loss is the mean over all its trained targets, every rank's and micro-batch's:
+        each micro-batch's summed loss is divided by `normaliser`, the step's count of trained
+        targets over the data-parallel degree (the gradient reduction averages over those ranks).
+        So neither the micro-batch size, the accumulation nor the world size changes it, however
+        unevenly the trained tokens fall; the mean over ranks of what this returns is that loss.
+        `phase`: the profiler's labels (training/profiling.py)."""
+        model, cfg, total = self.model, self.cfg, None
+        for i, batch in enumerate(micro_batches):
+            with gradient_sync(model, i == len(micro_batches) - 1, cfg):
+                with phase("forward"), autocast(cfg, batch.tokens.device):
+                    loss = lm_loss(model, batch, self.head, max(normaliser, 1e-9)) * loss_factor
+                with phase("backward"):
+                    self.scaler.scale(loss).backward()
+            total = loss.detach() if total is None else total + loss.detach()
+        with phase("optimizer"):
+            self.scaler.unscale_(self.optimizer)
+            grad_norm = None
+            if cfg.train.grad_clip > 0:
+                grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.train.grad_clip)
+            elif norm:
+                grad_norm = torch.nn.utils.get_total_norm([p.grad for p in model.parameters() if p.grad is not None])
+            if hasattr(grad_norm, "full_tensor"):  # FSDP2: a DTensor holding the global norm
+                grad_norm = grad_norm.full_tensor()
+        return total, grad_norm
+
+    def finite(self, loss: torch.Tensor, grad_norm: torch.Tensor | None) -> torch.Tensor:
+        """False when the loss or the gradient norm is NaN/inf. Under fp16 an infinite norm is the
+        loss scaler's business (it skips that step and lowers the scale), so only the loss counts;
+        with clipping off, steps that do not log have no norm and the loss alone counts."""
+        ok = torch.isfinite(loss)
+        if self.cfg.train.precision == "fp16" or grad_norm is None:
+            return ok
+        return ok & torch.isfinite(grad_norm.to(loss.device))
+
+    def update(self, nonfinite: torch.Tensor, read_nonfinite: Callable[[], bool]) -> bool:
+        """The optimizer step, or none where the step was non-finite on some rank. `nonfinite`:
+        the agreed flag, a 0-dim tensor on the device; `read_nonfinite`: reads it on the host (a
+        wait for the device). The device decides where the optimizer can (no wait); else the host
+        does. Returns whether the host read the flag."""
+        if not self.host_decides:
+            self.apply(skip=nonfinite)
+            return False
+        if read_nonfinite():
+            self.skip()
+        else:
+            self.apply()
+        return True
+
+    def apply(self, skip: torch.Tensor | None = None) -> None:
+        """One update, or none where `skip` (a 0-dim flag on the device) is 1: the optimizer reads
+        it in its kernel (`found_inf`, as the loss scaler uses it), so skipping costs no host wait."""
+        if skip is not None:
+            self.optimizer.found_inf = skip
+        self.scaler.step(self.optimizer)
+        self.optimizer.found_inf = None
+        self.scaler.update()
+        self.optimizer.zero_grad(set_to_none=True)
+
+    def skip(self) -> None:
+        """The host's skip: no step(); fp16's scaler ends the step too (unscale_ ran), with a lower scale."""
+        self.optimizer.zero_grad(set_to_none=True)
+        if self.scaler.is_enabled():
+            self.scaler.update(self.scaler.get_scale() * self.scaler.get_backoff_factor())
