@@ -27,7 +27,8 @@ import yaml
 
 from llmtrain.config import load_config
 from llmtrain.model.build import load_tokenizer, model_config
-from llmtrain.model.parallel import grad_scaler, parallelize
+from llmtrain.parallel.precision import grad_scaler
+from llmtrain.parallel.wrap import parallelize
 from llmtrain.rundir import Log
 from llmtrain.training import distributed
 from llmtrain.training.checkpoint import Checkpointer

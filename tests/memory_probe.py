@@ -15,6 +15,7 @@ first read 17-55% high without it).
 
 from __future__ import annotations
 
+import dataclasses
 import gc
 import json
 import os
@@ -29,9 +30,12 @@ from llmtrain.config import load_config
 from llmtrain.data.loader import Batch
 from llmtrain.model.build import load_tokenizer, model_config
 from llmtrain.model.loss import chunk_head
-from llmtrain.model.parallel import grad_scaler, parallelize, unwrap
+from llmtrain.model.build import unwrap
+from llmtrain.parallel.precision import grad_scaler
+from llmtrain.parallel.wrap import parallelize
 from llmtrain.training import distributed
 from llmtrain.optimizers import build_optimizer
+from llmtrain.parallel.dims import ParallelDims
 from llmtrain.training.step import Step
 
 
@@ -79,6 +83,8 @@ def main() -> None:
         cfg = load_config(config, overrides.split(",") if overrides else [],
                           world_size=int(os.environ.get("WORLD_SIZE", 1)))
         world = world or distributed.init(cfg)
+        # one process group for every case; each case's own degrees (its strategy)
+        world = dataclasses.replace(world, dims=ParallelDims.from_config(cfg, world.world_size))
         figures[name] = measure(cfg, world)
         gc.collect()  # the case's model and optimizer, before the next one's
     (out / f"rank-{world.rank}.json").write_text(json.dumps(figures))

@@ -511,7 +511,8 @@ def test_lora_layers_compile_to_the_eager_loss_and_gradients(monkeypatch):
 
     from llmtrain.config import LoraSpec
     from llmtrain.model.lora import apply_lora, init_adapters
-    from llmtrain.model.parallel import compile_layers, local_slices
+    from llmtrain.parallel.weights import local_slices
+    from llmtrain.parallel.wrap import compile_layers
 
     eager = tiny_llama()
     apply_lora(eager, LoraSpec(rank=4, alpha=8))

@@ -11,7 +11,9 @@ from transformers import LlamaConfig, LlamaForCausalLM
 from conftest import DEMO, tiny_config
 from llmtrain.config import load_config
 from llmtrain.model.build import decoder_layers
-from llmtrain.model.parallel import apply_fsdp, checkpoint_layers, configure_matmul_precision, local_slices
+from llmtrain.parallel.precision import configure_matmul_precision
+from llmtrain.parallel.weights import local_slices
+from llmtrain.parallel.wrap import apply_fsdp, checkpoint_layers
 
 
 @pytest.fixture(scope="module")
@@ -103,10 +105,13 @@ def test_a_bf16_lora_run_keeps_its_frozen_base_in_bf16_and_trains_the_same(group
     DDP's autocast: the linear layers' weights), the adapters in fp32, the rank's parameter bytes
     nearly halved; the loss and every adapter gradient equal, bit for bit, those of the same
     model with the base kept in fp32 (what FSDP2's cast and autocast computed with before)."""
-    import llmtrain.model.parallel as parallel
     from llmtrain.data.loader import Batch
     from llmtrain.model.build import model_config
     from llmtrain.model.loss import chunk_head, lm_loss
+    from llmtrain.parallel import wrap as parallel
+    from llmtrain.parallel.dims import ParallelDims
+    from llmtrain.parallel.precision import autocast
+    from llmtrain.parallel.weights import _local
     from llmtrain.training.distributed import World
 
     monkeypatch.setenv("LLMTRAIN_HOME", str(tmp_path))
@@ -119,7 +124,8 @@ def test_a_bf16_lora_run_keeps_its_frozen_base_in_bf16_and_trains_the_same(group
                     "lora": {"rank": 4, "alpha": 8}}
     cfg = load_config(write_config(raw), world_size=1)
     config = model_config(cfg, None)
-    world = World(rank=0, local_rank=0, world_size=1, device=torch.device("cpu"))
+    world = World(rank=0, local_rank=0, world_size=1, device=torch.device("cpu"),
+                  dims=ParallelDims.from_config(cfg, 1))
     tokens = torch.randint(0, 512, (2, 33), generator=torch.Generator().manual_seed(0))
 
     def run():
@@ -127,13 +133,13 @@ def test_a_bf16_lora_run_keeps_its_frozen_base_in_bf16_and_trains_the_same(group
         with torch.no_grad():  # B starts at zero: give A's gradient something to flow through
             for name, p in model.named_parameters():
                 if ".lora_B." in name:
-                    parallel._local(p).fill_(0.01)
-        with parallel.autocast(cfg, world.device):
+                    _local(p).fill_(0.01)
+        with autocast(cfg, world.device):
             loss = lm_loss(model, Batch(tokens), chunk_head(model, config))
         loss.backward()
-        grads = {n: parallel._local(p.grad).clone() for n, p in model.named_parameters() if p.requires_grad}
+        grads = {n: _local(p.grad).clone() for n, p in model.named_parameters() if p.requires_grad}
         dtypes = {n: p.dtype for n, p in model.named_parameters()}
-        size = sum(parallel._local(p).numel() * p.element_size() for p in model.parameters())
+        size = sum(_local(p).numel() * p.element_size() for p in model.parameters())
         return loss.detach(), grads, dtypes, size, {n: p.numel() for n, p in model.named_parameters()}
 
     loss, grads, dtypes, size, numels = run()

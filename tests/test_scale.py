@@ -13,7 +13,8 @@ from transformers import LlamaConfig
 from conftest import tiny_config
 from llmtrain.config import load_config
 from llmtrain.model.build import build_model
-from llmtrain.model.parallel import apply_fsdp, init_from_scratch
+from llmtrain.parallel.weights import init_from_scratch
+from llmtrain.parallel.wrap import apply_fsdp
 
 LLAMA3_70B = LlamaConfig(vocab_size=128256, hidden_size=8192, intermediate_size=28672,
                          num_hidden_layers=80, num_attention_heads=64, num_key_value_heads=8,

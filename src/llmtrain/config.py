@@ -29,6 +29,7 @@ from typing import Any, Literal, Optional
 import yaml
 
 from .optimizers import OPTIMIZERS
+from .parallel.dims import ParallelDims
 
 HOME_VAR = "LLMTRAIN_HOME"
 _HUB_ID = re.compile(r"^[A-Za-z0-9][\w.-]*(/[\w.-]+)?$")
@@ -908,11 +909,9 @@ def _check_parallel(cfg: Config, world: int) -> list[str]:
     if par.shard_size is not None and par.strategy != "hsdp":
         return [f"parallel.shard_size: only used with parallel.strategy: hsdp (got strategy "
                 f"{par.strategy})"]
-    shard = par.shard_size  # None: the processes of one node, which always divide the world
-    if shard is not None and (shard < 1 or world % shard):
-        return [f"parallel.shard_size: must divide the world size {world} (got {shard}); hsdp "
-                f"shards within groups of shard_size ranks and replicates across them"]
-    return []
+    if par.shard_size is None:  # the processes of one node, which always divide the world
+        return []
+    return ParallelDims.from_config(cfg, world).problems()
 
 
 def _positive(p: list[str], section: str, obj, keys: list[str], text: bool = False) -> None:

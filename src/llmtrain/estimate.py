@@ -60,6 +60,7 @@ from dataclasses import dataclass
 
 from .config import Config, UserError
 from .optimizers import OPTIMIZERS
+from .parallel.dims import ParallelDims
 
 GIB = 2**30
 HEADROOM = 0.10  # of a GPU's memory: CUDA context, NCCL buffers, allocator fragmentation
@@ -170,15 +171,11 @@ def model_shape(cfg: Config) -> ModelShape:
 
 
 def shard_size(cfg: Config, world: int) -> int:
-    """Ranks a parameter is sharded over, as model/parallel.py shards (hsdp's default: a node)."""
-    strategy = cfg.parallel.strategy
-    if strategy != "hsdp":
-        return world if strategy == "fsdp" else 1
-    shard = cfg.parallel.shard_size or min(world, cfg.world_size // cfg.slurm.nodes)
-    if world % shard:
-        raise UserError(f"parallel.shard_size: must divide the world size {world} (got {shard}); "
-                        f"hsdp shards within groups of shard_size ranks")
-    return shard
+    """Ranks a parameter is sharded over, as parallel/dims.py decides (hsdp's default: a node)."""
+    dims = ParallelDims.from_config(cfg, world)
+    if problems := dims.problems():
+        raise UserError(problems[0])
+    return dims.shard
 
 
 def estimate(cfg: Config, world_size: int | None = None, micro_batch: int | None = None,

@@ -110,3 +110,9 @@ def flops_per_token(config: PretrainedConfig, n_params: int, seq_len: int,
     lookup = 0 if tied else getattr(config, "vocab_size", 0) * hidden
     frozen = max(0, n_params - (n_params if trainable is None else trainable) - lookup)
     return 6 * (n_params - lookup) - 2 * frozen + 12 * layers * hidden * seq_len
+
+
+def unwrap(model: torch.nn.Module) -> torch.nn.Module:
+    """The Hugging Face model inside DDP's wrapper (FSDP2 wraps in place)."""
+    from torch.nn.parallel import DistributedDataParallel
+    return model.module if isinstance(model, DistributedDataParallel) else model

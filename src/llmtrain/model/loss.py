@@ -29,7 +29,7 @@ import torch
 import torch.nn.functional as F
 
 from .attention import document_mask
-from .parallel import unwrap
+from .build import unwrap
 
 CHUNK_LOGIT_BYTES = 256 * 2**20  # one chunk's fp32 logits, at most
 IGNORE = -100  # a target that is not trained (F.cross_entropy's ignore_index)

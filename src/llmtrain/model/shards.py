@@ -35,7 +35,7 @@ from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 from ..config import LoraSpec, UserError
 from ..training.checkpoint import BUFFERS
 from .lora import is_adapter, merged_weight
-from .parallel import _open_weights, _weight_files  # the base's files, read as training reads them
+from .weight_files import open_weights, weight_files  # the base's files, read as training reads them
 
 try:  # transformers 5 saves some models' weights in their Hub layout (per-expert MoE weights)
     from transformers.core_model_loading import revert_weight_conversion
@@ -144,7 +144,7 @@ def _merged_layers(checkpoint: Checkpoint, spec: LoraSpec, base: Path, skeleton,
     adapters are read once, all."""
     adapters = checkpoint.read([n for n in checkpoint.tensors if is_adapter(n)])
     buffers = torch.load(Path(checkpoint.path) / BUFFERS, weights_only=True)
-    files = _weight_files(base)
+    files = weight_files(base)
     prefix = f"{getattr(skeleton, 'base_model_prefix', '')}."
     shapes = skeleton.state_dict()
 
@@ -160,7 +160,7 @@ def _merged_layers(checkpoint: Checkpoint, spec: LoraSpec, base: Path, skeleton,
                 raise UserError(f"{base} has no tensor named {name!r}; export needs the base folder "
                                 f"the run trained on")
         for file, entries in by_file.items():
-            with _open_weights(base / file) as read_file:  # one file mapped at a time: its pages go at close
+            with open_weights(base / file) as read_file:  # one file mapped at a time: its pages go at close
                 for name, key in entries:
                     shape, weight = read_file(key, lambda shape: (slice(None),) * len(shape))
                     if shape != shapes[name].shape:

@@ -36,8 +36,7 @@ from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict, set_state_dict
 
 from ..config import Config, UserError, read_json
-from ..model.build import pretrained_dir
-from ..model.parallel import unwrap
+from ..model.build import pretrained_dir, unwrap
 from ..optimizers import OPTIMIZERS
 from ..rundir import (CHECKPOINT_FORMAT, CHECKPOINTS, LATEST, META, Log, complete_checkpoints,
                       latest_checkpoint, step_name, write_atomic)

@@ -19,6 +19,7 @@ import torch
 import torch.distributed as dist
 
 from ..config import Config, UserError
+from ..parallel.dims import ParallelDims
 
 
 def die_with_launcher() -> None:
@@ -50,6 +51,11 @@ class World:
     world_size: int
     device: torch.device
     store: dist.Store | None = None  # the group's store; rank 0 hosts it under train.slurm
+    dims: ParallelDims | None = None  # every degree of parallelism (None: one process, ddp)
+
+    def __post_init__(self):
+        if self.dims is None:
+            object.__setattr__(self, "dims", ParallelDims(self.world_size, replicate=self.world_size))
 
     @property
     def is_main(self) -> bool:
@@ -61,6 +67,9 @@ def init(cfg: Config) -> World:
     rank = int(os.environ.get("RANK", 0))
     world_size = int(os.environ.get("WORLD_SIZE", 1))
     local_rank = int(os.environ.get("LOCAL_RANK", 0))
+    dims = ParallelDims.from_config(cfg, world_size, int(os.environ.get("LOCAL_WORLD_SIZE", 0)) or None)
+    if problems := dims.problems():
+        raise UserError(problems[0])
     # The CUDA caching allocator maps growing segments instead of carving fixed blocks: less
     # fragmentation as tensor sizes vary (evaluation, the loss's last chunk, FSDP2's buffers).
     # Before the first allocation; a setting of the user's wins.
@@ -90,7 +99,7 @@ def init(cfg: Config) -> World:
     else:  # a plain `llmtrain train`: a group of one, so FSDP2 and collectives still work
         store = dist.HashStore()
         dist.init_process_group(backend, store=store, rank=0, world_size=1)
-    return World(rank, local_rank, world_size, device, store)
+    return World(rank, local_rank, world_size, device, store, dims)
 
 
 def pick_device(cfg: Config, local_rank: int) -> torch.device:

@@ -25,7 +25,8 @@ from ..metrics import peak_memory_gib, plural
 from ..model.build import (flops_per_token, load_tokenizer, model_config, num_params, pretrained_dir,
                            vocab_padding)
 from ..model.loss import chunk_head
-from ..model.parallel import configure_matmul_precision, grad_scaler, parallelize, shard_size
+from ..parallel.precision import configure_matmul_precision, grad_scaler
+from ..parallel.wrap import parallelize
 from ..optimizers import apply_settings, build_optimizer, lr_at, set_lr
 from ..rundir import Log, RunLock, hostname, provenance, write_atomic
 from . import distributed, preflight
@@ -129,7 +130,7 @@ def run(cfg: Config, world: World, watch: Watchdog, run_lock: RunLock) -> None:
     optimizer = build_optimizer(model, t, world.device)
     scaler = grad_scaler(cfg, world.device)
     n_params = num_params(model)
-    log.info(f"model: {n_params:,} parameters, {describe_parallel(cfg, world)} on "
+    log.info(f"model: {n_params:,} parameters, {world.dims.describe()} on "
              f"{world.device.type}, {t.precision}")
     if cfg.model.lora is not None:
         lora = cfg.model.lora_spec
@@ -140,15 +141,16 @@ def run(cfg: Config, world: World, watch: Watchdog, run_lock: RunLock) -> None:
     train_data = open_split(folder, manifest, "train", cfg)
     val_data = open_split(folder, manifest, "validation", cfg) if "validation" in manifest["splits"] else None
     check_eval_split(cfg, val_data, world, log)
+    dp = world.dims.dp  # the data-parallel ranks share every batch
     sampler = StepSampler(train_data.num_samples(seq_len), t.global_batch_size, t.seed,
-                          world.rank, world.world_size)
-    accum = t.global_batch_size // (t.micro_batch_size * world.world_size)
+                          world.dims.dp_rank(world.rank), dp)
+    accum = t.global_batch_size // (t.micro_batch_size * dp)
     unit = "samples"
     if isinstance(train_data, SampleRows):  # fine-tuning: a training sample is a row of samples
         info = manifest["splits"]["train"]
         unit = f"rows ({info['samples']:,} {cfg.data.format} samples, {info['trained_tokens']:,} trained tokens)"
     log.info(f"data: {sampler.num_samples:,} {unit} of {seq_len} tokens; global batch "
-             f"{t.global_batch_size} = {t.micro_batch_size} x {world.world_size} ranks x {accum} "
+             f"{t.global_batch_size} = {t.micro_batch_size} x {dp} ranks x {accum} "
              f"accumulation steps")
 
     state = RunState()
@@ -240,7 +242,7 @@ def loop(cfg: Config, world: World, watch: Watchdog, log: Log, job: Job) -> None
             with hooks.phase("data"):
                 micro_batches, targets = prefetch.next(batch)
             # Forward and backward over the micro-batches; gradients reduced on the last one.
-            loss, grad_norm = step.forward_backward(micro_batches, targets / world.world_size, hooks.loss_factor(n),
+            loss, grad_norm = step.forward_backward(micro_batches, targets / world.dims.dp, hooks.loss_factor(n),
                                                     norm=due.logs or t.grad_clip > 0, phase=hooks.phase)
             hooks.synced(n)
             # One all-reduce on the device: did any rank ask to stop or save, or see a non-finite step?
@@ -310,17 +312,19 @@ def account(verdict: Verdict, state: RunState, t, log: Log) -> None:
 
 
 def check_eval_split(cfg: Config, data: TokenStream | None, world: World, log: Log) -> None:
-    """Evaluation needs at least one validation sample per rank; fewer gives no loss at all."""
+    """Evaluation needs at least one validation sample per data-parallel rank; fewer gives no
+    loss at all."""
     if data is None or not cfg.train.eval_every:
         return
+    dp = world.dims.dp
     available = data.num_samples(cfg.data.seq_len)
     if available < cfg.train.eval_samples and world.is_main:
         log.info(f"warning: train.eval_samples is {cfg.train.eval_samples} but the validation "
                  f"split has {available} samples of {cfg.data.seq_len} tokens: evaluating on "
-                 f"{available - available % world.world_size}")
-    if min(available, cfg.train.eval_samples) < world.world_size:
+                 f"{available - available % dp}")
+    if min(available, cfg.train.eval_samples) < dp:
         raise UserError(f"train.eval_samples: evaluation needs at least one validation sample per "
-                        f"rank ({world.world_size}), and the validation split has {available} samples of "
+                        f"rank ({dp}), and the validation split has {available} samples of "
                         f"{cfg.data.seq_len} tokens; raise data.validation_fraction or set "
                         f"train.eval_every: 0")
 
@@ -390,12 +394,3 @@ def record_start(cfg: Config, world: World, hosts: list[str]) -> dict | None:
     write_atomic(cfg.run_dir / "config.yaml", dump_yaml(cfg))
     write_atomic(cfg.run_dir / "provenance.json", json.dumps(prov, indent=2) + "\n")
     return prov
-
-
-def describe_parallel(cfg: Config, world: World) -> str:
-    if cfg.parallel.strategy == "hsdp":
-        shard = shard_size(cfg, world.world_size)
-        return (f"hsdp over {world.world_size} ranks ({world.world_size // shard} replicas x "
-                f"{shard}-way shards)")
-    return f"{cfg.parallel.strategy} over {plural(world.world_size, 'rank')}"
-

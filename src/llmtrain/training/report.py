@@ -18,7 +18,8 @@ from ..data.loader import SampleRows, StepSampler, TokenStream
 from ..metrics import (METRICS, MetricsWriter, SampleLog, Throughput, peak_flops, peak_memory_gib,
                        progress_line)
 from ..model.loss import lm_loss
-from ..model.parallel import autocast, compile_seconds
+from ..parallel.precision import autocast
+from ..parallel.wrap import compile_seconds
 from ..rundir import Log
 from ..tracking import PlotRefresher, open_sinks
 from . import distributed
@@ -141,12 +142,13 @@ def evaluate(model, head, data: TokenStream | SampleRows, cfg: Config, world: Wo
     """Mean loss over the trained targets of the first eval_samples validation samples, whatever
     the world size.
 
-    The count is rounded down to a multiple of the world size so that every rank runs the same
-    number of forwards: FSDP2 gathers parameters collectively.
+    The count is rounded down to a multiple of the data-parallel degree so that every rank runs
+    the same number of forwards: FSDP2 gathers parameters collectively.
     """
     seq_len, mb = cfg.data.seq_len, cfg.train.micro_batch_size
-    per_rank = min(data.num_samples(seq_len), cfg.train.eval_samples) // world.world_size
-    indices = np.arange(per_rank) * world.world_size + world.rank
+    dp = world.dims.dp  # the data-parallel ranks split the samples
+    per_rank = min(data.num_samples(seq_len), cfg.train.eval_samples) // dp
+    indices = np.arange(per_rank) * dp + world.dims.dp_rank(world.rank)
     total = torch.zeros((), dtype=torch.float64, device=world.device)
     targets = 0
     model.eval()

@@ -21,7 +21,8 @@ import torch
 
 from ..config import Config
 from ..model.loss import lm_loss
-from ..model.parallel import autocast, gradient_sync
+from ..parallel.precision import autocast
+from ..parallel.wrap import gradient_sync
 from ..optimizers import OPTIMIZERS
 
 

@@ -1,4 +1,10 @@
-"""Every wrapping of the model happens here: activation checkpointing, FSDP2/HSDP or DDP, precision.
+"""Every wrapping of the model happens here, in one order (parallelize):
+
+    build on the meta device -> LoRA adapters (frozen base stored in the run's precision)
+      -> [next: FP8 conversion, tensor and expert parallel]
+      -> activation checkpointing -> torch.compile per layer
+      -> FSDP2/HSDP (on world.dims' mesh) -> allocate this rank's shards
+      -> weights (parallel/weights.py: seeded init or sliced load) -> DDP
 
     model = parallelize(cfg, config, world, startup)
 
@@ -23,25 +29,27 @@ same path with the whole model as its "shard", then wraps it.
 from __future__ import annotations
 
 import contextlib
-import copy
-import hashlib
+import getpass
 import inspect
-import json
 import os
+import tempfile
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import torch
 from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
 from torch.nn.parallel import DistributedDataParallel as DDP
 
-from ..config import Config, UserError
-from ..training.distributed import World
-from .attention import causal_attention
-from .build import build_model, decoder_layers, pretrained_dir
-from .lora import apply_lora, frozen_weights, init_adapters, is_adapter
+from ..config import Config
+from ..model.attention import causal_attention
+from ..model.build import build_model, decoder_layers, pretrained_dir
+from ..model.lora import apply_lora, frozen_weights, init_adapters
+from .dims import SHARDED_STRATEGIES
+from .precision import DTYPES
+from .weights import copy_buffers, init_from_scratch, load_pretrained, local_slices
 
-DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
-SHARDED_STRATEGIES = ("fsdp", "hsdp")
+if TYPE_CHECKING:
+    from ..training.distributed import World
 
 
 def parallelize(cfg: Config, config, world: World, watch=None, resuming: bool = False) -> torch.nn.Module:
@@ -66,8 +74,8 @@ def parallelize(cfg: Config, config, world: World, watch=None, resuming: bool = 
         if cfg.train.compile:
             compile_layers(model)
     with phase("sharding"):
-        if cfg.parallel.strategy in SHARDED_STRATEGIES:
-            apply_fsdp(model, cfg, device_mesh(cfg, world))
+        if world.dims.sharded:
+            apply_fsdp(model, cfg, world.dims.fsdp_mesh(world.device.type))
         model.to_empty(device=world.device)
         if tied and not _tied(model):  # to_empty allocates tied weights twice; FSDP2 keeps the tie
             model.tie_weights()
@@ -82,7 +90,7 @@ def parallelize(cfg: Config, config, world: World, watch=None, resuming: bool = 
             init_adapters(model, cfg.train.seed, local_slices)
         copy_buffers(model, reference)
     del reference
-    if cfg.parallel.strategy == "ddp" and world.world_size > 1:
+    if not world.dims.sharded and world.world_size > 1:
         # Gradients live in DDP's all-reduce buckets (no second copy, no copy-in per step), and
         # no buffer broadcast before every forward: the only buffers (rotary frequencies) are
         # computed alike on every rank and never change.
@@ -128,8 +136,6 @@ def compile_caches() -> list[str]:
     """Inductor's and Triton's caches on the node's own disk ($TMPDIR, else /tmp), unless set:
     Triton's default is ~/.triton, which on a cluster is the shared filesystem, where every rank of
     every node would write its kernels."""
-    import getpass
-    import tempfile
     root = Path(tempfile.gettempdir())
     user = getpass.getuser()
     os.environ.setdefault("TORCHINDUCTOR_CACHE_DIR", str(root / f"torchinductor_{user}"))
@@ -158,30 +164,6 @@ def checkpoint_layers(model: torch.nn.Module, every: int = 1) -> list[bool]:
         for i, layer in enumerate(layers):
             layer.gradient_checkpointing = i % every == 0
     return [bool(layer.gradient_checkpointing) for layer in layers]
-
-
-# -- sharding ------------------------------------------------------------------------------
-
-
-def shard_size(cfg: Config, world_size: int) -> int:
-    """Ranks per FSDP shard group: the world for fsdp; parallel.shard_size (default: the
-    processes of one node) for hsdp."""
-    if cfg.parallel.strategy != "hsdp":
-        return world_size
-    return cfg.parallel.shard_size or int(os.environ.get("LOCAL_WORLD_SIZE", world_size))
-
-
-def device_mesh(cfg: Config, world: World):
-    """None (FSDP2's default: one group of all ranks) for fsdp; a (replicate, shard) mesh for hsdp."""
-    if cfg.parallel.strategy != "hsdp":
-        return None
-    from torch.distributed.device_mesh import init_device_mesh
-    shard = shard_size(cfg, world.world_size)
-    if shard < 1 or world.world_size % shard:
-        raise UserError(f"parallel.shard_size: must divide the world size {world.world_size} "
-                        f"(got {shard}); set it to the processes per node or a divisor of the world")
-    return init_device_mesh(world.device.type, (world.world_size // shard, shard),
-                            mesh_dim_names=("replicate", "shard"))
 
 
 def apply_fsdp(model: torch.nn.Module, cfg: Config, mesh=None) -> None:
@@ -213,162 +195,11 @@ def prefetch_layers(layers: list, ahead: int) -> None:
         layer.set_modules_to_backward_prefetch(layers[max(0, i - ahead):i][::-1])
 
 
-def local_slices(shape: torch.Size, tensor) -> tuple[slice, ...]:
-    """The part of a full tensor of `shape` that this rank holds in `tensor` (a DTensor shard, or
-    a plain tensor holding everything). Shard(d) splits like torch.chunk, as FSDP2 does."""
-    index = [slice(0, n) for n in shape]
-    placements = getattr(tensor, "placements", None)
-    if placements is None:
-        return tuple(index)
-    mesh = tensor.device_mesh
-    coordinate = mesh.get_coordinate()
-    for mesh_dim, placement in enumerate(placements):
-        if not placement.is_shard():
-            continue
-        dim, parts = placement.dim, mesh.size(mesh_dim)
-        start, stop = index[dim].start, index[dim].stop
-        chunk = -(-(stop - start) // parts)
-        lo = min(start + coordinate[mesh_dim] * chunk, stop)
-        index[dim] = slice(lo, min(lo + chunk, stop))
-    return tuple(index)
-
-
-def _local(tensor) -> torch.Tensor:
-    return tensor.to_local() if hasattr(tensor, "to_local") else tensor
-
-
-# -- starting weights ----------------------------------------------------------------------
-
-
-@torch.no_grad()
-def init_from_scratch(model: torch.nn.Module, reference: torch.nn.Module, seed: int,
-                      device: torch.device) -> int:
-    """Initialise every parameter with HF's `_init_weights`, one module at a time; return the
-    most bytes held at full size at once (the largest module).
-
-    Each module that owns parameters is copied at full size from the meta `reference`, put on
-    the device, initialised under a seed made of `seed` and its name, and each rank copies its
-    slice. Tied parameters are initialised once, under their first name.
-    """
-    params = {n: p for n, p in model.named_parameters() if not is_adapter(n)}  # ties: first name wins
-    done: set[str] = set()
-    largest = 0
-    for name in params:
-        module_name, _, _ = name.rpartition(".")
-        if module_name in done:
-            continue
-        done.add(module_name)
-        full = copy.deepcopy(reference.get_submodule(module_name)).to_empty(device=device)
-        largest = max(largest, sum(p.numel() * p.element_size() for p in full.parameters()))
-        with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []):
-            torch.manual_seed(_module_seed(seed, module_name))
-            reference._init_weights(full)
-        for pname, value in full.named_parameters(recurse=False):
-            key = f"{module_name}.{pname}" if module_name else pname
-            if key in params:
-                target = params[key]
-                _local(target).copy_(value[local_slices(value.shape, target)])
-        del full
-    return largest
-
-
-def _module_seed(seed: int, name: str) -> int:
-    """A stable 63-bit seed per module (Python's hash() is salted per process)."""
-    digest = hashlib.sha256(f"{seed}:{name}".encode()).digest()
-    return int.from_bytes(digest[:8], "little") >> 1
-
-
-@torch.no_grad()
-def load_pretrained(model: torch.nn.Module, folder: Path) -> None:
-    """Fill this rank's shards from the weight files of a Hugging Face model folder.
-
-    safetensors (`model.safetensors`, or the shards named by `model.safetensors.index.json`):
-    each tensor is read through safetensors' slicing, so only the rows this rank owns leave the
-    disk, in the stored dtype, and are cast into the rank's shard (fp32; a LoRA base bf16/fp16:
-    store_frozen_base). Older folders with only `pytorch_model*.bin` are memory-mapped
-    (`torch.load(mmap=True)`): the rank touches only its rows' pages. Keys saved without the
-    base model's prefix (`h.0...` for `transformer.h.0...`) are found too, as from_pretrained
-    finds them.
-    """
-    files = _weight_files(folder)
-    params = {n: p for n, p in model.named_parameters() if not is_adapter(n)}  # adapters: lora.py
-    prefix = f"{getattr(model, 'base_model_prefix', '')}."
-    keys = {name: name if name in files else name.removeprefix(prefix) for name in params}
-    missing = [name for name, key in keys.items() if key not in files]
-    if missing:
-        raise UserError(f"model.name_or_path: {folder} has no tensor named {missing[0]!r} "
-                        f"({len(missing)} missing); its weight files do not match "
-                        f"{type(model).__name__}'s parameter names")
-    by_file: dict[str, list[str]] = {}
-    for name, key in keys.items():
-        by_file.setdefault(files[key], []).append(name)
-    for file, names in by_file.items():
-        with _open_weights(folder / file) as read:
-            for name in names:
-                target = params[name]
-                shape, rows = read(keys[name], lambda shape: local_slices(shape, target))
-                if shape != target.shape:
-                    raise UserError(f"model.name_or_path: {keys[name]} in {folder / file} has "
-                                    f"shape {tuple(shape)}, the model expects {tuple(target.shape)}")
-                _local(target).copy_(rows)
-
-
-def _weight_files(folder: Path) -> dict[str, str]:
-    """{tensor name: file name}, from an index or the single file; safetensors first."""
-    for single, index in (("model.safetensors", "model.safetensors.index.json"),
-                          ("pytorch_model.bin", "pytorch_model.bin.index.json")):
-        if (folder / index).is_file():
-            return json.loads((folder / index).read_text())["weight_map"]
-        if (folder / single).is_file():
-            with _open_weights(folder / single) as read:
-                return {key: single for key in read.keys()}
-    raise UserError(f"model.name_or_path: no model.safetensors, pytorch_model.bin or index of "
-                    f"either in {folder}; download the model's weights (bash download_data_model.sh)")
-
-
-@contextlib.contextmanager
-def _open_weights(path: Path):
-    """read(key, slices_for_shape) -> (full shape, the rows sliced), for one weight file."""
-    if path.suffix == ".safetensors":
-        from safetensors import safe_open
-        with safe_open(path, framework="pt", device="cpu") as f:
-            def read(key, slices):
-                stored = f.get_slice(key)
-                shape = torch.Size(stored.get_shape())
-                return shape, stored[slices(shape)]
-            read.keys = f.keys
-            yield read
-        return
-    state = torch.load(path, map_location="cpu", mmap=True, weights_only=True)
-
-    def read(key, slices):
-        tensor = state[key]
-        return tensor.shape, tensor[slices(tensor.shape)]
-    read.keys = state.keys
-    yield read
-
-
-@torch.no_grad()
-def copy_buffers(model: torch.nn.Module, reference: torch.nn.Module) -> None:
-    """Buffers (rotary inv_freq, ...) are computed in __init__ and not all in the state dict;
-    the reference skeleton holds them for real, and FSDP2 leaves them unsharded."""
-    source = dict(reference.named_buffers())
-    for name, buf in model.named_buffers():
-        buf.copy_(source[name])
-
-
 def _tied(model: torch.nn.Module | None) -> bool:
     if model is None:
         return False
     out, inp = model.get_output_embeddings(), model.get_input_embeddings()
     return out is not None and out.weight is inp.weight
-
-
-# -- the training step's helpers ------------------------------------------------------------
-
-
-def unwrap(model: torch.nn.Module) -> torch.nn.Module:
-    return model.module if isinstance(model, DDP) else model
 
 
 @contextlib.contextmanager
@@ -394,24 +225,3 @@ def gradient_sync(model: torch.nn.Module, enabled: bool, cfg: Config):
         yield
     else:
         yield
-
-
-def autocast(cfg: Config, device: torch.device):
-    """Autocast for DDP and single-process runs; FSDP2 casts through its MixedPrecisionPolicy."""
-    if cfg.train.precision == "fp32" or cfg.parallel.strategy in SHARDED_STRATEGIES:
-        return contextlib.nullcontext()
-    return torch.autocast(device.type, dtype=DTYPES[cfg.train.precision])
-
-
-def grad_scaler(cfg: Config, device: torch.device) -> torch.amp.GradScaler:
-    """fp16 needs loss scaling; for bf16 and fp32 the scaler is disabled and passes through.
-    With FSDP2's DTensor gradients its overflow check reduces over the shards, so every rank
-    agrees on skipping a step."""
-    return torch.amp.GradScaler(device.type, enabled=cfg.train.precision == "fp16")
-
-
-def configure_matmul_precision(cfg: Config, device: torch.device) -> None:
-    """fp32 runs on Ampere+ GPUs use TF32 tensor cores unless `train.tf32: false` (one API
-    family only: mixing torch's legacy and new precision settings raises in 2.9+)."""
-    if device.type == "cuda":
-        torch.set_float32_matmul_precision("high" if cfg.train.tf32 else "highest")
