@@ -13,6 +13,7 @@ from conftest import tiny_config
 from llmtrain.cli import main
 from llmtrain.config import load_config
 from llmtrain.login.slurm import requeue_decision, sbatch_command, with_extra_args, without_gpus
+from llmtrain.rundir import SHELL_NAMES
 
 SCRIPT = Path("/repo/train.slurm")
 FROZEN = Path("/runs/slurm/submitted/20261121-101010-1.yaml")
@@ -70,7 +71,7 @@ def test_the_training_jobs_sbatch_line_follows_the_config(config, sets, extra, e
     assert env == {"LLMTRAIN_CONFIG": str(FROZEN), "LLMTRAIN_HOME": "/home/llm",
                    "LLMTRAIN_RUN_DIR": str(run_dir), "LLMTRAIN_PROCS_PER_NODE": procs,
                    "LLMTRAIN_MAX_REQUEUES": "5", "LLMTRAIN_MAX_RESTARTS": "0", "LLMTRAIN_STEP": "train",
-                   "LLMTRAIN_CONTINUATION": "0"}
+                   "LLMTRAIN_CONTINUATION": "0", **SHELL_NAMES}
 
 
 def test_procs_per_node_defaults_to_the_gpus(config):

@@ -16,6 +16,7 @@ import pytest
 import yaml
 
 from conftest import REPO, imported_first, read_metrics, tiny_config
+from llmtrain.rundir import SHELL_NAMES
 
 SCRIPTS = ["setup.sh", "submit.sh", "download_data_model.sh", "train.slurm", "lib/find-env.sh",
            "cluster/local-cluster.sh", ".ci/run", "tests/gpu.sh"]
@@ -243,7 +244,7 @@ def fake_job(tmp_path, step: str = "", **env):
                "LLMTRAIN_CONFIG": str(tmp_path / "config.yaml"), "LLMTRAIN_HOME": str(home),
                "LLMTRAIN_REPO": str(REPO), "LLMTRAIN_RUN_DIR": str(tmp_path / "run"),
                "LLMTRAIN_MAX_REQUEUES": "5", "LLMTRAIN_MAX_RESTARTS": "0", "LLMTRAIN_STEP": "train",
-               "LLMTRAIN_CONTINUATION": "0", **env}
+               "LLMTRAIN_CONTINUATION": "0", **SHELL_NAMES, **env}
     proc = bash(REPO / "train.slurm", env=job_env, timeout=120)
     srun = (log / "srun.args").read_text().splitlines()
     return proc, srun[:srun.index("bash")], (log / "srun.omp").read_text().strip()

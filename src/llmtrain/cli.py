@@ -504,9 +504,9 @@ def cmd_train(args) -> int:
     try:
         train(cfg)
     except UserError as e:  # for train.slurm, submit.sh --local and status: the line to show last
-        from .rundir import ERROR_FILE, write_atomic
+        from .rundir import RunPaths, write_atomic
         global _train_error_file
-        _train_error_file = cfg.run_dir / "logs" / ERROR_FILE
+        _train_error_file = RunPaths(cfg.run_dir).error
         if os.environ.get("RANK", "0") == "0":  # every rank fails alike; the others wait for it
             try:
                 _train_error_file.parent.mkdir(parents=True, exist_ok=True)

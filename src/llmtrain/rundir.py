@@ -6,10 +6,14 @@
         metrics.jsonl      one JSON object per line: {"kind": "train"|"eval", "step": N, ...}
         logs/rank-N.log    everything rank N logged; rank 0's lines also go to stdout
         logs/error.txt     the one-line user error the last launch ended with, if it did
+        logs/heartbeat-rank-0.json, logs/heartbeats/<host>/rank-N.json   the watchdog's beats
+        control/           switches (stop, save, profile), exit.json (why the trainer stopped),
+                           requeues.json (a submission's time-limit requeues)
         run.lock           held by the launch that writes the directory (RunLock)
         checkpoints/       step-NNNNNNNN/ (complete once meta.json is in it) and `latest`
 
-The checkpoint layout's names are here, without torch, for status and check-config; the
+Every path is named once, in RunPaths (train.slurm gets its three from the job's environment);
+the checkpoint layout's names are here too, without torch, for status and check-config; the
 checkpoints themselves are training/checkpoint.py's.
 """
 
@@ -33,10 +37,49 @@ META = "meta.json"  # written last: a step folder without it is incomplete
 LATEST = "latest"   # the name of the newest complete checkpoint
 # meta.json's "format": raised when a checkpoint's layout changes in a way older code misreads.
 CHECKPOINT_FORMAT = 1
-ERROR_FILE = "error.txt"  # logs/error.txt: the user error a training launch ended with
 SECRET_VARS = ("HF_TOKEN", "HUGGING_FACE_HUB_TOKEN")
 PACKAGES = ("llmtrain", "torch", "transformers", "datasets", "accelerate", "tokenizers",
             "huggingface_hub", "numpy")
+
+
+class RunPaths:
+    """Every path of a run directory, named once. train.slurm gets the ones it touches as paths
+    relative to the run directory from the job's environment (SHELL_NAMES, login/slurm.py)."""
+
+    LOGS, CONTROL, PROFILE = "logs", "control", "profile"
+    EXIT = "control/exit.json"  # why the trainer stopped: train.slurm's requeue reads it
+    STOP = "control/stop"  # switches a user or Slurm's warning writes: stop, save, profile
+    REQUEUES = "control/requeues.json"  # the time-limit requeues of one submission
+    ERROR = "logs/error.txt"  # the one-line user error the last launch ended with
+    HEARTBEAT = "logs/heartbeat-rank-0.json"  # rank 0's, every 2 s: the status command reads it
+    HEARTBEATS = "logs/heartbeats"  # the other ranks', by host
+
+    def __init__(self, root: Path):
+        self.root = Path(root)
+        self.logs, self.control = self.root / self.LOGS, self.root / self.CONTROL
+        self.checkpoints, self.profile = self.root / CHECKPOINTS, self.root / self.PROFILE
+        self.config, self.provenance = self.root / "config.yaml", self.root / "provenance.json"
+        self.metrics = self.root / "metrics.jsonl"
+        self.exit, self.requeues = self.root / self.EXIT, self.root / self.REQUEUES
+        self.error, self.heartbeat = self.root / self.ERROR, self.root / self.HEARTBEAT
+
+    def switch(self, name: str) -> Path:
+        """control/stop, control/save, control/profile."""
+        return self.control / name
+
+    def rank_log(self, rank: int) -> Path:
+        return self.logs / f"rank-{rank}.log"
+
+    def heartbeat_of(self, rank: int, host: str) -> Path:
+        return self.heartbeat if rank == 0 else self.root / self.HEARTBEATS / host / f"rank-{rank}.json"
+
+    def samples(self, rank: int) -> Path:
+        return self.logs / f"samples-rank-{rank}.jsonl"
+
+
+# train.slurm's names, in the job's environment as paths under LLMTRAIN_RUN_DIR
+SHELL_NAMES = {"LLMTRAIN_EXIT_FILE": RunPaths.EXIT, "LLMTRAIN_ERROR_FILE": RunPaths.ERROR,
+               "LLMTRAIN_STOP_FILE": RunPaths.STOP}
 
 
 def write_atomic(path: Path, text: str) -> None:
@@ -88,7 +131,7 @@ def latest_checkpoint(folder: Path) -> str | None:
 def run_config(run_dir: Path) -> dict:
     """The resolved config the latest start wrote, as a dict ({} before a first start)."""
     try:
-        return load_yaml((run_dir / "config.yaml").read_text()) or {}
+        return load_yaml(RunPaths(run_dir).config.read_text()) or {}
     except (OSError, yaml.YAMLError):
         return {}
 
@@ -192,7 +235,7 @@ def _alive(owner: dict, me: dict, run_dir: Path) -> bool:
         return pid_alive(owner.get("pid"))
     if job:
         return job_alive(job)  # cannot tell: do not take a live run's directory
-    beat = read_json(run_dir / "logs" / "heartbeat-rank-0.json") or {}
+    beat = read_json(RunPaths(run_dir).heartbeat) or {}
     return time.time() - float(beat.get("time", owner.get("time", 0))) < RunLock.STALE_S
 
 

@@ -28,7 +28,7 @@ from pathlib import Path
 
 from .config import Config, read_json
 from .metrics import read_metrics
-from .rundir import Log, write_atomic
+from .rundir import Log, RunPaths, write_atomic
 
 TENSORBOARD_DIR = "tensorboard"
 WANDB_STATE = "wandb-run.json"  # the W&B run id, what its finished launches hold, its Slurm jobs
@@ -199,7 +199,7 @@ class PlotRefresher:
         self.wanted = max(self.wanted, step)
         if self.wanted > self.drawn and not self._busy():
             self.drawn = self.wanted
-            with open(self.run_dir / "logs" / "plot.log", "w") as out:
+            with open(RunPaths(self.run_dir).logs / "plot.log", "w") as out:
                 # Not torchrun's error file of this rank: a plot's error is not the run's.
                 env = {k: v for k, v in os.environ.items() if k != "TORCHELASTIC_ERROR_FILE"}
                 self.proc = subprocess.Popen(

@@ -36,7 +36,7 @@ import time
 from pathlib import Path
 
 from ..config import Config, read_json
-from ..rundir import write_atomic
+from ..rundir import SHELL_NAMES, RunPaths, write_atomic
 
 JOBS = ("prepare", "train", "continuation")
 
@@ -54,7 +54,7 @@ def job_env(cfg: Config, frozen: Path, home: str, step: str, continuation: int =
     return {"LLMTRAIN_CONFIG": str(frozen), "LLMTRAIN_HOME": home, "LLMTRAIN_RUN_DIR": str(cfg.run_dir),
             "LLMTRAIN_PROCS_PER_NODE": str(s.procs_per_node or s.gpus_per_node or 1),
             "LLMTRAIN_MAX_REQUEUES": str(s.max_requeues), "LLMTRAIN_MAX_RESTARTS": str(s.max_restarts),
-            "LLMTRAIN_STEP": step, "LLMTRAIN_CONTINUATION": str(continuation)}
+            "LLMTRAIN_STEP": step, "LLMTRAIN_CONTINUATION": str(continuation), **SHELL_NAMES}
 
 
 def sbatch_command(cfg: Config, job: str, *, script: Path, frozen: Path, home: str,
@@ -165,7 +165,7 @@ def requeue_decision(run_dir: Path, job_id: str, restarts: int, max_requeues: in
     of a run longer than one allocation, not a failure: it always comes back and is not counted;
     slurm.max_requeues bounds the others (preemptions, signals, slow nodes, and a time-limit stop
     that trained nothing), against a loop that never progresses."""
-    stop = read_json(run_dir / "control" / "exit.json")
+    stop = read_json(RunPaths(run_dir).exit)
     if not (isinstance(stop, dict) and stop.get("requeue") is True and str(stop.get("job_id")) == job_id):
         return False, ""
     counted = max(0, restarts - planned)
@@ -189,13 +189,12 @@ def is_planned(stop: dict) -> bool:
     return stop.get("reason") == "deadline" and stop.get("trained", 1) > 0
 
 
-PLANNED = "requeues.json"  # in <run_dir>/control: the time-limit requeues of one submission
 
 
 def planned_requeues(run_dir: Path, config: Path) -> int:
     """How many of this submission's launches came back at the time limit (a new submission,
     another frozen config, starts from 0)."""
-    record = read_json(run_dir / "control" / PLANNED)
+    record = read_json(RunPaths(run_dir).requeues)
     if isinstance(record, dict) and record.get("config") == str(config):
         return int(record.get("planned", 0))
     return 0
@@ -206,7 +205,7 @@ def excluded_nodes(run_dir: Path, job_id: str | None) -> list[str]:
     control/exit.json: the slow nodes and those the job excluded already), which its
     continuation gets as --exclude; [] otherwise. Slurm refuses to change a running job's
     ExcNodeList, so such a job comes back as a continuation, never requeued in place."""
-    stop = read_json(run_dir / "control" / "exit.json")
+    stop = read_json(RunPaths(run_dir).exit)
     if not (job_id and isinstance(stop, dict) and str(stop.get("job_id")) == job_id):
         return []
     exclude = stop.get("exclude")
@@ -239,8 +238,8 @@ def come_back(run_dir: Path, job_id: str, restarts: int, max_requeues: int, *, c
         say(line)
     if not requeue:
         return 0
-    if is_planned(read_json(run_dir / "control" / "exit.json")):
-        write_atomic(run_dir / "control" / PLANNED,
+    if is_planned(read_json(RunPaths(run_dir).exit)):
+        write_atomic(RunPaths(run_dir).requeues,
                      json.dumps({"config": str(config), "planned": planned + 1}) + "\n")
     if excluded_nodes(run_dir, job_id):
         why = "slow node left out"

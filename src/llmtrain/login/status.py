@@ -32,7 +32,7 @@ from pathlib import Path
 
 from ..config import UserError, read_json
 from ..metrics import format_duration, read_metrics
-from ..rundir import CHECKPOINTS, complete_checkpoints, latest_checkpoint, pid_alive, run_config
+from ..rundir import CHECKPOINTS, RunPaths, complete_checkpoints, latest_checkpoint, pid_alive, run_config
 
 LOG_LINES = 10
 SPARKS = "▁▂▃▄▅▆▇█"
@@ -169,12 +169,12 @@ def assess(run_dir: Path, job_id: str | None, slurm: tuple[str, str, str] | None
     """Whether the run is pending, running, stopped by request, finished, failed, ...: Slurm
     first (while it queues or runs the job), then the trainer's own record of its stop."""
     state, reason, _ = slurm or (job_state(job_id) if job_id else ("UNKNOWN", "", ""))
-    stop = read_json(run_dir / "control" / "exit.json")
+    stop = read_json(RunPaths(run_dir).exit)
     if stop and stop.get("job_id") not in (None, job_id):
         stop = None  # another job's stop: this one did not get that far
-    if stop and state in ACTIVE and _mtime(run_dir / "control" / "exit.json") < _job_start(job_id):
+    if stop and state in ACTIVE and _mtime(RunPaths(run_dir).exit) < _job_start(job_id):
         stop = None  # the stop before a requeue: this attempt has not stopped yet
-    beat = read_json(run_dir / "logs" / "heartbeat-rank-0.json") or {}
+    beat = read_json(RunPaths(run_dir).heartbeat) or {}
     run = _Run(run_dir, job_id, run_config(run_dir).get("train", {}).get("max_steps"),
                stop["step"] if stop else max(_last_step(run_dir), int(beat.get("step", 0))))
     if state in QUEUED:
@@ -218,7 +218,7 @@ def _running(run: _Run, stop: dict | None) -> Verdict:
     if stop:
         return Verdict("running", f"running{run.job}: the trainer stopped {run.at()} "
                        f"({stop['reason']}); the job is ending")
-    beat = read_json(run.dir / "logs" / "heartbeat-rank-0.json")
+    beat = read_json(RunPaths(run.dir).heartbeat)
     if not beat or float(beat.get("time", 0)) < _job_start(run.job_id):  # an earlier attempt's
         return Verdict("running", f"running{run.job}: starting up, no step yet")
     age = time.time() - float(beat.get("step_time") or beat["time"])  # since the last step began
@@ -259,7 +259,7 @@ def _ended(run: _Run, state: str) -> Verdict:
                           else f"it ended without recording a stop (an error or a kill: see the "
                           f"launch's output, or {run.dir}/logs/)")
         return Verdict("failed", f"failed{f' ({said})' if said else ''} {run.at('after')}: {where}")
-    if (run.dir / "logs" / "rank-0.log").exists():
+    if RunPaths(run.dir).rank_log(0).exists():
         return Verdict("not started", f"not started: no step logged yet (starting up, or it ended "
                        f"before its first step; see {run.dir}/logs/rank-0.log)")
     if prep_failed:  # the training job never started: Slurm cancelled it (--kill-on-invalid-dep)
@@ -313,7 +313,7 @@ def render(run_dir: Path, job_id: str | None) -> str:
     lines.append("checkpoints: " + (", ".join(f"{c}{' (latest)' if c == pointer else ''}"
                                               for c in ckpts) or "none yet"))
     # The training job's log, else the trainer's, else (no training yet) the prepare job's.
-    log = next((p for p in (_job_log(run_dir, job_id), run_dir / "logs" / "rank-0.log",
+    log = next((p for p in (_job_log(run_dir, job_id), RunPaths(run_dir).rank_log(0),
                             _prepare_log(run_dir)) if p and p.exists()), None)
     if log:
         tail = log.read_text(errors="replace").splitlines()[-LOG_LINES:]
@@ -380,7 +380,7 @@ def _last_step(run_dir: Path) -> int:
 
 def _beating(run_dir: Path) -> bool:
     """Rank 0's heartbeat is live: its process runs (same host), or it beat within BEAT_FRESH_S."""
-    beat = read_json(run_dir / "logs" / "heartbeat-rank-0.json")
+    beat = read_json(RunPaths(run_dir).heartbeat)
     if not beat:
         return False
     if beat.get("host") == socket.gethostname() and "pid" in beat:
@@ -429,11 +429,11 @@ def _error_line(run_dir: Path, job_id: str | None) -> str | None:
     submit.sh and train.slurm remove it at each start), else the job's log (stderr goes there),
     else the rank logs since their last start."""
     try:
-        found = (run_dir / "logs" / "error.txt").read_text().splitlines()[0] or None
+        found = RunPaths(run_dir).error.read_text().splitlines()[0] or None
     except (OSError, IndexError):
         found = None
     found = found or _log_search(_job_log(run_dir, job_id), r"^(?:.*\] )?(error: .*)")
-    for log in sorted((run_dir / "logs").glob("rank-*.log")) if not found else []:
+    for log in sorted(RunPaths(run_dir).logs.glob("rank-*.log")) if not found else []:
         lines = log.read_text(errors="replace").splitlines()
         starts = [i for i, line in enumerate(lines) if "] run_dir: " in line]
         found = next((m.group(1) for line in lines[starts[-1] if starts else 0:]

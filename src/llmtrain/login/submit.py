@@ -35,6 +35,7 @@ from pathlib import Path
 from ..config import (Config, ConfigError, UserError, dump_yaml, load_config, local_path, on_disk,
                       read_json, tokenizer_source)
 from ..optimizers import OPTIMIZERS
+from ..rundir import RunPaths
 from .slurm import prepare_resources, sbatch_command, with_extra_args
 
 DRY_RUN_JOB_ID = "DRY_RUN_JOB_ID"
@@ -293,8 +294,8 @@ def run_local(config: str | os.PathLike, overrides: list[str] | tuple[str, ...] 
     print(f"torchrun: {nproc} process(es) x {threads}" if nproc > 1 else
           f"one process (no torchrun needed) x {threads}", flush=True)
     # Only what this launch records counts: an earlier launch's error line or stop goes first.
-    error_file = cfg.run_dir / "logs" / "error.txt"
-    for old in (error_file, cfg.run_dir / "control" / "exit.json"):
+    error_file = RunPaths(cfg.run_dir).error
+    for old in (error_file, RunPaths(cfg.run_dir).exit):
         old.unlink(missing_ok=True)
     # torchrun ignores SIGINT (it is told not to take it over: its own handling ends in a
     # SignalException traceback), and so do the workers it starts: the terminal's Ctrl-C reaches
@@ -405,7 +406,7 @@ class CtrlC:
         deadline = time.monotonic() + 10
         while any(map(running, self.tree)) and time.monotonic() < deadline:
             time.sleep(0.05)
-        (self.run_dir / "control" / "stop").unlink(missing_ok=True)
+        RunPaths(self.run_dir).switch("stop").unlink(missing_ok=True)
         from ..rundir import CHECKPOINTS, complete_checkpoints
         done = complete_checkpoints(self.run_dir / CHECKPOINTS)
         last = f"the last checkpoint is {done[0].name}" if done else "there is no checkpoint yet"
@@ -447,8 +448,8 @@ def running(pid: int) -> bool:
 def ask_to_stop(run_dir: Path) -> None:
     print("interrupted: asking the trainer to save and stop at the next step", file=sys.stderr, flush=True)
     from ..rundir import write_atomic
-    (run_dir / "control").mkdir(parents=True, exist_ok=True)
-    write_atomic(run_dir / "control" / "stop", "user\n")
+    RunPaths(run_dir).control.mkdir(parents=True, exist_ok=True)
+    write_atomic(RunPaths(run_dir).switch("stop"), "user\n")
 
 
 def train_command(config: str | os.PathLike, overrides: list[str]) -> list[str]:

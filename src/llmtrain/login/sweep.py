@@ -29,6 +29,7 @@ import signal
 from pathlib import Path
 
 from ..config import Config, ConfigError, UserError, load_config, read_json
+from ..rundir import RunPaths
 from .slurm import sbatch_command, with_extra_args
 from .status import ARRAY_TASK, array_tasks
 from .submit import freeze, is_prepared, pin_prepared, refusals, run_local, sbatch, slurm_environment, stamp
@@ -168,7 +169,7 @@ def sweep_local(config: str | os.PathLike, overrides: list[str], grid: list[str]
         print(f"sweep {sweep.name}: point {point['index']} of {len(cfgs)} ({', '.join(point['overrides'])})",
               flush=True)
         codes.append(run_local(frozen, [], nproc))
-        stop = read_json(cfg.run_dir / "control" / "exit.json") or {}
+        stop = read_json(RunPaths(cfg.run_dir).exit) or {}
         if stop.get("reason") == "user" or codes[-1] == 130:  # 130: ended by a third Ctrl-C
             print(f"sweep {sweep.name}: stopped by request at point {point['index']}; the others "
                   f"were not run", flush=True)

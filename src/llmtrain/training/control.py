@@ -46,7 +46,7 @@ from datetime import datetime
 from pathlib import Path
 
 from ..config import Config, UserError, parse_ranks
-from ..rundir import Log, write_atomic
+from ..rundir import Log, RunPaths, write_atomic
 
 SWITCH_POLL_S = 1.0
 ARM_S = 1.0  # the stack-dump timer's re-arming interval
@@ -167,7 +167,8 @@ class Control:
     def __init__(self, cfg: Config, world, log: Log, save_s=lambda: 0.0):
         """save_s: a callable, the seconds a save is expected to take (Checkpointer.save_s)."""
         self.world, self.log = world, log
-        self.folder = cfg.run_dir / "control"
+        self.paths = RunPaths(cfg.run_dir)
+        self.folder = self.paths.control
         self.signal_reason: str | None = None
         self.reason = ""
         self.lead_s = cfg.slurm.signal_lead_s
@@ -178,7 +179,7 @@ class Control:
         self.timeout_s = cfg.parallel.collective_timeout_s
         if world.is_main:
             self.folder.mkdir(parents=True, exist_ok=True)
-            (self.folder / "exit.json").unlink(missing_ok=True)
+            self.paths.exit.unlink(missing_ok=True)
             self._remove_stale_switches()
             if self.deadline:
                 log.info(f"job ends at {datetime.fromtimestamp(end_time):%H:%M:%S}: saving and "

@@ -28,7 +28,7 @@ from ..model.loss import chunk_head
 from ..parallel.precision import configure_matmul_precision, grad_scaler
 from ..parallel.wrap import parallelize
 from ..optimizers import apply_settings, build_optimizer, lr_at, set_lr
-from ..rundir import Log, RunLock, hostname, provenance, write_atomic
+from ..rundir import Log, RunLock, RunPaths, hostname, provenance, write_atomic
 from . import distributed, preflight
 from .checkpoint import Checkpointer, compat_info, will_resume
 from .control import Agreement, Control, Verdict, settle
@@ -378,7 +378,7 @@ def open_run_dir(cfg: Config, world: World, run_lock: RunLock) -> tuple[Log, lis
                         f"stop it with: llmtrain control {run_dir} stop, or choose another run.name")
     hosts = [None] * world.world_size
     dist.all_gather_object(hosts, hostname())
-    log = Log(world.rank, run_dir / "logs")
+    log = Log(world.rank, RunPaths(run_dir).logs)
     restarts = os.environ.get("SLURM_RESTART_COUNT")
     log.info(f"run_dir: {run_dir} (hosts: {', '.join(sorted(set(hosts)))})"
              + (f"; SLURM_RESTART_COUNT={restarts}" if restarts else ""))
@@ -391,6 +391,7 @@ def record_start(cfg: Config, world: World, hosts: list[str]) -> dict | None:
     if not world.is_main:
         return None
     prov = provenance(world.world_size, hosts)
-    write_atomic(cfg.run_dir / "config.yaml", dump_yaml(cfg))
-    write_atomic(cfg.run_dir / "provenance.json", json.dumps(prov, indent=2) + "\n")
+    paths = RunPaths(cfg.run_dir)
+    write_atomic(paths.config, dump_yaml(cfg))
+    write_atomic(paths.provenance, json.dumps(prov, indent=2) + "\n")
     return prov

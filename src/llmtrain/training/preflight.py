@@ -51,7 +51,7 @@ import torch
 import torch.distributed as dist
 
 from ..config import Config
-from ..rundir import Log, hostname, latest_checkpoint, write_atomic
+from ..rundir import Log, RunPaths, hostname, latest_checkpoint, write_atomic
 from .control import write_exit
 from .distributed import World
 
@@ -105,7 +105,7 @@ def run(cfg: Config, world: World, log: Log) -> str:
         log.info(verdict(nodes, slow, ratio, cfg.slurm.exclude_slow_nodes, path))
         if stop:
             exclude = sorted(set(slow) | set(job_excluded_nodes(job)))
-            write_exit(cfg.run_dir / "control", "slow_node", resumed_step(cfg.run_dir), exclude=exclude)
+            write_exit(RunPaths(cfg.run_dir).control, "slow_node", resumed_step(cfg.run_dir), exclude=exclude)
     return "stop" if stop else "go"
 
 

@@ -25,15 +25,14 @@ from pathlib import Path
 import torch
 
 from ..config import Config, UserError
-from ..rundir import Log
+from ..rundir import Log, RunPaths
 
-PROFILE_DIR = "profile"
 PHASES = ("data", "forward", "backward", "optimizer", "communication", "log", "eval", "checkpoint")
 
 
 class Profiler:
     def __init__(self, cfg: Config, rank: int, device: torch.device, log: Log):
-        self.folder = cfg.run_dir / PROFILE_DIR
+        self.folder = RunPaths(cfg.run_dir).profile
         self.rank, self.device, self.log = rank, device, log
         p = cfg.profile
         ranks = p.rank_set
@@ -113,7 +112,7 @@ def out_of_memory(cfg: Config, rank: int, device: torch.device, error: BaseExcep
     and the one line that says so (returned, for the caller to raise)."""
     path: Path | str = "not saved"
     if device.type == "cuda":
-        folder = cfg.run_dir / "logs"
+        folder = RunPaths(cfg.run_dir).logs
         path = folder / f"oom-snapshot-rank-{rank}.pickle"
         tmp = folder / f".{path.name}.tmp"
         try:

@@ -15,12 +15,12 @@ import torch.distributed as dist
 
 from ..config import Config
 from ..data.loader import SampleRows, StepSampler, TokenStream
-from ..metrics import (METRICS, MetricsWriter, SampleLog, Throughput, peak_flops, peak_memory_gib,
+from ..metrics import (MetricsWriter, SampleLog, Throughput, peak_flops, peak_memory_gib,
                        progress_line)
 from ..model.loss import lm_loss
 from ..parallel.precision import autocast
 from ..parallel.wrap import compile_seconds
-from ..rundir import Log
+from ..rundir import Log, RunPaths
 from ..tracking import PlotRefresher, open_sinks
 from . import distributed
 from .control import Control, Verdict
@@ -66,11 +66,11 @@ class Reporter:
         if world.is_main and cfg.metrics.trackers:
             with watch.phase("opening trackers"):  # TensorBoard's import, W&B's service: seconds
                 sinks = open_sinks(cfg, state.step, log, job.provenance)
-        self.metrics = MetricsWriter(cfg.run_dir / METRICS if world.is_main else None, state.step, sinks,
+        self.metrics = MetricsWriter(RunPaths(cfg.run_dir).metrics if world.is_main else None, state.step, sinks,
                                      warn=log.info)
         self.plots = (PlotRefresher(cfg.run_dir, log) if world.is_main and cfg.metrics.plot_every_eval
                       else None)
-        self.samples = SampleLog(cfg.run_dir / "logs" / f"samples-rank-{world.rank}.jsonl"
+        self.samples = SampleLog(RunPaths(cfg.run_dir).samples(world.rank)
                                  if t.log_samples else None, state.step)
         self.meter = Throughput(t.global_batch_size * cfg.data.seq_len, job.flops_per_step,
                                 peak_flops(world.device, t.precision, t.tf32, t.peak_tflops),

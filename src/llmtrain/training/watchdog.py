@@ -41,7 +41,7 @@ import threading
 import time
 from pathlib import Path
 
-from ..rundir import write_atomic
+from ..rundir import RunPaths, write_atomic
 
 POLL_S = 0.5
 HEARTBEAT_S = 2.0  # rank 0's heartbeat
@@ -202,9 +202,7 @@ class Watchdog:
 
 def heartbeat_path(run_dir: Path, rank: int, host: str) -> Path:
     """Rank 0's heartbeat where llmtrain status reads it; the others' in a folder per host."""
-    if rank == 0:
-        return run_dir / "logs" / "heartbeat-rank-0.json"
-    return run_dir / "logs" / "heartbeats" / host / f"rank-{rank}.json"
+    return RunPaths(run_dir).heartbeat_of(rank, host)
 
 
 def read_heartbeats(run_dir: Path, world_size: int) -> dict[int, dict | None]:
@@ -212,7 +210,7 @@ def read_heartbeats(run_dir: Path, world_size: int) -> dict[int, dict | None]:
     folder and one read per rank."""
     paths = {0: heartbeat_path(run_dir, 0, "")}
     found = []
-    for path in (run_dir / "logs" / "heartbeats").glob("*/rank-*.json"):
+    for path in (run_dir / RunPaths.HEARTBEATS).glob("*/rank-*.json"):
         with contextlib.suppress(OSError, ValueError):
             found.append((path.stat().st_mtime, int(path.stem.removeprefix("rank-")), path))
     for _, rank, path in sorted(found):  # an earlier launch's file on another host: the newest wins
