@@ -102,7 +102,7 @@ def entry() -> NoReturn:
             where = f"error: rank {rank} on {socket.gethostname()}: "
             own = [where + line.removeprefix("error: ") for line in _error_lines]
             with contextlib.suppress(OSError):
-                from .rundir import write_atomic
+                from .files import write_atomic
                 write_atomic(_train_error_file, "".join(f"{line}\n" for line in own))
             error_lines(own)
     exit_process(code)
@@ -504,7 +504,8 @@ def cmd_train(args) -> int:
     try:
         train(cfg)
     except UserError as e:  # for train.slurm, submit.sh --local and status: the line to show last
-        from .rundir import RunPaths, write_atomic
+        from .rundir import RunPaths
+        from .files import write_atomic
         global _train_error_file
         _train_error_file = RunPaths(cfg.run_dir).error
         if os.environ.get("RANK", "0") == "0":  # every rank fails alike; the others wait for it

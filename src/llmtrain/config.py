@@ -28,6 +28,7 @@ from typing import Any, Literal, Optional
 
 import yaml
 
+from .files import load_yaml, read_json
 from .optimizers import OPTIMIZERS
 from .parallel.dims import ParallelDims
 
@@ -480,21 +481,6 @@ def _build_section(section: str, cls: type, body: dict, base: Path, problems: li
                 continue
         values[name] = value
     return cls(**values) if ok else None
-
-
-class _Loader(yaml.SafeLoader):
-    """YAML as a config means it: 12:00:00 stays the string it looks like (YAML 1.1 reads digits
-    with colons as a base-60 number, 43200, which slurm.time would then refuse)."""
-
-
-_Loader.yaml_implicit_resolvers = {
-    first: [(tag, re.compile(r"^(?![^:]*:)" + rx.pattern.lstrip("^"), rx.flags))
-            if tag.endswith((":int", ":float")) else (tag, rx) for tag, rx in resolvers]
-    for first, resolvers in yaml.SafeLoader.yaml_implicit_resolvers.items()}
-
-
-def load_yaml(text: str) -> Any:
-    return yaml.load(text, Loader=_Loader)
 
 
 def _coerce(value: Any, hint: Any) -> Any:
@@ -1049,14 +1035,6 @@ def _check_model(cfg: Config, written: dict | None = None) -> list[str]:
             p.append(f"model.tokenizer: vocabulary of {tokenizer_vocab_size(tok)} tokens does not fit "
                      f"the model's vocab_size {vocab}")
     return p
-
-
-def read_json(path: Path) -> dict | None:
-    """A JSON file's object, or None if it is missing or unreadable."""
-    try:
-        return json.loads(path.read_text())
-    except (OSError, ValueError):
-        return None
 
 
 def tokenizer_vocab_size(tokenizer_json: dict) -> int:

@@ -11,7 +11,7 @@ import sys
 import time
 from pathlib import Path
 
-from .rundir import write_atomic
+from .files import write_atomic
 
 # Peak dense FLOP/s per GPU (no sparsity), from the vendors' datasheets, by the name torch
 # reports ("NVIDIA H100 80GB HBM3" is the SXM part): first match wins, so variants come before

@@ -15,38 +15,37 @@ torch.optim.Optimizer) and add one entry to OPTIMIZERS. The entry declares two t
 - state_bytes: the optimizer's state per trainable parameter (AdamW: two fp32 moments, 8),
   for llmtrain estimate and the checkpoint's size.
 
-This module imports nothing else of llmtrain (config.py checks names against the table).
+This module imports nothing else of llmtrain (config.py checks names against the table); `t`
+below is a config's train section.
 """
 
 from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Callable
+from typing import TYPE_CHECKING, Any, Callable
 
 if TYPE_CHECKING:
     import torch
 
-    from .config import TrainConfig
-
 
 @dataclass(frozen=True)
 class OptimizerKind:
-    build: Callable[[list, "TrainConfig", "torch.device"], "torch.optim.Optimizer"]
-    settings: Callable[["torch.optim.Optimizer", "TrainConfig"], None]  # the config's, after a resume
+    build: Callable[[list, Any, "torch.device"], "torch.optim.Optimizer"]
+    settings: Callable[["torch.optim.Optimizer", Any], None]  # the config's, after a resume
     skips_on_device: bool  # step() honours a 0-dim `found_inf` on the device (see above)
     state_bytes: int  # optimizer state per trainable parameter
     about: str = ""  # the state, in llmtrain estimate's breakdown
 
 
-def _adamw(groups: list, t: "TrainConfig", device: "torch.device") -> "torch.optim.Optimizer":
+def _adamw(groups: list, t, device: "torch.device") -> "torch.optim.Optimizer":
     import torch
     # The fused kernel exists for CUDA and CPU, and reads found_inf; foreach is the fallback
     # elsewhere, and ignores it (_check_skips catches that).
     return torch.optim.AdamW(groups, lr=lr_at(0, t), fused=device.type in ("cuda", "cpu"))
 
 
-def _adamw_settings(optimizer: "torch.optim.Optimizer", t: "TrainConfig") -> None:
+def _adamw_settings(optimizer: "torch.optim.Optimizer", t) -> None:
     for group in optimizer.param_groups:
         group["betas"], group["eps"] = (t.beta1, t.beta2), t.eps
 
@@ -57,7 +56,7 @@ OPTIMIZERS: dict[str, OptimizerKind] = {
 }
 
 
-def build_optimizer(model: "torch.nn.Module", t: "TrainConfig", device: "torch.device") -> "torch.optim.Optimizer":
+def build_optimizer(model: "torch.nn.Module", t, device: "torch.device") -> "torch.optim.Optimizer":
     """train.optimizer over the model's trainable parameters: weight decay on matrices only."""
     kind = OPTIMIZERS[t.optimizer]
     params = [p for p in model.parameters() if p.requires_grad]
@@ -72,7 +71,7 @@ def build_optimizer(model: "torch.nn.Module", t: "TrainConfig", device: "torch.d
     return optimizer
 
 
-def apply_settings(optimizer: "torch.optim.Optimizer", t: "TrainConfig") -> None:
+def apply_settings(optimizer: "torch.optim.Optimizer", t) -> None:
     """The config's weight decay and the optimizer's own settings, on a new optimizer and after
     a resume: loading a checkpoint restores the saved param_groups, and the config must win."""
     matrices, vectors = optimizer.param_groups
@@ -80,7 +79,7 @@ def apply_settings(optimizer: "torch.optim.Optimizer", t: "TrainConfig") -> None
     OPTIMIZERS[t.optimizer].settings(optimizer, t)
 
 
-def _check_skips(t: "TrainConfig", device: "torch.device") -> None:
+def _check_skips(t, device: "torch.device") -> None:
     """One step of the optimizer over a scratch parameter with `found_inf` set: it must leave
     the parameter as it was, as its entry declares."""
     import torch
@@ -94,7 +93,7 @@ def _check_skips(t: "TrainConfig", device: "torch.device") -> None:
                            f"{device.type}; its OPTIMIZERS entry must declare skips_on_device=False")
 
 
-def lr_at(step: int, t: "TrainConfig") -> float:
+def lr_at(step: int, t) -> float:
     """Learning rate for optimizer step `step` (0-based): linear warmup, cosine to min_lr."""
     if step < t.warmup_steps:
         return t.lr * (step + 1) / t.warmup_steps

@@ -16,7 +16,8 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
-from .config import UserError, read_json
+from .config import UserError
+from .files import read_json
 from .metrics import read_metrics
 from .rundir import run_config
 

@@ -30,7 +30,7 @@ from pathlib import Path
 
 import yaml
 
-from .config import load_yaml, read_json
+from .files import load_yaml, read_json
 
 CHECKPOINTS = "checkpoints"
 META = "meta.json"  # written last: a step folder without it is incomplete
@@ -80,13 +80,6 @@ class RunPaths:
 # train.slurm's names, in the job's environment as paths under LLMTRAIN_RUN_DIR
 SHELL_NAMES = {"LLMTRAIN_EXIT_FILE": RunPaths.EXIT, "LLMTRAIN_ERROR_FILE": RunPaths.ERROR,
                "LLMTRAIN_STOP_FILE": RunPaths.STOP}
-
-
-def write_atomic(path: Path, text: str) -> None:
-    """Write then rename: readers on a shared filesystem never see half a file."""
-    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
-    tmp.write_text(text)
-    os.replace(tmp, path)
 
 
 class Log:

@@ -26,9 +26,11 @@ import subprocess
 import sys
 from pathlib import Path
 
-from .config import Config, read_json
+from .config import Config
+from .files import read_json
 from .metrics import read_metrics
-from .rundir import Log, RunPaths, write_atomic
+from .rundir import Log, RunPaths
+from .files import write_atomic
 
 TENSORBOARD_DIR = "tensorboard"
 WANDB_STATE = "wandb-run.json"  # the W&B run id, what its finished launches hold, its Slurm jobs

@@ -35,8 +35,10 @@ import sys
 import time
 from pathlib import Path
 
-from ..config import Config, read_json
-from ..rundir import SHELL_NAMES, RunPaths, write_atomic
+from ..config import Config
+from ..files import read_json
+from ..rundir import SHELL_NAMES, RunPaths
+from ..files import write_atomic
 
 JOBS = ("prepare", "train", "continuation")
 

@@ -30,7 +30,8 @@ from dataclasses import dataclass
 from pathlib import Path
 
 
-from ..config import UserError, read_json
+from ..config import UserError
+from ..files import read_json
 from ..metrics import format_duration, read_metrics
 from ..rundir import CHECKPOINTS, RunPaths, complete_checkpoints, latest_checkpoint, pid_alive, run_config
 

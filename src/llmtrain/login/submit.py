@@ -179,7 +179,7 @@ def pin_prepared(cfg: Config) -> Config:
 def freeze(cfg: Config, path: Path, source: str | os.PathLike) -> None:
     """The resolved config (overrides applied, paths absolute, data.prepared pinned), for a job
     to train from."""
-    from ..rundir import write_atomic
+    from ..files import write_atomic
     cfg = pin_prepared(cfg)  # a no-op where the caller pinned it
     path.parent.mkdir(parents=True, exist_ok=True)
     write_atomic(path, f"# frozen by llmtrain submit from {source}\n" + dump_yaml(cfg))
@@ -447,7 +447,7 @@ def running(pid: int) -> bool:
 
 def ask_to_stop(run_dir: Path) -> None:
     print("interrupted: asking the trainer to save and stop at the next step", file=sys.stderr, flush=True)
-    from ..rundir import write_atomic
+    from ..files import write_atomic
     RunPaths(run_dir).control.mkdir(parents=True, exist_ok=True)
     write_atomic(RunPaths(run_dir).switch("stop"), "user\n")
 

@@ -28,7 +28,8 @@ import os
 import signal
 from pathlib import Path
 
-from ..config import Config, ConfigError, UserError, load_config, read_json
+from ..config import Config, ConfigError, UserError, load_config
+from ..files import read_json
 from ..rundir import RunPaths
 from .slurm import sbatch_command, with_extra_args
 from .status import ARRAY_TASK, array_tasks
@@ -143,7 +144,7 @@ def sweep_slurm(config: str | os.PathLike, overrides: list[str], grid: list[str]
             frozen=template.run_dir / "submitted" / f"{st}.yaml",
             after=":".join(sweep.prepare_job_ids) or None), dry_run)
         if not dry_run:
-            from ..rundir import write_atomic
+            from ..files import write_atomic
             _write_record(sweep)
             for point in sweep.points:  # llmtrain status finds a task that has not started by these
                 write_atomic(Path(point["run_dir"]) / "submitted" / ARRAY_TASK,
@@ -178,7 +179,7 @@ def sweep_local(config: str | os.PathLike, overrides: list[str], grid: list[str]
 
 
 def _write_record(sweep: Sweep) -> None:
-    from ..rundir import write_atomic
+    from ..files import write_atomic
     write_atomic(sweep.dir / RECORD, json.dumps(sweep.record(), indent=1) + "\n")
 
 

@@ -21,10 +21,6 @@ checks a config against it).
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
-
-if TYPE_CHECKING:
-    from ..config import Config
 
 SHARDED_STRATEGIES = ("fsdp", "hsdp")
 LAYOUT = ("pipeline", "replicate", "shard", "context", "tensor")  # outermost first
@@ -42,8 +38,8 @@ class ParallelDims:
     expert: int = 1
 
     @classmethod
-    def from_config(cls, cfg: "Config", world_size: int, procs_per_node: int | None = None) -> "ParallelDims":
-        """The degrees of `cfg` on `world_size` ranks. procs_per_node: the processes of one node
+    def from_config(cls, cfg, world_size: int, procs_per_node: int | None = None) -> "ParallelDims":
+        """The degrees of `cfg` (a config.Config) on `world_size` ranks. procs_per_node: the processes of one node
         (torchrun's LOCAL_WORLD_SIZE in a job), hsdp's default shard group; None: the slurm
         section's."""
         strategy = cfg.parallel.strategy

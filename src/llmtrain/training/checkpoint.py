@@ -35,7 +35,8 @@ from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict, set_state_dict
 
-from ..config import Config, UserError, read_json
+from ..config import Config, UserError
+from ..files import read_json
 from ..model.build import pretrained_dir, unwrap
 from ..optimizers import OPTIMIZERS
 from ..rundir import (CHECKPOINT_FORMAT, CHECKPOINTS, LATEST, META, Log, complete_checkpoints,

@@ -46,7 +46,8 @@ from datetime import datetime
 from pathlib import Path
 
 from ..config import Config, UserError, parse_ranks
-from ..rundir import Log, RunPaths, write_atomic
+from ..rundir import Log, RunPaths
+from ..files import write_atomic
 
 SWITCH_POLL_S = 1.0
 ARM_S = 1.0  # the stack-dump timer's re-arming interval

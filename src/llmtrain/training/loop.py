@@ -28,7 +28,8 @@ from ..model.loss import chunk_head
 from ..parallel.precision import configure_matmul_precision, grad_scaler
 from ..parallel.wrap import parallelize
 from ..optimizers import apply_settings, build_optimizer, lr_at, set_lr
-from ..rundir import Log, RunLock, RunPaths, hostname, provenance, write_atomic
+from ..rundir import Log, RunLock, RunPaths, hostname, provenance
+from ..files import write_atomic
 from . import distributed, preflight
 from .checkpoint import Checkpointer, compat_info, will_resume
 from .control import Agreement, Control, Verdict, settle

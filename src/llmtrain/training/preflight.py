@@ -51,7 +51,8 @@ import torch
 import torch.distributed as dist
 
 from ..config import Config
-from ..rundir import Log, RunPaths, hostname, latest_checkpoint, write_atomic
+from ..rundir import Log, RunPaths, hostname, latest_checkpoint
+from ..files import write_atomic
 from .control import write_exit
 from .distributed import World
 

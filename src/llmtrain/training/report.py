@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import os
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
 
 import numpy as np
 import torch
@@ -26,9 +25,6 @@ from . import distributed
 from .control import Control, Verdict
 from .distributed import World
 from .watchdog import Watchdog
-
-if TYPE_CHECKING:
-    from .loop import RunState
 
 
 @dataclass(frozen=True)
@@ -116,7 +112,7 @@ class Reporter:
             self.plots.close()
 
 
-def log_step(metrics: MetricsWriter, log: Log, speed: dict, state: RunState, loss, grad_norm,
+def log_step(metrics: MetricsWriter, log: Log, speed: dict, state, loss, grad_norm,
              lr: float, t, world: World, scaler, sampler: StepSampler) -> None:
     """One metrics line and one progress line: the loss averaged over ranks, and the peak memory
     of the rank that uses the most (one collective for all of it). fp16 adds the loss scale: the

@@ -41,7 +41,8 @@ import threading
 import time
 from pathlib import Path
 
-from ..rundir import RunPaths, write_atomic
+from ..rundir import RunPaths
+from ..files import write_atomic
 
 POLL_S = 0.5
 HEARTBEAT_S = 2.0  # rank 0's heartbeat
