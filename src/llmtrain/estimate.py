@@ -13,7 +13,7 @@ T = micro batch x seq_len; h, i, a, k, d, L, V: hidden, intermediate, heads, kv 
 layers, vocabulary; Pl, Pr, H: one layer's, the root's (embeddings, final norm, head), the head's.
 
 - parameters: 4 P / S, fp32; a LoRA run in bf16/fp16 stores its frozen base in p
-  (model/parallel.store_frozen_base; DDP: the linear layers' weights, not the embedding or norms)
+  (parallel/wrap.store_frozen_base; DDP: the linear layers' weights, not the embedding or norms)
 - gradients: 4 Pt / S, fp32; DDP holds them all along (its all-reduce buckets), FSDP2 rebuilds
   them in each backward (held throughout with accumulation); plus unsharded ones in flight, p
   each: the head's until the root's reduce-scatter, a layer's
@@ -250,7 +250,7 @@ def _sharded(m: ModelShape, shard: int, trainable_only: bool) -> int:
 
 def _param_bytes(m: ModelShape, shard: int, p: int, linear_only: bool) -> int:
     """The bytes of the parameters one rank holds: fp32, but a frozen base (LoRA) in p, all of
-    it (FSDP2) or its linear layers' weights (autocast), as model/parallel.store_frozen_base."""
+    it (FSDP2) or its linear layers' weights (autocast), as parallel/wrap.store_frozen_base."""
     return sum(-(-rows // shard) * (numel // rows) * (4 if trains or (linear_only and not linear) else p)
                for rows, numel, trains, linear in m.rows)
 
@@ -390,7 +390,7 @@ def _descriptions(cfg: Config, est: Estimate, shape: ModelShape) -> dict[str, st
         copies = f"{precision}: the root (embeddings, head) and the layers gathered now"
         comm = "the prefetched layer's all-gather, a reduce-scatter input"
     stored = "fp32"
-    if shape.trainable < shape.params and precision != "fp32":  # model/parallel.store_frozen_base
+    if shape.trainable < shape.params and precision != "fp32":  # parallel/wrap.store_frozen_base
         stored = (f"adapters fp32, the frozen base {precision}"
                   + (" (its linear layers)" if cfg.parallel.strategy == "ddp" else ""))
     head = "the head's fp32 gradient" if shape.head_trainable else "the frozen head: no gradient"

@@ -1,7 +1,7 @@
 """Tokenizer and Hugging Face causal LM, from a local folder or an inline architecture.
 
 Nothing here touches the network or torch.distributed. `model_config` describes the model,
-`build_model(..., device="meta")` gives its skeleton with no memory behind it; parallel.py
+`build_model(..., device="meta")` gives its skeleton with no memory behind it; parallel/wrap.py
 fills each rank's shards (seeded init or the pretrained folder's safetensors).
 """
 

@@ -18,7 +18,7 @@ checkpointing and torch.compile wrap the layer as before. The adapters' names ar
 Initialisation is peft's default (A: Kaiming-uniform with a = sqrt(5), B: zeros), under a seed
 made of train.seed and the module's name: the same adapters on any world size and strategy.
 Adapters are kept and trained in fp32 whatever the base's storage (bf16/fp16 runs store the
-frozen base in that precision: model/parallel.py's store_frozen_base); checkpoints hold only what
+frozen base in that precision: parallel/wrap.py's store_frozen_base); checkpoints hold only what
 trains (the adapters) and its optimizer state, and a resume reloads the base from its source.
 """
 
@@ -87,7 +87,7 @@ def frozen_weights(model: torch.nn.Module, linear_only: bool) -> list[torch.nn.P
 @torch.no_grad()
 def init_adapters(model: torch.nn.Module, seed: int, local_slices) -> None:
     """peft's initialisation, seeded by train.seed and each adapter's name; every rank computes
-    the full matrix and keeps its slice (`local_slices(shape, param)`, as parallel.py's)."""
+    the full matrix and keeps its slice (`local_slices(shape, param)`, as parallel/weights.py's)."""
     for name, param in model.named_parameters():
         if not is_adapter(name):
             continue
