@@ -251,6 +251,11 @@ def assert_same_curve(a: Path, b: Path, tol: float) -> None:
     assert worst <= tol, f"loss curves differ by {worst:.2e} > {tol:.0e}:\n{la}\n{lb}"
 
 
+def run_dir(setup, name: str) -> Path:
+    """A run's directory under a module's prepared_home (`setup`: its (root, config) pair)."""
+    return setup[0] / "home" / "runs" / name
+
+
 def imported_first(folder, code: str) -> dict:
     """The environment in which every Python process of a run runs `code` first (a
     sitecustomize.py in `folder`, on PYTHONPATH): a fault placed in one rank."""

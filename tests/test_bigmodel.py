@@ -12,8 +12,8 @@ import pytest
 import torch
 from transformers import LlamaConfig, LlamaForCausalLM
 
-from conftest import (DEMO, REPO, assert_same_curve, cli, losses, prepared_home, read_metrics, tiny_config,
-                      torchrun, torchrun_command)
+from conftest import (DEMO, REPO, assert_same_curve, cli, losses, prepared_home, read_metrics,
+                      run_dir, tiny_config, torchrun, torchrun_command)
 
 pytestmark = pytest.mark.slow
 
@@ -29,10 +29,6 @@ def setup(tmp_path_factory):
     with prepared_home(tmp_path_factory, "bigmodel", tiny_config(
             data={"seq_len": 16}, train={"global_batch_size": 3, "micro_batch_size": 1})) as home:
         yield home
-
-
-def run_dir(setup, name):
-    return setup[0] / "home" / "runs" / name
 
 
 def startup_peaks(run: str, setup) -> list[tuple[float, float]]:

@@ -21,8 +21,8 @@ import torch
 import yaml
 from transformers import AutoTokenizer, LlamaConfig, LlamaForCausalLM
 
-from conftest import (DEMO, REPO, assert_same_curve, env_with, imported_first, llmtrain, prepared_home, read_metrics,
-                      tiny_config, torchrun)
+from conftest import (DEMO, REPO, assert_same_curve, env_with, imported_first, llmtrain,
+                      prepared_home, read_metrics, run_dir, tiny_config, torchrun)
 from llmtrain.metrics import peak_tflops
 
 pytestmark = [
@@ -52,10 +52,6 @@ def small_config(**sections) -> dict:
 def setup(tmp_path_factory):
     with prepared_home(tmp_path_factory, "gpu", small_config()) as home:
         yield home
-
-
-def run_dir(setup, name):
-    return setup[0] / "home" / "runs" / name
 
 
 def rank0_log(run_dir) -> str:

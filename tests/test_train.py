@@ -12,8 +12,8 @@ import torch
 import yaml
 from transformers import AutoTokenizer, LlamaConfig, LlamaForCausalLM
 
-from conftest import (DEMO, REPO, assert_same_curve, cli, env_with, llmtrain, losses, prepared_home, read_metrics,
-                      tiny_config, torchrun, torchrun_command)
+from conftest import (DEMO, REPO, assert_same_curve, cli, env_with, llmtrain, losses, prepared_home,
+                      read_metrics, run_dir, tiny_config, torchrun, torchrun_command)
 from llmtrain.config import load_config
 from llmtrain.data.loader import StepSampler, TokenStream, batch_tokens, open_prepared
 
@@ -25,10 +25,6 @@ def setup(tmp_path_factory):
     """One LLMTRAIN_HOME with the demo data prepared, shared by this module's runs."""
     with prepared_home(tmp_path_factory, "train", tiny_config()) as home:
         yield home
-
-
-def run_dir(setup, name):
-    return setup[0] / "home" / "runs" / name
 
 
 @pytest.fixture(scope="module")
