@@ -31,7 +31,7 @@ from pathlib import Path
 
 import yaml
 
-from llmtrain.data.loader import read_manifest
+from llmtrain.data.sources import read_manifest
 
 REPO = Path(__file__).resolve().parents[1]
 WORK = Path("/tmp/llmtrain-prepare-bench")

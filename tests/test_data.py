@@ -24,7 +24,8 @@ from transformers import AutoTokenizer
 from conftest import DEMO, cli, prepared_home, read_metrics, tiny_config
 from llmtrain.data import prepare as prepare_mod
 from llmtrain.config import load_config
-from llmtrain.data.loader import StepSampler, TokenStream, open_prepared, prepared_path
+from llmtrain.data.loader import StepSampler, TokenStream, open_prepared
+from llmtrain.data.sources import prepared_path
 from llmtrain.data.prepare import PrepareError, prepare
 
 DOCS = [f"Story {i}: " + " ".join(["Anna had a red ball."] * (i % 7 + 1)) for i in range(300)]

@@ -20,7 +20,7 @@ import yaml
 
 from conftest import DEMO, REPO, cli, losses, read_metrics, tiny_config
 from llmtrain.config import load_config
-from llmtrain.data.loader import prepared_path
+from llmtrain.data.sources import prepared_path
 from trackers import tensorboard_scalars, wandb_runs
 
 pytestmark = pytest.mark.slow

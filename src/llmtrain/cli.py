@@ -475,7 +475,7 @@ def _get(cfg, key: str):
     if key == "world_size":
         return cfg.world_size
     if key == "prepared_dir":
-        from .data.loader import prepared_path
+        from .data.sources import prepared_path
         return prepared_path(cfg)
     if key == "prepared":
         from .login.submit import is_prepared

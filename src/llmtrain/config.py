@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import dataclasses
 import difflib
-import glob
 import json
 import os
 import re
@@ -28,11 +27,14 @@ from typing import Any, Literal, Optional
 
 import yaml
 
+from .data.sources import (HOME_VAR, file_suffix, fingerprint, given_prepared, is_glob, is_hub_id, is_split_name,
+                           local_path, on_disk, source_files, source_record, tokenizer_sha256,
+                           tokenizer_source)
 from .files import load_yaml, read_json
 from .optimizers import OPTIMIZERS
 from .parallel.dims import ParallelDims
+from .rundir import CHECKPOINTS, META, latest_checkpoint
 
-HOME_VAR = "LLMTRAIN_HOME"
 _HUB_ID = re.compile(r"^[A-Za-z0-9][\w.-]*(/[\w.-]+)?$")
 _REQUIRED = dataclasses.MISSING
 
@@ -583,59 +585,6 @@ def _expand(value: str, base: Path, hub: bool = True) -> str:
 
 
 # ---------------------------------------------------------------------------------------------
-# Sources: local folders and downloaded hub ids
-
-
-def is_hub_id(value: str) -> bool:
-    return not os.path.isabs(value)
-
-
-def local_path(value: str, kind: Literal["models", "datasets"]) -> Path:
-    """Where a model/dataset lives on disk: the path itself, or the hub id's download folder."""
-    if not is_hub_id(value):
-        return Path(value)
-    home = os.environ.get(HOME_VAR)
-    root = Path(home) if home else Path("$" + HOME_VAR)
-    return root / kind / value
-
-
-def tokenizer_source(cfg: Config) -> str | None:
-    return cfg.model.tokenizer or cfg.model.name_or_path
-
-
-# Data files by format suffix: the datasets library's builder that reads them.
-FILE_BUILDERS = {".txt": "text", ".jsonl": "json", ".json": "json", ".parquet": "parquet",
-                 ".csv": "csv", ".arrow": "arrow"}
-COMPRESSED = (".gz", ".bz2", ".xz")  # the datasets library decompresses these as it reads
-
-
-def is_glob(value: str) -> bool:
-    return any(c in value for c in "*?[")
-
-
-def source_files(value: str) -> list[Path] | None:
-    """The files of a local dataset given as a file or a glob (sorted; `**` recurses); None
-    for a folder or a hub id, which the datasets library lists itself."""
-    if is_glob(value):
-        return sorted(Path(p) for p in glob.glob(value, recursive=True) if os.path.isfile(p))
-    path = Path(value)
-    return [path] if path.is_file() else None
-
-
-def on_disk(value: str, kind: Literal["models", "datasets"]) -> bool:
-    """Whether a model/dataset is on this machine: its path or download folder exists, or
-    its glob matches files."""
-    path = local_path(value, kind)
-    return bool(source_files(str(path))) if is_glob(str(path)) else path.exists()
-
-
-def file_suffix(path: Path) -> str:
-    """The format suffix of a data file, under its compression: docs.jsonl.gz -> .jsonl."""
-    inner = Path(path.stem).suffix if path.suffix in COMPRESSED else ""
-    return inner or path.suffix
-
-
-# ---------------------------------------------------------------------------------------------
 # Cross-field checks
 
 
@@ -754,7 +703,6 @@ def validate(cfg: Config, world_size: int | None = None, written: dict | None = 
     p += _check_model(cfg, written)
     p += _check_attention(cfg)
     p += _check_resume(cfg)
-    from .data.loader import given_prepared
     manifest = given_prepared(cfg)
     p += _check_prepared(cfg, manifest) if manifest else _check_data(d, Path(cfg.path).parent, written)
     return p
@@ -763,7 +711,6 @@ def validate(cfg: Config, world_size: int | None = None, written: dict | None = 
 def _check_prepared(cfg: Config, manifest: dict) -> list[str]:
     """A prepared folder to train from (data.prepared) instead of the source: its tokenizer and
     its kind of data."""
-    from .data.loader import source_record, tokenizer_sha256
     d, made, source = cfg.data, manifest.get("samples"), tokenizer_source(cfg)
     tok_dir = local_path(source, "models") if source else None
     made_with = manifest["tokenizer"].get("sha256")  # None: a folder from before it was recorded
@@ -884,12 +831,6 @@ def _check_columns(path: Path, d: DataConfig) -> list[str]:
     return []
 
 
-def is_split_name(value: str) -> bool:
-    """data.validation: `validation` names a split; `val.jsonl`, `./val` and globs are paths."""
-    return (not os.path.isabs(value) and not is_glob(value) and "/" not in value
-            and file_suffix(Path(value)) not in (*FILE_BUILDERS, *COMPRESSED))
-
-
 def _check_parallel(cfg: Config, world: int) -> list[str]:
     par = cfg.parallel
     if par.shard_size is not None and par.strategy != "hsdp":
@@ -964,7 +905,6 @@ def _check_resume(cfg: Config) -> list[str]:
     """The run's newest checkpoint must fit the config, or the job would be refused at start."""
     if cfg.train.resume != "auto":
         return []
-    from .rundir import CHECKPOINTS, META, latest_checkpoint  # rundir imports this module
     folder = cfg.run_dir / CHECKPOINTS
     pointer = latest_checkpoint(folder)
     try:
@@ -979,7 +919,6 @@ def _check_resume(cfg: Config) -> list[str]:
          f"({saved[key]!r} -> {value!r}); {fix}" for key, value in now.items()
          if key in saved and saved[key] != value]
     if "data_fingerprint" in saved:
-        from .data.loader import fingerprint, given_prepared  # numpy, no torch
         if manifest := given_prepared(cfg):
             now = manifest["fingerprint"]
         else:

@@ -21,10 +21,7 @@ descriptors per rank nor thousands of opens per rank at start-up.
 from __future__ import annotations
 
 import copy
-import hashlib
-import json
 import queue
-import re
 import resource
 import threading
 from collections import OrderedDict
@@ -34,14 +31,12 @@ from typing import TYPE_CHECKING, Callable
 
 import numpy as np
 
-from ..config import (COMPRESSED, Config, UserError, is_glob, is_split_name, local_path, source_files,
-                      tokenizer_source)
+from ..config import Config, UserError
+from .sources import prepared_path, read_manifest
 
 if TYPE_CHECKING:
     import torch
 
-FORMAT_VERSION = 2  # 2: held-out documents and the rest in source order (1: shuffled)
-MANIFEST = "manifest.json"
 MAX_MAPPED_FILES = 4096  # per split reader, whatever the open-file limit (each map is also a kernel mapping)
 # Unpacked fine-tuning rows are cut to the micro-batch's longest sample, rounded up to this many
 # inputs: at most 63 padded tokens a row where a full row pads up to seq_len. The model sees a
@@ -57,97 +52,7 @@ class DataNotPrepared(UserError):
 
 
 # ---------------------------------------------------------------------------------------------
-# Where prepared data lives
-
-
-def source_listing(path: Path) -> list[tuple[str, int, int]]:
-    """(relative path, size, mtime) of every file of a dataset source (a file, a glob's matches,
-    or a folder): its cheap fingerprint."""
-    files = source_files(str(path))
-    if files is None:
-        base, files = path, sorted(p for p in path.rglob("*") if p.is_file())
-    else:
-        base = _glob_root(path) if is_glob(str(path)) else path.parent
-    return [(str(p.relative_to(base)), p.stat().st_size, p.stat().st_mtime_ns) for p in files
-            if ".cache" not in p.relative_to(base).parts]
-
-
-def _glob_root(pattern: Path) -> Path:
-    """The folder above a glob's first wildcard: /data/c4/*/*.json.gz -> /data/c4."""
-    parts = pattern.parts
-    return Path(*parts[:next(i for i, part in enumerate(parts) if is_glob(part))])
-
-
-def fingerprint(cfg: Config) -> str:
-    d = cfg.data
-    tok_dir = local_path(tokenizer_source(cfg), "models")
-    validation = d.validation
-    if validation is not None and not is_split_name(validation):
-        validation = source_listing(Path(validation))
-    recipe = {
-        "format": FORMAT_VERSION,
-        "source": source_listing(local_path(d.dataset, "datasets")),
-        "split": d.split,
-        "text_field": d.text_field,
-        "text_unit": d.text_unit,
-        # only when set: the folders prepared before the option keep their fingerprint
-        **({"encoding_errors": d.encoding_errors} if d.encoding_errors != "strict" else {}),
-        **({"data_format": d.format, "columns": d.columns, "train_on": d.train_on, "truncation": d.truncation,
-            "packing": d.packing, "seq_len": d.seq_len} if d.samples else {}),
-        "add_bos": d.add_bos,  # auto decides by the tokenizer, whose files are hashed below
-        "validation": validation,
-        "validation_fraction": d.holdout_fraction,
-        "tokenizer": tokenizer_sha256(tok_dir),
-        "tokenizer_config": _sha256(tok_dir / "tokenizer_config.json"),
-        **({"chat_template": _sha256(tok_dir / "chat_template.jinja")} if d.format == "chat" else {}),
-    }
-    return hashlib.sha256(json.dumps(recipe, sort_keys=True).encode()).hexdigest()[:16]
-
-
-def prepared_path(cfg: Config, fp: str | None = None) -> Path:
-    """The config's prepared folder: data.prepared, or the one the source's fingerprint names
-    under data.prepared_dir; with `fp`, the folder that fingerprint names."""
-    if fp is None and cfg.data.prepared:
-        return Path(cfg.data.prepared)
-    source = Path(cfg.data.dataset)
-    if is_glob(cfg.data.dataset):  # /data/shakespeare/*.txt -> shakespeare
-        source = _glob_root(source)
-    name = source.name
-    for suffix in (*COMPRESSED, ".txt"):
-        name = name.removesuffix(suffix)
-    name = re.sub(r"[^\w.-]+", "_", name) or "data"
-    return Path(cfg.data.prepared_dir) / f"{name}-{fp or fingerprint(cfg)}"
-
-
-def source_record(cfg: Config) -> dict:
-    """The data options a prepared folder was made with, as its manifest records them."""
-    d = cfg.data
-    return {"dataset": d.dataset, "split": d.split, "format": d.format, **d.columns,
-            "text_unit": d.text_unit, "validation": d.validation, "validation_fraction": d.holdout_fraction}
-
-
-def given_prepared(cfg: Config) -> dict | None:
-    """The manifest of data.prepared, when it is set and prepared: then nothing reads the source."""
-    return read_manifest(Path(cfg.data.prepared)) if cfg.data.prepared else None
-
-
-def tokenizer_sha256(tok_dir: Path) -> str | None:
-    """The tokenizer's vocabulary and merges, hashed: what decides the token ids."""
-    return _sha256(tok_dir / "tokenizer.json")
-
-
-def _sha256(path: Path) -> str | None:
-    try:
-        return hashlib.sha256(path.read_bytes()).hexdigest()
-    except FileNotFoundError:
-        return None
-
-
-def read_manifest(folder: Path) -> dict | None:
-    try:
-        return json.loads((folder / MANIFEST).read_text())
-    except (OSError, ValueError):
-        return None
+# Prepared data
 
 
 def open_prepared(cfg: Config) -> tuple[Path, dict]:

@@ -35,12 +35,13 @@ from pathlib import Path
 
 import numpy as np
 
-from ..config import (FILE_BUILDERS, Config, UserError, file_suffix, is_glob, is_split_name,
-                      local_path, source_files, tokenizer_source)
+from ..config import Config, UserError
+from .sources import (FILE_BUILDERS, file_suffix, is_glob, is_split_name, local_path, source_files,
+                      tokenizer_source)
 from . import samples
 from ..rundir import job_alive, pid_alive
-from .loader import (FORMAT_VERSION, MANIFEST, fingerprint, prepared_path, read_manifest, source_record,
-                     tokenizer_sha256)
+from .sources import (FORMAT_VERSION, MANIFEST, fingerprint, prepared_path, read_manifest, source_record,
+                      tokenizer_sha256)
 
 SHARD_TOKENS = 1 << 28  # 256M tokens: 512 MiB of uint16 per shard file
 ENCODE_DOCS = 1000  # documents per call of the batch encoder (larger batches run slower)

@@ -19,7 +19,8 @@ import shutil
 import time
 from pathlib import Path
 
-from ..config import HOME_VAR, Config, UserError, is_hub_id, tokenizer_source
+from ..config import Config, UserError
+from ..data.sources import HOME_VAR, is_hub_id, tokenizer_source
 
 MARKER = ".llmtrain-download.json"
 

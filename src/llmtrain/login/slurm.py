@@ -120,8 +120,7 @@ def prepare_resources(cfg: Config) -> tuple[int, str, str]:
     slurm.cpus_per_node; slurm.prepare_time, else the source's size at
     PREPARE_BYTES_PER_S_PER_CPU (a 100B-token corpus, ~400 GB of text, on 32 CPUs: 3.5 h; it
     took the training job's limit, and timed out)."""
-    from ..config import local_path
-    from ..data.loader import source_listing
+    from ..data.sources import local_path, source_listing
     from .feasibility import format_limit
     s = cfg.slurm
     cpus = s.prepare_cpus or s.cpus_per_node

@@ -32,8 +32,9 @@ import sys
 import time
 from pathlib import Path
 
-from ..config import (Config, ConfigError, UserError, dump_yaml, load_config, local_path, on_disk,
-                      read_json, tokenizer_source)
+from ..config import Config, ConfigError, UserError, dump_yaml, load_config
+from ..data.sources import local_path, on_disk, tokenizer_source
+from ..files import read_json
 from ..optimizers import OPTIMIZERS
 from ..rundir import RunPaths
 from .slurm import prepare_resources, sbatch_command, with_extra_args
@@ -86,7 +87,7 @@ def refusals(cfg: Config, config: str | os.PathLike, *, offline: bool, launch: b
     """Notes on what is not downloaded yet; raises ConfigError/UserError for what may not run:
     with offline, a model/tokenizer/dataset not on disk; with launch, a run that is running or
     queued now; with cluster, a request no partition or node can meet."""
-    from ..data.loader import given_prepared
+    from ..data.sources import given_prepared
     source_needed = given_prepared(cfg) is None  # data.prepared, prepared: the source may be gone
     missing = list(dict.fromkeys(
         f"{what}: {source} is not downloaded yet (looked in {local_path(source, kind)}); "
@@ -172,7 +173,7 @@ def pin_prepared(cfg: Config) -> Config:
     node: no rank of its jobs reads the source's files (a corpus of thousands of files, stat-ed by
     every rank), a requeue trains on after the source is gone, and what follows here (is it
     prepared? the frozen copy) reads data.prepared instead of fingerprinting the source again."""
-    from ..data.loader import prepared_path
+    from ..data.sources import prepared_path
     return dataclasses.replace(cfg, data=dataclasses.replace(cfg.data, prepared=str(prepared_path(cfg))))
 
 
@@ -196,7 +197,7 @@ def stamp() -> str:
 
 
 def is_prepared(cfg: Config) -> bool:
-    from ..data.loader import prepared_path, read_manifest
+    from ..data.sources import prepared_path, read_manifest
     return read_manifest(prepared_path(cfg)) is not None
 
 

@@ -128,7 +128,7 @@ def sweep_slurm(config: str | os.PathLike, overrides: list[str], grid: list[str]
     unprepared = {}
     for cfg in cfgs:
         if not is_prepared(cfg):
-            from ..data.loader import prepared_path
+            from ..data.sources import prepared_path
             unprepared.setdefault(prepared_path(cfg), cfg)
     for cfg in unprepared.values():  # one CPU job per distinct dataset to tokenize
         sweep.prepare_job_ids.append(sbatch(sweep.commands, sbatch_command(

@@ -10,7 +10,8 @@ from __future__ import annotations
 import torch
 from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, PretrainedConfig
 
-from ..config import Config, UserError, local_path, tokenizer_source
+from ..config import Config, UserError
+from ..data.sources import local_path, tokenizer_source
 
 
 VOCAB_MULTIPLE = 64  # from scratch, the vocabulary is rounded up to this: faster matmuls

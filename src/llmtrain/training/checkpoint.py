@@ -40,7 +40,8 @@ from ..files import read_json
 from ..model.build import pretrained_dir, unwrap
 from ..optimizers import OPTIMIZERS
 from ..rundir import (CHECKPOINT_FORMAT, CHECKPOINTS, LATEST, META, Log, complete_checkpoints,
-                      latest_checkpoint, step_name, write_atomic)
+                      latest_checkpoint, step_name)
+from ..files import write_atomic
 from .control import ASSUMED_WRITE_BYTES_PER_S_PER_NODE
 from .distributed import World
 
