@@ -300,7 +300,7 @@ def test_export_loads_in_plain_transformers_with_identical_logits(setup, tmp_pat
     subprocess.run([sys.executable, "-I", "-c", code, str(logits_file)], check=True, env=env,
                    cwd=tmp_path)  # -I: no llmtrain on the path
 
-    from llmtrain.model.export import load_checkpoint_model
+    from llmtrain.training.export import load_checkpoint_model
     model, tokenizer = load_checkpoint_model(run_dir)
     ids = tokenizer("Once upon a time, Tom had a red ball.", return_tensors="pt").input_ids
     with torch.no_grad():

@@ -242,7 +242,8 @@ def test_the_deadline_leaves_room_for_the_measured_step_evaluation_and_save():
     """The review's case: 75 s steps and a 300 s save with the default 120 s lead. The stop
     comes when two steps, the last evaluation and the save no longer fit before the end; with
     nothing measured yet, the lead (or the estimated save) alone."""
-    from llmtrain.training.control import DEADLINE_MARGIN_S, Deadline
+    from llmtrain.rundir import DEADLINE_MARGIN_S
+    from llmtrain.training.control import Deadline
 
     save = [300.0]
     deadline = Deadline(end_time=10_000.0, lead_s=120, save_s=lambda: save[0])

@@ -117,7 +117,7 @@ class capture_log(logging.Handler):
                                                ("fp16", torch.float16)])
 def test_export_dtype_logits_identical_in_fp32_and_close_in_half(exports, dtype, torch_dtype):
     _, run_dir, out = exports
-    from llmtrain.model.export import load_checkpoint_model
+    from llmtrain.training.export import load_checkpoint_model
     trained, tokenizer = load_checkpoint_model(run_dir)
     exported = AutoModelForCausalLM.from_pretrained(out[dtype])  # as saved: config.json's dtype
     assert exported.dtype == torch_dtype
@@ -160,7 +160,7 @@ def lora_bf16(tmp_path_factory):
                     "lora": {"rank": 4, "alpha": 8}}
     with prepared_home(tmp_path_factory, "lora-bf16", cfg) as (root, config):
         cli("train", "--config", config, check=True)
-        baseline = peak_rss("-c", "import llmtrain.cli, llmtrain.model.export")
+        baseline = peak_rss("-c", "import llmtrain.cli, llmtrain.training.export")
         yield base, root / "home" / "runs" / "test", root, baseline
 
 
@@ -221,7 +221,7 @@ def test_merged_export_holds_one_layer_and_merges_in_fp32(lora_bf16):
 
 def test_generate_from_a_lora_run_loads_the_base_as_stored(lora_bf16):
     """bf16 on disk, bf16 in memory (before: fp32, 636 MiB over the baseline; now 266)."""
-    from llmtrain.model.export import load_checkpoint_model
+    from llmtrain.training.export import load_checkpoint_model
     _, run, _, baseline = lora_bf16
     model, _ = load_checkpoint_model(run)
     assert {p.dtype for p in model.parameters()} == {torch.bfloat16}

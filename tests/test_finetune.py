@@ -438,7 +438,7 @@ def test_lora_killed_and_restarted_resumes_bit_identically(lora):
 def test_lora_exports_load_in_peft_and_plain_transformers_with_the_trained_logits(lora):
     from peft import PeftModel
 
-    from llmtrain.model.export import load_checkpoint_model
+    from llmtrain.training.export import load_checkpoint_model
 
     root, _ = lora
     run = root / "home" / "runs" / "fsdp"

@@ -112,7 +112,7 @@ def test_a_bf16_lora_run_keeps_its_frozen_base_in_bf16_and_trains_the_same(group
     from llmtrain.parallel.dims import ParallelDims
     from llmtrain.parallel.precision import autocast
     from llmtrain.parallel.weights import _local
-    from llmtrain.training.distributed import World
+    from llmtrain.parallel.world import World
 
     monkeypatch.setenv("LLMTRAIN_HOME", str(tmp_path))
     torch.manual_seed(0)

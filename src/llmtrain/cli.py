@@ -520,7 +520,7 @@ def cmd_train(args) -> int:
 
 
 def cmd_export(args) -> int:
-    from .model.export import export
+    from .training.export import export
     out = export(args.run_dir, args.out, args.step, args.dtype, args.merge)
     what = "adapter" if os.path.exists(os.path.join(out, "adapter_config.json")) else "weights"
     print(f"exported: {out} ({args.dtype} {what})")
@@ -528,7 +528,7 @@ def cmd_export(args) -> int:
 
 
 def cmd_generate(args) -> int:
-    from .model.export import generate, load_checkpoint_model, load_folder
+    from .training.export import generate, load_checkpoint_model, load_folder
     if args.model:
         model, tokenizer = load_folder(args.model)
     else:
@@ -650,7 +650,7 @@ def cmd_download(args) -> int:
 
 
 def cmd_control(args) -> int:
-    from .training.control import request
+    from .login.control import request
     if args.action == "profile" and args.steps < 1:
         raise UserError(f"--steps: must be >= 1 (got {args.steps})")
     reason = str(args.steps) if args.action == "profile" else "user"

@@ -30,6 +30,7 @@ import yaml
 from .data.sources import (HOME_VAR, file_suffix, fingerprint, given_prepared, is_glob, is_hub_id, is_split_name,
                            local_path, on_disk, source_files, source_record, tokenizer_sha256,
                            tokenizer_source)
+from .errors import UserError
 from .files import load_yaml, read_json
 from .optimizers import OPTIMIZERS
 from .parallel.dims import ParallelDims
@@ -37,10 +38,6 @@ from .rundir import CHECKPOINTS, META, latest_checkpoint
 
 _HUB_ID = re.compile(r"^[A-Za-z0-9][\w.-]*(/[\w.-]+)?$")
 _REQUIRED = dataclasses.MISSING
-
-
-class UserError(Exception):
-    """Something the user can fix; the CLI prints it as one line, without a traceback."""
 
 
 class ConfigError(UserError):

@@ -30,11 +30,17 @@ from pathlib import Path
 
 import yaml
 
+from .errors import UserError
 from .files import load_yaml, read_json
 
 CHECKPOINTS = "checkpoints"
 META = "meta.json"  # written last: a step folder without it is incomplete
 LATEST = "latest"   # the name of the newest complete checkpoint
+BUFFERS = "buffers.pt"  # a checkpoint's buffers (rotary frequencies, ...), rank 0's, for export
+# What a run assumes of a save before it has timed one (the deadline, submit's lead warning),
+# and the time-limit stop's margin beyond the measured step and save: the exit, the requeue.
+ASSUMED_WRITE_BYTES_PER_S_PER_NODE = 0.5e9
+DEADLINE_MARGIN_S = 15.0
 # meta.json's "format": raised when a checkpoint's layout changes in a way older code misreads.
 CHECKPOINT_FORMAT = 1
 SECRET_VARS = ("HF_TOKEN", "HUGGING_FACE_HUB_TOKEN")
@@ -260,3 +266,17 @@ def pid_alive(pid) -> bool:
     except OSError:
         return True  # no /proc (macOS): signal 0 said it exists
     return stat.rsplit(")", 1)[1].split()[0] not in ("Z", "X") and b"llmtrain" in cmdline
+
+
+def resolve_checkpoint(run_dir: Path, step: int | None = None) -> Path:
+    """The checkpoint to read for export/generate: step N, or the newest complete one."""
+    folder = run_dir / CHECKPOINTS
+    every = complete_checkpoints(folder)
+    found = [p for p in every if step is None or p.name == step_name(step)]
+    if not found:
+        what = f"no step {step}" if step is not None else "no complete checkpoint"
+        steps = ", ".join(str(int(p.name.removeprefix("step-"))) for p in reversed(every))
+        hint = (f"; its complete checkpoints are at steps {steps}" if steps else
+                "" if step is not None else "; a run saves one every train.checkpoint_every steps and at its end")
+        raise UserError(f"{what} in {folder}{hint}")
+    return found[0]

@@ -124,7 +124,7 @@ def lead_warning(cfg: Config) -> str | None:
     timed a step; until then, and for Slurm's warning signal, the lead is what counts."""
     from ..metrics import read_metrics
     from ..rundir import CHECKPOINTS, META, latest_checkpoint
-    from ..training.control import ASSUMED_WRITE_BYTES_PER_S_PER_NODE, DEADLINE_MARGIN_S
+    from ..rundir import ASSUMED_WRITE_BYTES_PER_S_PER_NODE, DEADLINE_MARGIN_S
     s = cfg.slurm
     if s.signal_lead_s <= 0:
         return None

@@ -33,7 +33,7 @@ import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
 from ..config import LoraSpec, UserError
-from ..training.checkpoint import BUFFERS
+from ..rundir import BUFFERS
 from .lora import is_adapter, merged_weight
 from .weight_files import open_weights, weight_files  # the base's files, read as training reads them
 

@@ -34,7 +34,6 @@ import inspect
 import os
 import tempfile
 from pathlib import Path
-from typing import TYPE_CHECKING
 
 import torch
 from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
@@ -47,9 +46,7 @@ from ..model.lora import apply_lora, frozen_weights, init_adapters
 from .dims import SHARDED_STRATEGIES
 from .precision import DTYPES
 from .weights import copy_buffers, init_from_scratch, load_pretrained, local_slices
-
-if TYPE_CHECKING:
-    from ..training.distributed import World
+from .world import World
 
 
 def parallelize(cfg: Config, config, world: World, watch=None, resuming: bool = False) -> torch.nn.Module:

@@ -39,13 +39,11 @@ from ..config import Config, UserError
 from ..files import read_json
 from ..model.build import pretrained_dir, unwrap
 from ..optimizers import OPTIMIZERS
-from ..rundir import (CHECKPOINT_FORMAT, CHECKPOINTS, LATEST, META, Log, complete_checkpoints,
-                      latest_checkpoint, step_name)
+from ..rundir import (ASSUMED_WRITE_BYTES_PER_S_PER_NODE, BUFFERS, CHECKPOINT_FORMAT, CHECKPOINTS, LATEST,
+                      META, Log, complete_checkpoints, latest_checkpoint, step_name)
 from ..files import write_atomic
-from .control import ASSUMED_WRITE_BYTES_PER_S_PER_NODE
-from .distributed import World
+from ..parallel.world import World
 
-BUFFERS = "buffers.pt"
 # Keys that must be equal to continue a run, and keys whose change is only logged.
 MUST_MATCH = ("model", "lora", "tokenizer_vocab", "data_fingerprint", "seq_len", "global_batch_size")
 MAY_CHANGE = ("lr", "min_lr", "warmup_steps", "max_steps", "eval_every", "checkpoint_every",
@@ -63,20 +61,6 @@ def will_resume(cfg: Config) -> bool:
     if cfg.train.resume == "none":
         return False
     return cfg.train.resume != "auto" or bool(complete_checkpoints(cfg.run_dir / CHECKPOINTS))
-
-
-def resolve(run_dir: Path, step: int | None = None) -> Path:
-    """The checkpoint to read for export/generate: step N, or the newest complete one."""
-    folder = run_dir / CHECKPOINTS
-    every = complete_checkpoints(folder)
-    found = [p for p in every if step is None or p.name == step_name(step)]
-    if not found:
-        what = f"no step {step}" if step is not None else "no complete checkpoint"
-        steps = ", ".join(str(int(p.name.removeprefix("step-"))) for p in reversed(every))
-        hint = (f"; its complete checkpoints are at steps {steps}" if steps else
-                "" if step is not None else "; a run saves one every train.checkpoint_every steps and at its end")
-        raise UserError(f"{what} in {folder}{hint}")
-    return found[0]
 
 
 class Checkpointer:

@@ -45,16 +45,12 @@ from dataclasses import dataclass
 from datetime import datetime
 from pathlib import Path
 
-from ..config import Config, UserError, parse_ranks
-from ..rundir import Log, RunPaths
+from ..config import Config, parse_ranks
+from ..rundir import DEADLINE_MARGIN_S, Log, RunPaths
 from ..files import write_atomic
 
 SWITCH_POLL_S = 1.0
 ARM_S = 1.0  # the stack-dump timer's re-arming interval
-DEADLINE_MARGIN_S = 15.0  # on top of the measured steps and save: the exit, the requeue command
-# A save's speed until one is measured (the deadline needs it before the first save): the state's
-# bytes at this rate per node, a shared filesystem's pace under load, on the slow side.
-ASSUMED_WRITE_BYTES_PER_S_PER_NODE = 0.5e9
 RECENT_STEPS = 8  # the deadline's step time: the slowest of the last few
 REQUEUE_REASONS = ("preempt", "deadline", "signal", "slow_node")
 SWITCHES = ("stop", "save", "profile")
@@ -329,26 +325,6 @@ def write_exit(folder: Path, reason: str, step: int, **extra) -> None:
 
 def _ranks_text(ranks, world: int) -> str:
     return f"0-{world - 1} (all)" if len(ranks) == world > 1 else ", ".join(map(str, ranks)) or "none"
-
-
-def request(run_dir: Path, what: str, reason: str = "user") -> Path:
-    """`llmtrain control RUN_DIR stop|save|profile`: ask a running trainer to stop, save or
-    profile (`reason`: profile's `STEPS [RANKS]`). A run that is
-    not running is refused (UserError), and nothing is written: a switch must not wait in the
-    run directory for a later launch."""
-    from ..login.status import assess, latest_job
-
-    run_dir = Path(run_dir)
-    if not run_dir.is_dir():
-        raise UserError(f"{run_dir}: no such run directory")
-    verdict = assess(run_dir, latest_job(run_dir))
-    if verdict.state != "running":
-        raise UserError(f"{run_dir}: not running ({verdict.text}); nothing to {what}")
-    folder = run_dir / "control"
-    folder.mkdir(parents=True, exist_ok=True)
-    path = folder / what
-    write_atomic(path, reason + "\n")
-    return path
 
 
 def launch_start_time() -> float:

@@ -12,7 +12,6 @@ import os
 import socket
 import sys
 import time
-from dataclasses import dataclass
 from datetime import timedelta
 
 import torch
@@ -20,6 +19,7 @@ import torch.distributed as dist
 
 from ..config import Config, UserError
 from ..parallel.dims import ParallelDims
+from ..parallel.world import World
 
 
 def die_with_launcher() -> None:
@@ -42,24 +42,6 @@ def die_with_launcher() -> None:
         return
     if os.getppid() != parent:  # the agent died before the call
         os._exit(1)
-
-
-@dataclass(frozen=True)
-class World:
-    rank: int
-    local_rank: int
-    world_size: int
-    device: torch.device
-    store: dist.Store | None = None  # the group's store; rank 0 hosts it under train.slurm
-    dims: ParallelDims | None = None  # every degree of parallelism (None: one process, ddp)
-
-    def __post_init__(self):
-        if self.dims is None:
-            object.__setattr__(self, "dims", ParallelDims(self.world_size, replicate=self.world_size))
-
-    @property
-    def is_main(self) -> bool:
-        return self.rank == 0
 
 
 def init(cfg: Config) -> World:

@@ -20,7 +20,7 @@ from dataclasses import dataclass
 from ..config import Config
 from ..rundir import Log
 from .control import Control, Verdict
-from .distributed import World
+from ..parallel.world import World
 from .profiling import Profiler
 from .watchdog import Watchdog
 

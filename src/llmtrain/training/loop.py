@@ -33,7 +33,7 @@ from ..files import write_atomic
 from . import distributed, preflight
 from .checkpoint import Checkpointer, compat_info, will_resume
 from .control import Agreement, Control, Verdict, settle
-from .distributed import World
+from ..parallel.world import World
 from .hooks import StepHooks
 from .profiling import out_of_memory, record_memory_history
 from .report import Due, Reporter

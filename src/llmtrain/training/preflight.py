@@ -54,7 +54,7 @@ from ..config import Config
 from ..rundir import Log, RunPaths, hostname, latest_checkpoint
 from ..files import write_atomic
 from .control import write_exit
-from .distributed import World
+from ..parallel.world import World
 
 REPEATS = 5  # timed repetitions after a warm-up, at least; the best one counts
 MATMUL_S = 0.1  # ... and the matmul repeats for this long: one undisturbed repetition is enough

@@ -23,7 +23,7 @@ from ..rundir import Log, RunPaths
 from ..tracking import PlotRefresher, open_sinks
 from . import distributed
 from .control import Control, Verdict
-from .distributed import World
+from ..parallel.world import World
 from .watchdog import Watchdog
 
 

@@ -36,10 +36,9 @@ import torch.distributed.checkpoint as dcp
 from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, GenerationConfig
 
 from ..config import LoraSpec, UserError
-from ..rundir import META
-from ..training.checkpoint import BUFFERS, resolve
-from .lora import apply_lora, is_adapter, peft_config
-from .shards import Checkpoint, write_weights
+from ..model.lora import apply_lora, is_adapter, peft_config
+from ..model.shards import Checkpoint, write_weights
+from ..rundir import BUFFERS, META, resolve_checkpoint
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 # What `model.generate(**inputs)` on an export does when asked nothing else (and what
@@ -53,7 +52,7 @@ def load_checkpoint_model(run_dir: Path, step: int | None = None):
     cache on, the export's generation config): a full run's fp32 weights; a LoRA run's base
     from the base's folder in the dtype it is stored in (a bf16 base is not doubled to fp32),
     with the checkpoint's adapters on it (lora.py), cast to that dtype too."""
-    ckpt = resolve(Path(run_dir), step)
+    ckpt = resolve_checkpoint(Path(run_dir), step)
     return _load(ckpt, *lora_of(ckpt))
 
 
@@ -115,7 +114,7 @@ def export(run_dir: Path, out: Path, step: int | None = None, dtype: str = "fp32
     out = Path(out)
     if out.exists() and any(out.iterdir()):
         raise UserError(f"--out: {out} exists and is not empty; choose a new folder")
-    ckpt = resolve(Path(run_dir), step)
+    ckpt = resolve_checkpoint(Path(run_dir), step)
     spec, base = lora_of(ckpt)
     if merge and spec is None:
         raise UserError(f"--merge: {run_dir} is not a LoRA run (its checkpoints hold the whole model); "
