@@ -50,7 +50,6 @@ from ..rundir import DEADLINE_MARGIN_S, Log, RunPaths
 from ..files import write_atomic
 
 SWITCH_POLL_S = 1.0
-ARM_S = 1.0  # the stack-dump timer's re-arming interval
 RECENT_STEPS = 8  # the deadline's step time: the slowest of the last few
 REQUEUE_REASONS = ("preempt", "deadline", "signal", "slow_node")
 SWITCHES = ("stop", "save", "profile")
@@ -172,7 +171,7 @@ class Control:
         self.profile_ranks = cfg.profile.rank_set  # a profile request's, unless it names its own
         end_time = job_end_time() if world.is_main and self.lead_s > 0 else None
         self.deadline = Deadline(end_time, self.lead_s, save_s) if end_time else None
-        self.last_poll = self.last_arm = 0.0
+        self.last_poll = 0.0
         self.timeout_s = cfg.parallel.collective_timeout_s
         if world.is_main:
             self.folder.mkdir(parents=True, exist_ok=True)
@@ -200,16 +199,6 @@ class Control:
                 path.unlink(missing_ok=True)
                 self.log.info(f"removed {path}: written before this launch started, for an "
                               f"earlier one")
-
-    def beat(self) -> None:
-        """At each step start: a timer that dumps this rank's stacks into its log if no step
-        starts for the collective timeout (re-armed at most every second: each arming starts a
-        thread, so a stuck step's dump comes within a second of the timeout). The heartbeat
-        files are the watchdog thread's (watchdog.py)."""
-        now = time.time()
-        if self.log.file is not None and now - self.last_arm >= ARM_S:
-            self.last_arm = now
-            faulthandler.dump_traceback_later(self.timeout_s, file=self.log.file)
 
     def _on_signal(self, signum, frame) -> None:
         # Only a flag: the loop acts at the next step boundary. The first signal's reason stands.

@@ -1,7 +1,7 @@
 """Per-step instrumentation, behind one small interface for the loop: the profiler's traces and
-phase labels, the watchdog's step beats, the stuck-step stack dump, and the faults tests inject.
+phase labels, the watchdog's step beats (its stuck-step detection and stack dump), and the faults tests inject.
 
-    hooks = StepHooks(cfg, world, log, watch, control)
+    hooks = StepHooks(cfg, world, log, watch)
     hooks.begin(step)              # before anything of the step
     with hooks.phase("data"): ...  # a labelled phase (a null context outside profiled steps)
     hooks.synced(step)             # after backward, before the step's agreement all-reduce
@@ -19,22 +19,21 @@ from dataclasses import dataclass
 
 from ..config import Config
 from ..rundir import Log
-from .control import Control, Verdict
+from .control import Verdict
 from ..parallel.world import World
 from .profiling import Profiler
 from .watchdog import Watchdog
 
 
 class StepHooks:
-    def __init__(self, cfg: Config, world: World, log: Log, watch: Watchdog, control: Control):
+    def __init__(self, cfg: Config, world: World, log: Log, watch: Watchdog):
         self.profiler = Profiler(cfg, world.rank, world.device, log)
-        self.watch, self.control = watch, control
+        self.watch = watch
         self.faults = Faults.from_env(world)
         self.phase = self.profiler.phase
 
     def begin(self, step: int) -> None:
         self.profiler.begin(step)
-        self.control.beat()
         self.watch.step(step)
 
     def loss_factor(self, step: int) -> float:

@@ -83,7 +83,7 @@ def train(cfg: Config) -> None:
             raise
         raise CollectiveTimeout(watch.diagnose()) from None
     finally:
-        faulthandler.cancel_dump_traceback_later()  # the step watchdog of Control.beat
+        faulthandler.cancel_dump_traceback_later()  # the watchdog's stack-dump timer
         run_lock.release()
         watch.close()
         # Stop requests mean nothing outside the loop: a SIGTERM from torchrun while this rank
@@ -223,7 +223,7 @@ class Job:
 def loop(cfg: Config, world: World, watch: Watchdog, log: Log, job: Job) -> None:
     t, state, step = cfg.train, job.state, job.step
     control = Control(cfg, world, log, save_s=job.checkpointer.save_s)  # stop, save: every rank agrees
-    hooks = StepHooks(cfg, world, log, watch, control)  # profiler, watchdog beats, injected faults
+    hooks = StepHooks(cfg, world, log, watch)  # profiler, watchdog beats, injected faults
     report = Reporter(cfg, world, log, watch, job, control, hooks.phase)  # metrics, eval, checkpoints
     prefetch = Prefetcher(job.train_data, job.sampler, job.accum, cfg.data.seq_len, world.device,
                           prefetch_depth(cfg, world.device))

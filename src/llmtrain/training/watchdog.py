@@ -4,7 +4,7 @@ before the collective timeout kills the process.
     watch = Watchdog(cfg, world)           # first thing in the trainer
     with watch.phase("loading"): ...       # building, sharding, loading, resuming, first step
     watch.started(log)                     # start-up done: its phase times go to the log
-    watch.step(n)                          # each step start ...
+    watch.step(n)                          # each step start (and the stack-dump timer) ...
     watch.at_sync()                        # ... and where a rank waits for the others
 
 Start-up (reading a 70B checkpoint from a shared filesystem can take many minutes) runs under
@@ -33,6 +33,7 @@ in logs/ next to the stacks.
 from __future__ import annotations
 
 import contextlib
+import faulthandler
 import json
 import os
 import socket
@@ -48,6 +49,7 @@ POLL_S = 0.5
 HEARTBEAT_S = 2.0  # rank 0's heartbeat
 OTHERS_BEAT_S = 30.0  # every other rank's
 FIRE_AT = 0.75  # share of the collective timeout after which a step counts as stuck
+ARM_S = 1.0  # the stack-dump timer's re-arming interval
 
 
 class StartupTimeout(Exception):
@@ -61,7 +63,7 @@ class Watchdog:
         self.startup_timeout_s, self.collective_timeout_s = startup_timeout_s, collective_timeout_s
         self.heartbeat = heartbeat_path(run_dir, rank, socket.gethostname())
         self.beat_every = HEARTBEAT_S if rank == 0 else OTHERS_BEAT_S
-        self.last_beat = 0.0
+        self.last_beat = self.last_arm = 0.0
         self.log = None  # a rundir.Log once the run directory exists
         self.t0 = self.phase_end = time.monotonic()
         self.current: str | None = "starting"
@@ -92,6 +94,17 @@ class Watchdog:
         self.step_time = time.time()
         if first:  # the run shows as running from its first step on, not from the thread's next look
             self._beat()
+        self._arm_stack_dump()
+
+    def _arm_stack_dump(self) -> None:
+        """The last resort of the stuck-step detection: a timer that dumps this rank's stacks
+        into its log if no step starts for the collective timeout (re-armed at most every
+        ARM_S: each arming starts a thread, so a stuck step's dump comes within a second of the
+        timeout), after the thread's diagnosis at FIRE_AT of it."""
+        now, log = time.time(), self.log
+        if log is not None and log.file is not None and now - self.last_arm >= ARM_S:
+            self.last_arm = now
+            faulthandler.dump_traceback_later(self.collective_timeout_s, file=log.file)
 
     @property
     def starting(self) -> bool:
