@@ -18,11 +18,26 @@ pytestmark = pytest.mark.slow
 
 @pytest.fixture(scope="module")
 def world(tmp_path_factory):
-    """A home with the tiny config's data prepared and one finished 4-step run to resume."""
+    """A home with the tiny config's data prepared and one finished 4-step run to resume. Each
+    xdist worker has its own; once the module's tests on a worker are done, whichever of the
+    rows below it ran, the run they were aimed at must still resume (finished_run_resumes)."""
     cfg = tiny_config(train={"max_steps": 4, "warmup_steps": 1, "checkpoint_every": 2})
     with prepared_home(tmp_path_factory, "bad", cfg) as (root, config):
         cli("train", "--config", config, "--set", "run.name=done", check=True)
         yield root, config
+        finished_run_resumes(root, config)
+
+
+def finished_run_resumes(root, good) -> None:
+    """After the rows (however many of them this worker ran) the run they were aimed at resumes:
+    the trainer loads its step-4 checkpoint, has nothing left to train, and its curve is unchanged."""
+    run_dir = root / "home" / "runs" / "done"
+    curve = losses(run_dir)
+    proc = cli("train", "--config", good, "--set", "run.name=done")
+    assert proc.returncode == 0, proc.stderr
+    assert f"resumed from {run_dir}/checkpoints/step-00000004 (step 4, saved by 1 ranks" in proc.stdout
+    assert "done: 4 steps" in proc.stdout
+    assert losses(run_dir) == curve and [s for k, s, _ in curve if k == "train"] == [1, 2, 3, 4]
 
 
 # (id, command builder, exit code, the exact stderr line: a regex, fully matched)
@@ -172,19 +187,6 @@ def test_bad_input_is_one_line_and_harmless(world, tmp_path, build, code, line):
     assert not list((root / "home").rglob("*.tmp-*"))
     # The user's own files (configs, datasets, a folder export refused) as they were, none added.
     assert {p: p.is_file() and p.stat().st_mtime_ns for p in tmp_path.rglob("*")} == mine
-
-
-def test_the_finished_run_still_resumes_after_every_mistake(world):
-    """After the rows above (run in file order) the run they were aimed at resumes: the
-    trainer loads its step-4 checkpoint, has nothing left to train, and its curve is unchanged."""
-    root, good = world
-    run_dir = root / "home" / "runs" / "done"
-    curve = losses(run_dir)
-    proc = cli("train", "--config", good, "--set", "run.name=done")
-    assert proc.returncode == 0, proc.stderr
-    assert f"resumed from {run_dir}/checkpoints/step-00000004 (step 4, saved by 1 ranks" in proc.stdout
-    assert "done: 4 steps" in proc.stdout
-    assert losses(run_dir) == curve and [s for k, s, _ in curve if k == "train"] == [1, 2, 3, 4]
 
 
 def test_every_command_in_the_help_has_a_row(tmp_path):
