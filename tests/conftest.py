@@ -226,6 +226,12 @@ def _torchrun_has_shutdown_timeout() -> bool:
     return "--shutdown-timeout" in get_args_parser()._option_string_actions
 
 
+def launch_training(nproc: int, config, *sets: str, env: dict | None = None) -> subprocess.Popen:
+    """`train --config CONFIG --set S ...` under torchrun_popen: started in its own process
+    group, not waited for (killpg SIGINT is Ctrl-C, SIGKILL ends it whole)."""
+    return torchrun_popen(nproc, "train", "--config", config, *(x for s in sets for x in ("--set", s)), env=env)
+
+
 def torchrun_command(nproc: int, *args: str, shutdown_timeout: int | None = None) -> list[str]:
     """llmtrain's torchrun, standalone, `-m llmtrain ARGS`: what submit.sh --local runs."""
     cmd = [sys.executable, "-m", "llmtrain.training.torchrun", "--standalone", "--nproc-per-node", str(nproc)]

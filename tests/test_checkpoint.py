@@ -14,8 +14,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from conftest import (DEMO, cli, imported_first, prepared_home, losses, read_metrics, tiny_config,
-                      torchrun, torchrun_popen, torchrun_unchecked)
+from conftest import (DEMO, cli, imported_first, launch_training, losses, prepared_home, read_metrics,
+                      tiny_config, torchrun, torchrun_unchecked)
 from llmtrain.config import load_config
 from llmtrain.data.loader import StepSampler, TokenStream, open_prepared
 
@@ -30,11 +30,6 @@ def setup(tmp_path_factory):
                              "eval_every": 8})
     with prepared_home(tmp_path_factory, "ckpt", cfg) as home:
         yield home
-
-
-def launch(nproc: int, config: Path, *sets: str) -> subprocess.Popen:
-    """A training run started in its own process group, to be killed as one."""
-    return torchrun_popen(nproc, "train", "--config", config, *(x for s in sets for x in ("--set", s)))
 
 
 def kill_when(proc: subprocess.Popen, ready, timeout: float = 240, per_line: bool = False) -> None:
@@ -83,7 +78,7 @@ def test_killed_and_restarted_run_is_bit_identical(setup, strategy, async_save):
     sets = (f"run.name={name}", f"parallel.strategy={strategy}",
             f"train.async_checkpoint={str(async_save).lower()}")
     latest = run_dir / "checkpoints" / "latest"
-    kill_when(launch(2, config, *sets), lambda: latest.exists() and logged_step(run_dir) >= 7,
+    kill_when(launch_training(2, config, *sets), lambda: latest.exists() and logged_step(run_dir) >= 7,
               per_line=True)
     assert logged_step(run_dir) < 16
     torchrun(2, "train", "--config", config, *(x for s in sets for x in ("--set", s)))
@@ -252,7 +247,7 @@ def test_kill_during_save_never_leaves_a_bad_latest(setup):
     ckpts = run_dir / "checkpoints"
     sets = (f"run.name={name}", "train.checkpoint_every=1", "train.max_steps=40", "train.eval_every=0")
     for delay in (0.0, 0.02, 0.06):
-        proc = launch(2, config, *sets)
+        proc = launch_training(2, config, *sets)
         # Killed while a save is under way, after at least one completed (so `latest` exists).
         kill_when(proc, lambda: (ckpts / "latest").exists() and any(ckpts.glob(".tmp-step-*"))
                   and (time.sleep(delay) or True))

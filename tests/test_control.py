@@ -8,11 +8,10 @@ import re
 import signal
 import subprocess
 import time
-from pathlib import Path
 
 import pytest
 
-from conftest import (cli, prepared_home, losses, read_metrics, tiny_config, torchrun, torchrun_popen,
+from conftest import (cli, launch_training, losses, prepared_home, read_metrics, tiny_config, torchrun,
                       torchrun_unchecked)
 
 pytestmark = pytest.mark.slow
@@ -34,13 +33,6 @@ def reference(setup):
     return root / "home" / "runs" / "ref"
 
 
-def start(config: Path, name: str, *sets: str, env=None) -> subprocess.Popen:
-    """torchrun in its own process group (a terminal's foreground job): os.killpg(pid, SIGINT)
-    is Ctrl-C. Its workers run in sessions of their own, as torchrun starts them."""
-    return torchrun_popen(2, "train", "--config", config, "--set", f"run.name={name}",
-                          *(x for s in sets for x in ("--set", s)), env=env)
-
-
 def wait_for_step(proc: subprocess.Popen, step: int) -> str:
     """Block on the run's output (no polling) until rank 0 has logged `step` (its metrics line
     is written just before); returns what it printed so far."""
@@ -57,7 +49,7 @@ def wait_for_step(proc: subprocess.Popen, step: int) -> str:
 def test_stop_switch_saves_stops_and_resumes_bit_identically(setup, reference):
     root, config = setup
     run_dir = root / "home" / "runs" / "stopped"
-    proc = start(config, "stopped")
+    proc = launch_training(2, config, "run.name=stopped")
     early = wait_for_step(proc, 5)
     status = cli("status", run_dir, check=True).stdout.splitlines()
     assert status[1].startswith("state: running at step ") and status[1].endswith(" of 150")
@@ -84,7 +76,7 @@ def test_ctrl_c_saves_at_the_step_it_stopped_and_resumes_bit_identically(setup, 
     workers (in sessions of their own) and SIGKILLs them 30 s later. They must save and stop."""
     root, config = setup
     run_dir = root / "home" / "runs" / "ctrl-c"
-    proc = start(config, "ctrl-c")
+    proc = launch_training(2, config, "run.name=ctrl-c")
     early = wait_for_step(proc, 5)
     t0 = time.monotonic()
     os.killpg(proc.pid, signal.SIGINT)
@@ -131,7 +123,7 @@ def test_a_stale_switch_never_stops_a_later_launch(setup):
     assert f"removed {switches / 'stop'}: written before this launch started" in proc.stdout
 
     # A stop written while the next launch starts up (Slurm's warning, a user) is that launch's.
-    proc = start(config, "stale", "train.max_steps=12")
+    proc = launch_training(2, config, "run.name=stale", "train.max_steps=12")
     time.sleep(0.2)  # torchrun's agent has started; its workers start seconds later
     (switches / "stop").write_text("preempt\n")
     out, _ = proc.communicate(timeout=120)
@@ -143,7 +135,7 @@ def test_a_stale_switch_never_stops_a_later_launch(setup):
 def test_save_switch_checkpoints_and_goes_on(setup):
     root, config = setup
     run_dir = root / "home" / "runs" / "saved"
-    proc = start(config, "saved")
+    proc = launch_training(2, config, "run.name=saved")
     early = wait_for_step(proc, 3)
     cli("control", run_dir, "save", check=True)
     out = early + proc.communicate(timeout=60)[0]
