@@ -9,7 +9,7 @@ import yaml
 from conftest import tiny_config
 from llmtrain.config import ConfigError, load_config
 from llmtrain.data.loader import StepSampler
-from llmtrain.estimate import shard_size
+from llmtrain.login.estimate import shard_size
 from llmtrain.parallel.dims import ParallelDims
 
 

@@ -14,7 +14,7 @@ from transformers import LlamaConfig
 
 from conftest import DEMO, REPO, cli, tiny_config, torchrun_command
 from llmtrain.config import load_config
-from llmtrain.estimate import GIB, estimate, model_shape
+from llmtrain.login.estimate import GIB, estimate, model_shape
 
 LLAMA_3_8B = {"model_type": "llama", "vocab_size": 128256, "hidden_size": 4096, "intermediate_size": 14336,
               "num_hidden_layers": 32, "num_attention_heads": 32, "num_key_value_heads": 8,
@@ -69,7 +69,7 @@ def test_lora_on_a_model_folder_keeps_gradients_and_state_for_the_adapters_only(
     assert ddp.parameters == 4 * (embedding + norms + trained) + 2 * (frozen - embedding - norms)
     # The loss's own bytes (it is not the peak's moment here): full training keeps the head's fp32
     # gradient and a bf16 product per chunk; the frozen head neither.
-    from llmtrain.estimate import _loss_bytes
+    from llmtrain.login.estimate import _loss_bytes
     full, lora = (_loss_bytes(model_shape(config(lora=lora)), 8192, 2, 2, False) for lora in (False, True))
     assert full - lora == (4 + 2) * 128256 * 4096
 
@@ -87,7 +87,7 @@ def test_the_loss_row_is_the_chunked_losss_measured_peak_forward_and_backward(
     import torch
     from torch.distributed._tools.mem_tracker import MemTracker
 
-    from llmtrain.estimate import _loss_bytes
+    from llmtrain.login.estimate import _loss_bytes
     from llmtrain.model import loss
 
     monkeypatch.setattr(loss, "CHUNK_LOGIT_BYTES", 2**20)  # 64 tokens of 4096 fp32 logits

@@ -295,7 +295,7 @@ def test_the_memory_estimate_is_within_15_percent_of_max_memory_allocated(tmp_pa
     parameters, 4 x 1024 tokens a micro-batch) is large enough that the CUDA kernels' own
     workspaces are small beside it."""
     from llmtrain.config import load_config
-    from llmtrain.estimate import estimate
+    from llmtrain.login.estimate import estimate
     monkeypatch.setenv("LLMTRAIN_HOME", str(tmp_path / "home"))
     arch = {"model_type": "llama", "hidden_size": 1024, "intermediate_size": 2816, "num_hidden_layers": 8,
             "num_attention_heads": 16, "num_key_value_heads": 4, "max_position_embeddings": 1024,

@@ -248,7 +248,7 @@ def test_a_sweeps_plot_names_its_points_by_their_overrides_and_keeps_its_labels_
     from matplotlib.backends.backend_agg import FigureCanvasAgg
 
     from llmtrain.login.sweep import _write_record, plan
-    from llmtrain.plot import DPI, figure, load_runs
+    from llmtrain.login.plot import DPI, figure, load_runs
 
     cfg = tiny_config(run={"name": "sw", "dir": str(tmp_path / "runs")})
     config = tmp_path / "sw.yaml"

@@ -23,12 +23,14 @@ def test_the_declared_torch_lower_bound_is_the_oldest_torch_the_code_runs_on():
 
 
 # What runs on a login node: the CLI and config, the run directory's files, metrics reading, the
-# plot and the trackers' module, and everything under llmtrain/login/. None may import torch (seconds on a busy login node, and a
+# trackers' module, the leaves they stand on, and everything under llmtrain/login/ (the plot,
+# the estimator and the bench among them). None may import torch (seconds on a busy login node, and a
 # broken CUDA install there must not matter).
 def login_modules() -> list[str]:
     pkg = REPO / "src" / "llmtrain"
-    return (["llmtrain.cli", "llmtrain.config", "llmtrain.rundir", "llmtrain.metrics", "llmtrain.plot",
-             "llmtrain.tracking"]
+    return (["llmtrain.cli", "llmtrain.config", "llmtrain.rundir", "llmtrain.metrics", "llmtrain.tracking",
+             "llmtrain.errors", "llmtrain.files", "llmtrain.optimizers", "llmtrain.data.sources",
+             "llmtrain.parallel.dims", "llmtrain.parallel.world"]
             + [f"llmtrain.login.{p.stem}" for p in sorted((pkg / "login").glob("*.py"))])
 
 

@@ -141,7 +141,7 @@ def test_an_unknown_optimizer_is_one_line_naming_the_choices(tmp_path):
 
 
 def test_the_estimator_counts_the_tables_optimizer_state(tmp_path, monkeypatch):
-    from llmtrain.estimate import estimate
+    from llmtrain.login.estimate import estimate
     path = tmp_path / "config.yaml"
     path.write_text(yaml.safe_dump(tiny_config()))
     adamw = estimate(load_config(path, world_size=1), world_size=1)

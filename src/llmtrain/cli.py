@@ -549,7 +549,7 @@ def cmd_submit(args) -> int:
         print("\n".join(shlex.join(cmd) for cmd in job.commands))
     print("\n".join(submit.submitted_lines(job)), flush=True)
     if args.dry_run:  # what one GPU will need, before anything waits in the queue
-        from .estimate import report
+        from .login.estimate import report
         from .login.slurm import with_extra_args
         try:
             cfg = with_extra_args(load_config(args.config, args.overrides), args.sbatch_args)
@@ -669,9 +669,9 @@ def cmd_control(args) -> int:
 
 
 def cmd_bench(args) -> int:
-    from .scaling import parse_nprocs, scaling_table
+    from .login.bench import parse_nprocs, scaling_table
     if args.nodes:
-        from .scaling import slurm_table
+        from .login.bench import slurm_table
         print(slurm_table(args.config, args.overrides, parse_nprocs(args.nodes, "--nodes"), args.steps,
                           args.warmup))
         return 0
@@ -683,13 +683,13 @@ def cmd_estimate(args) -> int:
     if args.world_size is not None and args.world_size < 1:
         raise UserError(f"--world-size: must be >= 1 (got {args.world_size})")
     cfg = load_config(args.config, args.overrides, world_size=args.world_size)
-    from .estimate import report
+    from .login.estimate import report
     print("\n".join(report(cfg, args.gpu_mem, args.world_size)))
     return 0
 
 
 def cmd_plot(args) -> int:
-    from .plot import plot
+    from .login.plot import plot
     out = plot(args.run_dirs, args.out)
     print(f"plot: {out}")
     return 0

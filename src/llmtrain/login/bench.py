@@ -21,8 +21,8 @@ import subprocess
 import sys
 from pathlib import Path
 
-from .config import Config, ConfigError, UserError, load_config
-from .metrics import read_metrics
+from ..config import Config, ConfigError, UserError, load_config
+from ..metrics import read_metrics
 
 
 @dataclasses.dataclass(frozen=True)
@@ -62,7 +62,7 @@ def measured(run_dir: Path, nprocs: int, warmup: int, label: str = "") -> Row:
 
 
 def measure(cfg: Config, config: str, overrides: list[str], n: int, steps: int, warmup: int) -> Row:
-    from .login.submit import thread_share, torchrun_command
+    from .submit import thread_share, torchrun_command
     run_dir = bench_root(cfg) / f"{n}p"
     print(f"bench: {n} process{'es' if n > 1 else ''}, {steps} steps ...", file=sys.stderr, flush=True)
     proc = subprocess.run(torchrun_command(n, config, bench_sets(cfg, overrides, f"{n}p", steps)),
@@ -77,7 +77,7 @@ def measure(cfg: Config, config: str, overrides: list[str], n: int, steps: int, 
 
 def slurm_table(config: str, overrides: list[str], nodes: list[int], steps: int, warmup: int) -> str:
     """The rows as Slurm jobs on 1, 2, ... nodes, queued one after another, then waited for."""
-    from .login.submit import refusals, submit
+    from .submit import refusals, submit
     if steps <= warmup:
         raise UserError(f"--steps: must be more than --warmup ({warmup}) (got {steps})")
     if not nodes or any(n < 1 for n in nodes):

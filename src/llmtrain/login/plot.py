@@ -16,10 +16,10 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
-from .config import UserError
-from .files import read_json
-from .metrics import read_metrics
-from .rundir import run_config
+from ..config import UserError
+from ..files import read_json
+from ..metrics import read_metrics
+from ..rundir import run_config
 
 # (metrics key, panel title, y-axis label, log scale)
 SERIES = [
