@@ -298,10 +298,11 @@ def test_a_run_directory_has_one_writer_and_a_dead_ones_lock_does_not_block(setu
     import signal
     import subprocess
 
-    from test_checkpoint import kill_when, launch, logged_step
+    from conftest import launch_training
+    from test_checkpoint import kill_when, logged_step
     _, config = setup
     d = run_dir(setup, "locked")
-    first = launch(2, config, "run.name=locked", "train.max_steps=400", "train.eval_every=0")
+    first = launch_training(2, config, "run.name=locked", "train.max_steps=400", "train.eval_every=0")
     try:
         seen = []
         for line in first.stdout:  # its progress lines, as they come: no polling
