@@ -11,6 +11,7 @@ import shutil
 import socket
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 import yaml
@@ -127,13 +128,18 @@ def test_setup_in_a_path_with_spaces_then_demo_through_submit(tmp_path):
         assert f"--output={run_dir}/%x-%j.out" in cmd
 
 
+def local_config(tmp_path, name: str, **sections) -> Path:
+    """tiny_config for a local run named `name` whose run directory (runs/) and prepared data
+    stay under tmp_path; written to tmp_path/NAME.yaml."""
+    config = tmp_path / f"{name}.yaml"
+    config.write_text(yaml.safe_dump(tiny_config(run={"name": name, "dir": str(tmp_path / "runs")},
+                                                 data={"prepared_dir": str(tmp_path / "prepared")}, **sections)))
+    return config
+
+
 def test_local_run_gives_each_process_its_share_of_the_cpus(tmp_path):
     """torchrun would set OMP_NUM_THREADS=1 for 2 processes; the workers record what they got."""
-    cfg = tiny_config(run={"name": "threads", "dir": str(tmp_path / "runs")},
-                      data={"prepared_dir": str(tmp_path / "prepared")},
-                      train={"max_steps": 2, "warmup_steps": 1, "eval_every": 0})
-    config = tmp_path / "threads.yaml"
-    config.write_text(yaml.safe_dump(cfg))
+    config = local_config(tmp_path, "threads", train={"max_steps": 2, "warmup_steps": 1, "eval_every": 0})
     hook = tmp_path / "hook"
     hook.mkdir()
     (hook / "sitecustomize.py").write_text(
@@ -153,11 +159,7 @@ def test_local_run_gives_each_process_its_share_of_the_cpus(tmp_path):
 def test_a_user_error_inside_torchrun_is_one_line_the_last(tmp_path):
     """Printed once (not once per rank), as the last line, instead of torchrun's failure summary
     and its log lines about the failure; no traceback."""
-    cfg = tiny_config(run={"name": "one-line", "dir": str(tmp_path / "runs")},
-                      data={"prepared_dir": str(tmp_path / "prepared")},
-                      slurm={"gpus_per_node": 1, "procs_per_node": 2})  # no CUDA here
-    config = tmp_path / "c.yaml"
-    config.write_text(yaml.safe_dump(cfg))
+    config = local_config(tmp_path, "one-line", slurm={"gpus_per_node": 1, "procs_per_node": 2})  # no CUDA here
     # The losing order, forced: rank 0 starts late, so rank 1 fails first; torchrun stops the
     # other ranks when one fails, and rank 0 must still get to print the line.
     env = imported_first(tmp_path, "import os, time\nif os.environ.get('RANK') == '0':\n    time.sleep(1.5)\n")
@@ -174,10 +176,7 @@ def test_a_user_error_inside_torchrun_is_one_line_the_last(tmp_path):
 
 def test_a_crashed_worker_is_one_line_naming_its_rank_host_and_signal(tmp_path):
     """Not a user error (a segfault in native code): torchrun's summary shortened to one line."""
-    cfg = tiny_config(run={"name": "crash", "dir": str(tmp_path / "runs")},
-                      data={"prepared_dir": str(tmp_path / "prepared")})
-    config = tmp_path / "c.yaml"
-    config.write_text(yaml.safe_dump(cfg))
+    config = local_config(tmp_path, "crash")
     env = imported_first(tmp_path, "import os, signal\nif os.environ.get('RANK') == '1':\n"
                                    "    os.kill(os.getpid(), signal.SIGSEGV)\n")
     proc = bash(REPO / "submit.sh", "--local", "--config", config, "--nproc", 2, env=env)
@@ -310,11 +309,7 @@ def test_ctrl_c_on_a_local_run_saves_stops_and_exits_0(tmp_path):
     import json
     import signal
     import time
-    cfg = tiny_config(run={"name": "ctrl-c", "dir": str(tmp_path / "runs")},
-                      data={"prepared_dir": str(tmp_path / "prepared")},
-                      train={"max_steps": 400, "eval_every": 0, "checkpoint_every": 1000})
-    config = tmp_path / "c.yaml"
-    config.write_text(yaml.safe_dump(cfg))
+    config = local_config(tmp_path, "ctrl-c", train={"max_steps": 400, "eval_every": 0, "checkpoint_every": 1000})
     run_dir = tmp_path / "runs" / "ctrl-c"
     proc = subprocess.Popen(["bash", str(REPO / "submit.sh"), "--local", "--config", str(config),
                              "--nproc", "2"], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
@@ -343,11 +338,7 @@ def test_a_third_ctrl_c_ends_a_local_run_at_once_without_saving(tmp_path, nproc)
     press wrote the stop switch again and nothing ended the run."""
     import signal
     import time
-    cfg = tiny_config(run={"name": "impatient", "dir": str(tmp_path / "runs")},
-                      data={"prepared_dir": str(tmp_path / "prepared")},
-                      train={"max_steps": 3, "eval_every": 0, "checkpoint_every": 1000})
-    config = tmp_path / "impatient.yaml"
-    config.write_text(yaml.safe_dump(cfg))
+    config = local_config(tmp_path, "impatient", train={"max_steps": 3, "eval_every": 0, "checkpoint_every": 1000})
     run_dir = tmp_path / "runs" / "impatient"
     first = bash(REPO / "submit.sh", "--local", "--config", config, "--nproc", "1", timeout=300)
     assert first.returncode == 0, first.stderr[-3000:]
@@ -412,11 +403,7 @@ def test_a_killed_local_launcher_takes_its_run_with_it(tmp_path, nproc):
     an orphan holding the run's lock. Now the child saves, stops and exits, and a relaunch resumes."""
     import signal
     import time
-    cfg = tiny_config(run={"name": "orphan", "dir": str(tmp_path / "runs")},
-                      data={"prepared_dir": str(tmp_path / "prepared")},
-                      train={"max_steps": 5000, "eval_every": 0, "checkpoint_every": 10000})
-    config = tmp_path / "orphan.yaml"
-    config.write_text(yaml.safe_dump(cfg))
+    config = local_config(tmp_path, "orphan", train={"max_steps": 5000, "eval_every": 0, "checkpoint_every": 10000})
     run_dir = tmp_path / "runs" / "orphan"
     out, err = tmp_path / "out.txt", tmp_path / "err.txt"
     with open(out, "w") as o, open(err, "w") as e:  # files: the orphans keep writing after the kill
@@ -460,11 +447,7 @@ def test_a_killed_local_launcher_takes_its_run_with_it(tmp_path, nproc):
 def test_one_local_process_runs_alone_even_inside_another_launcher(tmp_path):
     """--nproc 1 runs the trainer without torchrun, as a group of one: rank variables left by an
     outer launcher (an srun or torchrun shell) must not make it wait for ranks that never come."""
-    cfg = tiny_config(run={"name": "alone", "dir": str(tmp_path / "runs")},
-                      data={"prepared_dir": str(tmp_path / "prepared")},
-                      train={"max_steps": 2, "warmup_steps": 1, "eval_every": 0})
-    config = tmp_path / "alone.yaml"
-    config.write_text(yaml.safe_dump(cfg))
+    config = local_config(tmp_path, "alone", train={"max_steps": 2, "warmup_steps": 1, "eval_every": 0})
     env = {**os.environ, "RANK": "1", "WORLD_SIZE": "4", "LOCAL_RANK": "1", "MASTER_ADDR": "127.0.0.1",
            "MASTER_PORT": "9", "TORCHELASTIC_RUN_ID": "outer"}
     proc = bash(REPO / "submit.sh", "--local", "--config", config, "--nproc", 1, env=env)
