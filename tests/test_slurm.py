@@ -371,6 +371,16 @@ def continued(config: Path) -> dict:
     return {**job, "state": state, "continuation": m and m.group(1), "continuation_state": follow}
 
 
+def cancelled(config: Path) -> dict:
+    """`scancel JOB` at step 10 (SIGTERM to every process of the job, SIGKILL KillWait later),
+    with TensorBoard and W&B on: the user's own stop, not a preemption."""
+    job = submit("--config", config, "--nodes", 2, "--procs-per-node", 1, "--set", "run.name=cancelled",
+                 *TRACKERS)
+    wait_until_step(Path(job["run_dir"]), 10)
+    subprocess.run(["scancel", job["job_id"]], check=True)
+    return {**job, "state": wait_for(job["job_id"], timeout=300)}
+
+
 @pytest.fixture(scope="module")
 def trials(cluster, tmp_path_factory):
     """An uninterrupted 2-node run, the reference, and every preemption trial of the same config,
@@ -395,12 +405,13 @@ def run_trials(root: Path) -> dict:
     config = root / "job.yaml"
     config.write_text(yaml.safe_dump(cfg))
     cli("prepare", "--config", config, check=True)
-    with ThreadPoolExecutor(max_workers=5) as pool:
+    with ThreadPoolExecutor(max_workers=6) as pool:
         futures = {"reference": pool.submit(uninterrupted, config),
                    "warned-3": pool.submit(warned, config, 3),
                    "warned-40": pool.submit(warned, config, 40, *TRACKERS),
                    "killed": pool.submit(killed, config, root),
-                   "continued": pool.submit(continued, config)}
+                   "continued": pool.submit(continued, config),
+                   "cancelled": pool.submit(cancelled, config)}
         return {name: outcome(f) for name, f in futures.items()}
 
 
@@ -439,6 +450,21 @@ def test_warning_signal_saves_requeues_and_resumes_bit_identically(trials, at_st
     assert f"resumed from {run_dir}/checkpoints/step-{int(stopped.group(1)):08d}" in log
     assert losses(run_dir) == reference_losses(trials)  # every step, bit for bit
     assert not re.search(r"Traceback|SignalException", log), log  # a stop, requeue, resume: no failure
+
+
+def test_scancel_saves_and_the_log_reads_as_a_clean_stop(trials):
+    """scancel: every rank saves at the same step within Slurm's KillWait; the job log ends with
+    that stop, without the agent's SignalException traceback or W&B's `Connection lost`."""
+    job = trial(trials, "cancelled")
+    assert job["state"] == "CANCELLED"
+    run_dir = Path(job["run_dir"])
+    stop = json.loads((run_dir / "control" / "exit.json").read_text())
+    assert stop["reason"] == "signal" and 10 <= stop["step"] < 120
+    assert (run_dir / "checkpoints" / f"step-{stop['step']:08d}" / "meta.json").is_file()
+    log = Path(job["log"]).read_text()
+    assert f"stopping at step {stop['step']} (signal)" in log
+    assert not re.search(r"Traceback|SignalException|Connection lost|Root Cause", log), log[-3000:]
+    assert "requeue" not in log  # cancelled by the user: not requeued
 
 
 def test_a_requeued_run_continues_one_wandb_run_and_one_tensorboard_curve(trials):
