@@ -26,7 +26,8 @@ import torch.distributed as dist
 import yaml
 
 from llmtrain.config import load_config
-from llmtrain.model.build import load_tokenizer, model_config
+from llmtrain.data.tokenizer import load_tokenizer
+from llmtrain.model.build import model_config
 from llmtrain.parallel.precision import grad_scaler
 from llmtrain.parallel.wrap import parallelize
 from llmtrain.rundir import Log

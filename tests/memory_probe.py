@@ -28,7 +28,8 @@ from torch.distributed._tools.mem_tracker import MemTracker
 
 from llmtrain.config import load_config
 from llmtrain.data.loader import Batch
-from llmtrain.model.build import load_tokenizer, model_config
+from llmtrain.data.tokenizer import load_tokenizer
+from llmtrain.model.build import model_config
 from llmtrain.model.loss import chunk_head
 from llmtrain.model.build import unwrap
 from llmtrain.parallel.precision import grad_scaler

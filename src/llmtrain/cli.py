@@ -30,7 +30,6 @@ need it, so check-config answers in a fraction of a second.
 from __future__ import annotations
 
 import argparse
-import atexit
 import contextlib
 import os
 import sys
@@ -38,6 +37,7 @@ import time
 from typing import NoReturn
 
 from .config import ConfigError, UserError, load_config, parse_ranks
+from .errors import IN_ERROR_TXT, USER_ERROR, exit_process
 
 EXIT_CONFIG = 2  # a config problem, as for a usage error
 EXIT_USER = 1  # anything else the user can fix: data, model, paths
@@ -69,20 +69,6 @@ def main(argv: list[str] | None = None) -> int:
         return EXIT_USER
 
 
-def exit_process(code: int) -> NoReturn:
-    """Ends the process with `code` as sys.exit would, less CPython's teardown of every module,
-    which takes ~1.3 s once torch and transformers are loaded: on every rank, every start and
-    every restart. The atexit handlers still run (logging closes its files) and the standard
-    streams are flushed; the trainer's own files are line-buffered and closed by then."""
-    if "torch" in sys.modules:
-        atexit._run_exitfuncs()
-        for stream in (sys.stdout, sys.stderr):
-            with contextlib.suppress(Exception):
-                stream.flush()
-        os._exit(code)
-    sys.exit(code)
-
-
 RANK0_GRACE_S = 3.0
 RANK0_WAIT_S = 20.0
 
@@ -110,9 +96,6 @@ def entry() -> NoReturn:
 
 _train_error_file = None  # the run's logs/error.txt, once cmd_train knows the run directory
 _error_lines: list[str] = []  # this process's user error (error_lines)
-# Keys of a rank's torchrun error file that training/torchrun.py reads: the user error's lines,
-# and whether the run's logs/error.txt holds the run's line.
-USER_ERROR, IN_ERROR_TXT = "llmtrain_user_error", "llmtrain_in_error_txt"
 
 
 def wait_for_rank0(error_file) -> bool:

@@ -15,7 +15,7 @@ torch.optim.Optimizer) and add one entry to OPTIMIZERS. The entry declares two t
 - state_bytes: the optimizer's state per trainable parameter (AdamW: two fp32 moments, 8),
   for llmtrain estimate and the checkpoint's size.
 
-This module imports nothing else of llmtrain (config.py checks names against the table); `t`
+This module imports nothing else of llmtrain (config/rules.py checks names against the table); `t`
 below is a config's train section.
 """
 

@@ -69,7 +69,7 @@ def prepare(cfg: Config, log=print) -> Path:
         log(f"prepared data is up to date: {final}")
         return final
 
-    from ..model.build import load_tokenizer
+    from .tokenizer import load_tokenizer
 
     tok_dir = local_path(tokenizer_source(cfg), "models")
     tokenizer = load_tokenizer(cfg)

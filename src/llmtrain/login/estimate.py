@@ -131,7 +131,8 @@ class Estimate:
 def model_shape(cfg: Config) -> ModelShape:
     """The model built on the meta device as parallelize builds it (LoRA applied): seconds for
     70B parameters, no memory. Raises ModelNotFound (a UserError) if the model is not on disk."""
-    from ..model.build import build_model, decoder_layers, load_tokenizer, model_config
+    from ..data.tokenizer import load_tokenizer
+    from ..model.build import build_model, decoder_layers, model_config
     from ..model.lora import apply_lora, frozen_weights, is_adapter
     from ..model.loss import chunk_head
 

@@ -15,7 +15,7 @@ implementation takes. With sdpa (the default): on GPUs a flex-attention BlockMas
 skips the blocks no token of a document needs: packed rows cost what their documents cost, not
 what a full window costs), elsewhere SDPA's boolean mask; with eager attention an additive mask;
 flash attention finds the documents from the position ids itself (its varlen kernel), but only
-in a batch of one row: config.py refuses it with packed rows and micro batches over 1.
+in a batch of one row: config/environment.py refuses it with packed rows and micro batches over 1.
 
 The BlockMask is built from each tile's first and last document (BLOCK tokens a tile): O(B S^2 /
 BLOCK^2) bytes, never the B x S x S mask that create_block_mask evaluates when not compiled (64
@@ -53,7 +53,7 @@ def causal_attention(model: torch.nn.Module) -> None:
 def document_mask(model: torch.nn.Module, positions: torch.Tensor, flex: bool | None = None):
     """The [batch, 1, seq, seq] mask that keeps attention causal within each document, for the
     model's attention implementation (None for flash attention: the position ids suffice in a
-    batch of one row, which config.py requires of it with packed rows).
+    batch of one row, which config/environment.py requires of it with packed rows).
     `flex`: a BlockMask for flex attention (sdpa only); None: on GPUs."""
     implementation = model.config._attn_implementation
     if implementation.startswith("flash_attention"):

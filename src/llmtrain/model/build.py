@@ -8,37 +8,19 @@ fills each rank's shards (seeded init or the pretrained folder's safetensors).
 from __future__ import annotations
 
 import torch
-from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, PretrainedConfig
+from transformers import AutoConfig, AutoModelForCausalLM, PretrainedConfig
 
-from ..config import Config, UserError
-from ..data.sources import local_path, tokenizer_source
+from ..config import Config
+from ..data.tokenizer import local_model_dir
 
 
 VOCAB_MULTIPLE = 64  # from scratch, the vocabulary is rounded up to this: faster matmuls
 
 
-class ModelNotFound(UserError):
-    pass
-
-
-def _local_dir(value: str, what: str):
-    path = local_path(value, "models")
-    if not path.is_dir():
-        raise ModelNotFound(
-            f"{what}: {value} is not on disk (looked in {path}); download it on the login node "
-            f"with: bash download_data_model.sh"
-        )
-    return path
-
-
-def load_tokenizer(cfg: Config):
-    return AutoTokenizer.from_pretrained(_local_dir(tokenizer_source(cfg), "model.tokenizer"))
-
-
 def model_config(cfg: Config, tokenizer) -> PretrainedConfig:
     m = cfg.model
     if m.name_or_path is not None:
-        config = AutoConfig.from_pretrained(_local_dir(m.name_or_path, "model.name_or_path"))
+        config = AutoConfig.from_pretrained(local_model_dir(m.name_or_path, "model.name_or_path"))
     else:
         arch = dict(m.architecture)
         arch.setdefault("vocab_size", -(-len(tokenizer) // VOCAB_MULTIPLE) * VOCAB_MULTIPLE)
@@ -79,7 +61,7 @@ def build_model(config: PretrainedConfig, cfg: Config, device: str | torch.devic
 
 
 def pretrained_dir(cfg: Config):
-    return _local_dir(cfg.model.name_or_path, "model.name_or_path")
+    return local_model_dir(cfg.model.name_or_path, "model.name_or_path")
 
 
 def decoder_layers(model: torch.nn.Module) -> list[torch.nn.Module]:

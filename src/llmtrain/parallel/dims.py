@@ -14,7 +14,7 @@ exceed 1: ddp replicates over the world, fsdp shards over it, hsdp shards within
 `parallel.shard_size` ranks (default: one node's processes) and replicates across groups.
 
 The data-parallel ranks (replicate x shard) each read their own share of every batch; a rank's
-loss is reduced over them. This module imports nothing else of llmtrain at run time (config.py
+loss is reduced over them. This module imports nothing else of llmtrain at run time (config/rules.py
 checks a config against it).
 """
 

@@ -21,8 +21,9 @@ import torch.distributed as dist
 
 from ..config import Config, ConfigError, UserError, dump_yaml
 from ..data.loader import Prefetcher, SampleRows, StepSampler, TokenStream, open_prepared, open_split
+from ..data.tokenizer import load_tokenizer
 from ..metrics import peak_memory_gib, plural
-from ..model.build import (flops_per_token, load_tokenizer, model_config, num_params, pretrained_dir,
+from ..model.build import (flops_per_token, model_config, num_params, pretrained_dir,
                            vocab_padding)
 from ..model.loss import chunk_head
 from ..parallel.precision import configure_matmul_precision, grad_scaler

@@ -36,7 +36,7 @@ if _USER_CPP_LOG_LEVEL is None:
 else:
     os.environ["TORCH_CPP_LOG_LEVEL"] = _USER_CPP_LOG_LEVEL
 
-from ..cli import IN_ERROR_TXT, USER_ERROR, exit_process  # noqa: E402 (a worker's error file)
+from ..errors import IN_ERROR_TXT, USER_ERROR, exit_process  # noqa: E402 (a worker's error file)
 
 QUIET_USER_ERROR = "--quiet-user-error"
 

@@ -1,0 +1,152 @@
+"""Cross-field rules: what a config must satisfy whatever the disk holds (no file is read)."""
+
+from __future__ import annotations
+
+import re
+
+from ..optimizers import OPTIMIZERS
+from ..parallel.dims import ParallelDims
+from .schema import Config
+
+def validate(cfg: Config, world_size: int | None = None) -> list[str]:
+    """Problems of values and of keys together; [] when the config's values are usable.
+    world_size: the run's processes; None: the slurm section's (and its Slurm-only keys checked)."""
+    p: list[str] = []
+    t, d, m, s = cfg.train, cfg.data, cfg.model, cfg.slurm
+    world = world_size or cfg.world_size
+
+    _positive(p, "run", cfg.run, ["name"], text=True)
+    if "/" in cfg.run.name or cfg.run.name in (".", ".."):
+        p.append(f"run.name: must be a plain folder name, no '/' (got {cfg.run.name!r})")
+    if (t.max_steps is None) == (t.epochs is None):
+        got = "neither" if t.max_steps is None else f"max_steps {t.max_steps} and epochs {t.epochs}"
+        p.append(f"train.max_steps: set exactly one of train.max_steps and train.epochs (got {got})")
+    _positive(p, "train", t, [k for k in ("epochs", "global_batch_size", "micro_batch_size",
+                                          "log_every", "eval_samples", "peak_tflops")
+                              if getattr(t, k) is not None])
+    if t.max_steps is not None and t.max_steps < 0:  # 0: start up, report memory, train nothing
+        p.append(f"train.max_steps: must be >= 0 (got {t.max_steps})")
+    _positive(p, "data", d, ["seq_len"])
+    _positive(p, "model", m, ["activation_checkpointing_every"])
+    _positive(p, "slurm", s, ["nodes", "cpus_per_node"])
+    for key in ("lr", "eps"):
+        if getattr(t, key) <= 0:
+            p.append(f"train.{key}: must be > 0 (got {getattr(t, key)})")
+    for key in ("min_lr", "weight_decay", "grad_clip"):
+        if getattr(t, key) < 0:
+            p.append(f"train.{key}: must be >= 0 (got {getattr(t, key)})")
+    for key in ("warmup_steps", "eval_every", "checkpoint_every"):
+        if getattr(t, key) < 0:
+            p.append(f"train.{key}: must be >= 0 (got {getattr(t, key)})")
+    for key in ("beta1", "beta2"):
+        if not 0 <= getattr(t, key) < 1:
+            p.append(f"train.{key}: must be in [0, 1) (got {getattr(t, key)})")
+    if t.min_lr > t.lr > 0:
+        p.append(f"train.min_lr: must be <= train.lr (got {t.min_lr} > {t.lr})")
+    if t.max_steps is not None and t.max_steps > 0 and t.warmup_steps >= t.max_steps:
+        p.append(f"train.warmup_steps: must be < train.max_steps (got {t.warmup_steps} >= {t.max_steps})")
+    for key in ("collective_timeout_s", "startup_timeout_s"):
+        if getattr(cfg.parallel, key) < 10:
+            p.append(f"parallel.{key}: must be >= 10 (got {getattr(cfg.parallel, key)})")
+    p += _check_parallel(cfg, world)
+    if 0 < t.eval_samples < world and t.eval_every > 0:
+        p.append(f"train.eval_samples: must be >= the world size {world}, so every rank evaluates "
+                 f"at least one sample (got {t.eval_samples})")
+    if t.max_bad_steps < 0:
+        p.append(f"train.max_bad_steps: must be >= 0 (got {t.max_bad_steps})")
+    for key in ("signal_lead_s", "max_requeues", "max_restarts"):
+        if getattr(s, key) < 0:
+            p.append(f"slurm.{key}: must be >= 0 (got {getattr(s, key)})")
+    if not 0 < s.slow_node_ratio < 1:
+        p.append(f"slurm.slow_node_ratio: must be in (0, 1) (got {s.slow_node_ratio})")
+    if s.exclude_slow_nodes and not s.preflight:
+        p.append("slurm.exclude_slow_nodes: needs slurm.preflight: true, which finds the slow nodes")
+    if s.exclude_slow_nodes and s.max_requeues < 1:
+        p.append("slurm.exclude_slow_nodes: the job comes back without a slow node as a requeue, and "
+                 "slurm.max_requeues is 0; allow at least 1, or turn exclude_slow_nodes off")
+    if t.optimizer not in OPTIMIZERS:
+        p.append(f"train.optimizer: unknown {t.optimizer!r}; one of: {', '.join(OPTIMIZERS)}")
+    if t.keep_checkpoints < 2:
+        p.append(f"train.keep_checkpoints: must be >= 2, so a damaged newest checkpoint has a "
+                 f"fallback (got {t.keep_checkpoints})")
+    if not 0 <= d.holdout_fraction < 0.5:
+        p.append(f"data.validation_fraction: must be in [0, 0.5) (got {d.validation_fraction})")
+    if d.validation and d.validation_fraction:
+        p.append(f"data.validation_fraction: set only one of data.validation and "
+                 f"data.validation_fraction (got {d.validation!r} and {d.validation_fraction})")
+    if t.eval_every > 0 and d.holdout_fraction == 0 and not d.validation:
+        p.append("train.eval_every: evaluation needs data.validation or data.validation_fraction > 0, "
+                 "or set eval_every: 0")
+    if d.num_proc is not None and d.num_proc < 1:
+        p.append(f"data.num_proc: must be >= 1 (got {d.num_proc})")
+    if cfg.parallel.prefetch_layers < 0:
+        p.append(f"parallel.prefetch_layers: must be >= 0 (got {cfg.parallel.prefetch_layers})")
+    if d.document_masking and d.samples:
+        p.append(f"data.document_masking: for data.format text (got format {d.format}, whose "
+                 f"samples are always masked from each other)")
+    if d.samples and d.text_unit != "line":
+        p.append(f"data.text_unit: for data.format text only (got {d.text_unit} with format {d.format})")
+    if d.prefetch_steps is not None and d.prefetch_steps < 0:
+        p.append(f"data.prefetch_steps: must be >= 0 (got {d.prefetch_steps})")
+    if s.gpus_per_node < 0:
+        p.append(f"slurm.gpus_per_node: must be >= 0 (got {s.gpus_per_node})")
+    if s.procs_per_node is not None and s.procs_per_node < 1:
+        p.append(f"slurm.procs_per_node: must be >= 1 (got {s.procs_per_node})")
+    # Slurm's tasks per node; a caller that gives the world size (a local run, the trainer under
+    # its launcher, bench --nprocs, estimate/check-config --world-size) asks Slurm for nothing.
+    if world_size is None and s.procs_per_node is None and s.gpus_per_node == 0:
+        p.append("slurm.procs_per_node: set it on CPU-only nodes (slurm.gpus_per_node is 0)")
+    if s.prepare_time is not None and not re.fullmatch(r"(\d+-)?\d{1,2}(:\d{2}){0,2}", s.prepare_time):
+        p.append(f"slurm.prepare_time: must be HH:MM:SS or D-HH:MM:SS, or null to estimate it from "
+                 f"the corpus size (got {s.prepare_time!r})")
+    if s.prepare_cpus is not None and s.prepare_cpus < 1:
+        p.append(f"slurm.prepare_cpus: must be > 0, or null for slurm.cpus_per_node (got {s.prepare_cpus})")
+    if not re.fullmatch(r"(\d+-)?\d{1,2}(:\d{2}){0,2}", s.time):
+        p.append(f"slurm.time: must be HH:MM:SS or D-HH:MM:SS (got {s.time!r})")
+    elif 0 < s.signal_lead_s and slurm_seconds(s.time) <= 2 * s.signal_lead_s:
+        p.append(f"slurm.time: each launch saves and stops at least slurm.signal_lead_s = "
+                 f"{s.signal_lead_s} s before its end, which leaves too little of {s.time} to train; "
+                 f"ask for more than {2 * s.signal_lead_s} s, or lower slurm.signal_lead_s")
+
+    micro = t.micro_batch_size * world
+    if micro > 0 and t.global_batch_size > 0 and t.global_batch_size % micro:
+        p.append(
+            f"train.global_batch_size: must be divisible by micro_batch_size x world size "
+            f"= {t.micro_batch_size} x {world} = {micro} (got {t.global_batch_size})"
+        )
+    return p
+
+
+def slurm_seconds(text: str) -> float:
+    """Slurm's time: infinite/UNLIMITED, D-HH:MM:SS, D-HH, HH:MM:SS, MM:SS or MM."""
+    text = text.strip()
+    if text.lower() in ("infinite", "unlimited", "n/a", ""):
+        return float("inf")
+    days, _, rest = text.rpartition("-")
+    fields = [int(x) for x in rest.split(":")]
+    if days:
+        fields += [0] * (3 - len(fields))  # D-HH, D-HH:MM
+        h, m, s = fields
+    else:
+        h, m, s = ([0] * (3 - len(fields)) + fields) if len(fields) > 1 else (0, fields[0], 0)
+    return (int(days or 0) * 24 + h) * 3600 + m * 60 + s
+
+
+
+def _check_parallel(cfg: Config, world: int) -> list[str]:
+    par = cfg.parallel
+    if par.shard_size is not None and par.strategy != "hsdp":
+        return [f"parallel.shard_size: only used with parallel.strategy: hsdp (got strategy "
+                f"{par.strategy})"]
+    if par.shard_size is None:  # the processes of one node, which always divide the world
+        return []
+    return ParallelDims.from_config(cfg, world).problems()
+
+
+def _positive(p: list[str], section: str, obj, keys: list[str], text: bool = False) -> None:
+    for key in keys:
+        value = getattr(obj, key)
+        if text and not str(value).strip():
+            p.append(f"{section}.{key}: must not be empty")
+        elif not text and value <= 0:
+            p.append(f"{section}.{key}: must be > 0 (got {value})")
