@@ -80,6 +80,14 @@ def test_a_failing_tracker_is_dropped_with_a_warning_and_the_jsonl_goes_on(tmp_p
     assert warnings == ["warning: Broken failed (OSError: disk quota exceeded); training goes on without "
                         "it (metrics.jsonl has every step)"]
 
+    # After a stop signal (scancel, preemption) the tracker's service died of the same SIGTERM:
+    # a plain line, not a failure warning in a log that should read as a clean stop.
+    said = []
+    writer = MetricsWriter(tmp_path / "again.jsonl", 0, [Broken()], warn=said.append, stopping=lambda: True)
+    writer.write({"kind": "train", "step": 1, "loss": 1.0})
+    assert said == ["Broken: its service ended with the stop signal; the steps from here on are in "
+                    "metrics.jsonl only"]
+
 
 def test_provenance_never_carries_a_value_exported_to_the_job(monkeypatch):
     from llmtrain.rundir import provenance

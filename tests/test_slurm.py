@@ -463,8 +463,8 @@ def test_scancel_saves_and_the_log_reads_as_a_clean_stop(trials):
     assert (run_dir / "checkpoints" / f"step-{stop['step']:08d}" / "meta.json").is_file()
     log = Path(job["log"]).read_text()
     assert f"stopping at step {stop['step']} (signal)" in log
-    assert not re.search(r"Traceback|SignalException|Connection lost|Root Cause", log), log[-3000:]
-    assert "requeue" not in log  # cancelled by the user: not requeued
+    assert not re.search(r"Traceback|SignalException|Connection lost|Root Cause|warning:", log), log[-3000:]
+    assert "requeueing" not in log  # cancelled by the user: not requeued
 
 
 def test_a_requeued_run_continues_one_wandb_run_and_one_tensorboard_curve(trials):

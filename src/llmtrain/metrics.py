@@ -148,9 +148,10 @@ class MetricsWriter:
     logged steps that the resumed run does again.
     """
 
-    def __init__(self, path: Path | None, step: int = 0, sinks: list = (), warn=print):
+    def __init__(self, path: Path | None, step: int = 0, sinks: list = (), warn=print, stopping=lambda: False):
         self.file, self.sinks = None, list(sinks)  # sinks: tracking.py's TensorBoard, WandB
         self.warn = warn
+        self.stopping = stopping  # whether a stop signal reached this process (scancel, preemption)
         if path is not None:
             if path.exists():
                 write_atomic(path, "".join(_lines_up_to(path, step)))
@@ -164,8 +165,12 @@ class MetricsWriter:
                 sink.log(record)
             except Exception as e:  # a tracker is a view of the run, not a reason to stop it
                 self.sinks.remove(sink)
-                self.warn(f"warning: {type(sink).__name__} failed ({type(e).__name__}: {e}); training "
-                          f"goes on without it (metrics.jsonl has every step)")
+                if self.stopping():  # W&B's service process got the job's SIGTERM too, and ended
+                    self.warn(f"{type(sink).__name__}: its service ended with the stop signal; the "
+                              f"steps from here on are in metrics.jsonl only")
+                else:
+                    self.warn(f"warning: {type(sink).__name__} failed ({type(e).__name__}: {e}); "
+                              f"training goes on without it (metrics.jsonl has every step)")
 
     def close(self, failed: bool = False) -> None:
         if self.file:

@@ -291,7 +291,7 @@ def ending(reason: str, step: int) -> str:
         return "done"
     if reason == "user":
         return f"stopped by request at step {step}"
-    return f"stopped at step {step} ({reason}); a requeued job resumes here"
+    return f"stopped at step {step} ({reason}); a requeued or resubmitted job resumes here"
 
 
 def account(verdict: Verdict, state: RunState, t, log: Log) -> None:

@@ -63,7 +63,7 @@ class Reporter:
             with watch.phase("opening trackers"):  # TensorBoard's import, W&B's service: seconds
                 sinks = open_sinks(cfg, state.step, log, job.provenance)
         self.metrics = MetricsWriter(RunPaths(cfg.run_dir).metrics if world.is_main else None, state.step, sinks,
-                                     warn=log.info)
+                                     warn=log.info, stopping=lambda: control.signal_reason is not None)
         self.plots = (PlotRefresher(cfg.run_dir, log) if world.is_main and cfg.metrics.plot_every_eval
                       else None)
         self.samples = SampleLog(RunPaths(cfg.run_dir).samples(world.rank)
