@@ -69,3 +69,78 @@ def test_a_shard_group_that_does_not_divide_the_world_is_refused_in_one_line(tmp
     with pytest.raises(ConfigError, match=r"parallel.shard_size: must divide the world size 8 \(got 3\); hsdp "
                                           r"shards within groups of shard_size ranks and replicates across them"):
         config(tmp_path, strategy="hsdp", shard_size=3)
+
+
+@pytest.mark.parametrize("parallel,replicate,shard,text", [
+    ({"strategy": "fsdp", "tp": 2}, 1, 4, "fsdp over 8 ranks (mesh: dp_shard 4 x tp 2)"),
+    ({"strategy": "hsdp", "tp": 2}, 2, 2, "hsdp over 8 ranks (mesh: dp_replicate 2 x dp_shard 2 x tp 2)"),
+])
+def test_tensor_parallel_takes_its_ranks_from_the_data_parallel_degree(tmp_path, parallel, replicate, shard, text):
+    """parallel.tp ranks of a node form a group; the data-parallel degree is world / tp (hsdp's
+    default shard group: a node's 4 processes / tp 2 = 2), and ranks of a group share samples."""
+    cfg = config(tmp_path, **parallel)
+    dims = ParallelDims.from_config(cfg, cfg.world_size)
+    tp = parallel["tp"]
+    assert (dims.replicate, dims.shard, dims.tensor, dims.dp, dims.problems()) == (replicate, shard, tp, 8 // tp, [])
+    assert dims.describe() == text
+    assert [dims.dp_rank(r) for r in range(8)] == [r // tp for r in range(8)]
+
+
+def tp_config(tmp_path, *sets, nodes=2, procs=4, **sections):
+    path = tmp_path / "config.yaml"
+    cfg = tiny_config(slurm={"nodes": nodes, "procs_per_node": procs, "gpus_per_node": 0},
+                      train={"global_batch_size": 16, "micro_batch_size": 2}, **sections)
+    path.write_text(yaml.safe_dump(cfg))
+    return load_config(path, list(sets))
+
+
+@pytest.mark.parametrize("sets,line", [
+    (["parallel.strategy=fsdp", "parallel.tp=8"],  # 2 nodes x 4: a group of 8 would cross nodes
+     "parallel.tp: must divide a node's 4 processes (got 8); a tensor-parallel group talks every layer and "
+     "stays inside a node"),
+    (["parallel.strategy=fsdp", "parallel.tp=3"],  # every problem at once: the layout's and seq_len's
+     ["parallel.tp: must divide the world size 8 (got 3)",
+      "data.seq_len: must be divisible by parallel.tp 3 (got 64); between layers each rank of a "
+      "tensor-parallel group holds seq_len / tp tokens"]),
+    (["parallel.tp=2"],
+     "parallel.tp: with 4 data-parallel ranks, tensor parallel needs parallel.strategy fsdp or hsdp (got ddp); "
+     "or set parallel.tp to the world size 8"),
+    (["parallel.strategy=fsdp", "parallel.tp=2", "data.seq_len=63"],
+     "data.seq_len: must be divisible by parallel.tp 2 (got 63); between layers each rank of a tensor-parallel "
+     "group holds seq_len / tp tokens"),
+    (["parallel.strategy=fsdp", "parallel.tp=2", "train.global_batch_size=12"],
+     "train.global_batch_size: must be divisible by micro_batch_size x data-parallel ranks (world size / "
+     "parallel.tp) = 2 x 4 = 8 (got 12)"),
+    (["parallel.strategy=fsdp", "parallel.tp=2", "train.chunked_loss=false"],
+     "train.chunked_loss: tensor parallel computes the loss from each rank's slice of the vocabulary, chunk by "
+     "chunk; set train.chunked_loss: true (got false)"),
+    (["parallel.strategy=fsdp", "parallel.tp=2", "train.compile=true"],
+     "train.compile: compiled layers get wrong gradients under tensor parallel on this torch (the loss is "
+     "right, the update is not); set train.compile: false with parallel.tp > 1"),
+    (["parallel.strategy=fsdp", "parallel.tp=4"],  # the tiny model: 4 heads, 2 kv heads
+     "parallel.tp: must divide the model's num_key_value_heads 2 (got 4); each rank holds num_key_value_heads "
+     "/ tp of them"),
+    (["parallel.strategy=fsdp", "parallel.tp=4", "model.architecture.num_attention_heads=6"],  # the first key
+     "parallel.tp: must divide the model's num_attention_heads 6 (got 4); each rank holds num_attention_heads "
+     "/ tp of them"),
+])
+def test_a_layout_that_cannot_work_is_one_line_from_check_config(tmp_path, sets, line):
+    with pytest.raises(ConfigError) as e:
+        tp_config(tmp_path, *sets)
+    assert e.value.problems == (line if isinstance(line, list) else [line])
+
+
+def test_a_model_without_a_tensor_parallel_plan_is_refused(tmp_path):
+    arch = {"model_type": "gpt2", "n_embd": 64, "n_layer": 2, "n_head": 4, "n_positions": 128}
+    with pytest.raises(ConfigError) as e:
+        tp_config(tmp_path, "parallel.strategy=fsdp", "parallel.tp=2", model={"architecture": arch})
+    assert e.value.problems == ["parallel.tp: no tensor-parallel plan for model type 'gpt2' (known: llama, mistral, "
+                                "qwen2, qwen3); set parallel.tp: 1"]
+
+
+def test_a_local_run_takes_any_tp_dividing_its_processes(tmp_path):
+    """A local run (--nproc) is one node: no Slurm per-node count to respect."""
+    path = tmp_path / "config.yaml"
+    path.write_text(yaml.safe_dump(tiny_config(parallel={"tp": 2})))
+    cfg = load_config(path, world_size=2)
+    assert ParallelDims.from_config(cfg, 2).describe() == "ddp over 2 ranks (mesh: tp 2)"

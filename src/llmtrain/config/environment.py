@@ -10,6 +10,7 @@ from ..data.sources import (file_suffix, fingerprint, given_prepared, is_glob, i
                             on_disk, source_files, source_record, tokenizer_sha256, tokenizer_source)
 from ..errors import UserError
 from ..files import read_json
+from ..parallel.tensor import problems as tensor_problems
 from ..rundir import CHECKPOINTS, META, latest_checkpoint
 from .schema import NOT_PATHS, Config, DataConfig, LoraSpec
 
@@ -244,6 +245,7 @@ def _check_model(cfg: Config, written: dict | None = None) -> list[str]:
                  f"({_got(key, tok_src, written)})")
 
     if model_cfg:
+        p += tensor_problems(model_cfg.get("model_type"), model_cfg, cfg.parallel.tp)
         max_pos = model_cfg.get("max_position_embeddings")
         if isinstance(max_pos, int) and cfg.data.seq_len > max_pos:
             p.append(f"data.seq_len: must be <= the model's max_position_embeddings "

@@ -54,7 +54,8 @@ def load_config(path: str | os.PathLike, overrides: list[str] = (),
             for m in [re.search(r"unknown key \(did you mean '(\w+)'\?\)", q)] if m}
         if world_size == "local":
             world_size = cfg.slurm.procs_per_node or 1
-        found = validate(cfg, world_size) + check_environment(cfg, written)
+        found = validate(cfg, world_size)
+        found += [q for q in check_environment(cfg, written) if q.split(":")[0] not in {f.split(":")[0] for f in found}]
         problems += [q for q in found if q.split(":")[0] not in wrong]
     if problems:
         raise ConfigError(problems)

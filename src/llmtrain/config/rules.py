@@ -12,7 +12,7 @@ def validate(cfg: Config, world_size: int | None = None) -> list[str]:
     """Problems of values and of keys together; [] when the config's values are usable.
     world_size: the run's processes; None: the slurm section's (and its Slurm-only keys checked)."""
     p: list[str] = []
-    t, d, m, s = cfg.train, cfg.data, cfg.model, cfg.slurm
+    t, d, m, s, par = cfg.train, cfg.data, cfg.model, cfg.slurm, cfg.parallel
     world = world_size or cfg.world_size
 
     _positive(p, "run", cfg.run, ["name"], text=True)
@@ -48,9 +48,14 @@ def validate(cfg: Config, world_size: int | None = None) -> list[str]:
     for key in ("collective_timeout_s", "startup_timeout_s"):
         if getattr(cfg.parallel, key) < 10:
             p.append(f"parallel.{key}: must be >= 10 (got {getattr(cfg.parallel, key)})")
-    p += _check_parallel(cfg, world)
-    if 0 < t.eval_samples < world and t.eval_every > 0:
-        p.append(f"train.eval_samples: must be >= the world size {world}, so every rank evaluates "
+    # a Slurm job's processes per node (a local run's are all on one machine)
+    per_node = None if world_size else (s.procs_per_node or s.gpus_per_node or 1)
+    parallel = _check_parallel(cfg, world, per_node)
+    p += parallel
+    dp = world // cfg.parallel.tp if not parallel and cfg.parallel.tp >= 1 else world  # data-parallel ranks
+    ranks = f"the world size {world}" if dp == world else f"the {dp} data-parallel ranks"
+    if 0 < t.eval_samples < dp and t.eval_every > 0:
+        p.append(f"train.eval_samples: must be >= {ranks}, so every rank evaluates "
                  f"at least one sample (got {t.eval_samples})")
     if t.max_bad_steps < 0:
         p.append(f"train.max_bad_steps: must be >= 0 (got {t.max_bad_steps})")
@@ -108,12 +113,25 @@ def validate(cfg: Config, world_size: int | None = None) -> list[str]:
                  f"{s.signal_lead_s} s before its end, which leaves too little of {s.time} to train; "
                  f"ask for more than {2 * s.signal_lead_s} s, or lower slurm.signal_lead_s")
 
-    micro = t.micro_batch_size * world
+    micro = t.micro_batch_size * dp
     if micro > 0 and t.global_batch_size > 0 and t.global_batch_size % micro:
+        what = "world size" if dp == world else "data-parallel ranks (world size / parallel.tp)"
         p.append(
-            f"train.global_batch_size: must be divisible by micro_batch_size x world size "
-            f"= {t.micro_batch_size} x {world} = {micro} (got {t.global_batch_size})"
+            f"train.global_batch_size: must be divisible by micro_batch_size x {what} "
+            f"= {t.micro_batch_size} x {dp} = {micro} (got {t.global_batch_size})"
         )
+    if par.tp > 1 and d.seq_len % par.tp:
+        p.append(f"data.seq_len: must be divisible by parallel.tp {par.tp} (got {d.seq_len}); between layers "
+                 f"each rank of a tensor-parallel group holds seq_len / tp tokens")
+    if par.tp > 1 and not t.chunked_loss:
+        p.append("train.chunked_loss: tensor parallel computes the loss from each rank's slice of the "
+                 "vocabulary, chunk by chunk; set train.chunked_loss: true (got false)")
+    if par.tp > 1 and t.compile:  # measured on torch 2.13 (gloo): step 1's gradient norm 0.96 for 1.20
+        p.append("train.compile: compiled layers get wrong gradients under tensor parallel on this torch "
+                 "(the loss is right, the update is not); set train.compile: false with parallel.tp > 1")
+    if par.tp > 1 and cfg.model.lora is not None:
+        p.append("parallel.tp: LoRA adapters are not split over tensor-parallel ranks yet; set parallel.tp: 1 "
+                 "(fsdp shards a LoRA run's base)")
     return p
 
 
@@ -133,14 +151,14 @@ def slurm_seconds(text: str) -> float:
 
 
 
-def _check_parallel(cfg: Config, world: int) -> list[str]:
+def _check_parallel(cfg: Config, world: int, per_node: int | None) -> list[str]:
     par = cfg.parallel
     if par.shard_size is not None and par.strategy != "hsdp":
         return [f"parallel.shard_size: only used with parallel.strategy: hsdp (got strategy "
                 f"{par.strategy})"]
-    if par.shard_size is None:  # the processes of one node, which always divide the world
+    if par.tp == 1 and par.shard_size is None:  # the processes of one node, which always divide the world
         return []
-    return ParallelDims.from_config(cfg, world).problems()
+    return ParallelDims.from_config(cfg, world, per_node).problems()
 
 
 def _positive(p: list[str], section: str, obj, keys: list[str], text: bool = False) -> None:

@@ -186,7 +186,11 @@ class ParallelConfig:
     # ddp: a full replica per rank; fsdp: parameters, gradients and optimizer state sharded over
     # all ranks; hsdp: sharded within groups of shard_size ranks, replicated across groups
     strategy: Literal["ddp", "fsdp", "hsdp"] = "ddp"
-    shard_size: Optional[int] = None  # hsdp: ranks per shard group; None: the processes of one node
+    shard_size: Optional[int] = None  # hsdp: ranks per shard group; None: one node's data-parallel ranks
+    # tensor parallel: ranks (inside a node) that split each layer's matmuls by heads and features,
+    # and hold a slice of the sequence between layers (sequence parallel); the data-parallel
+    # degree is then world size / tp. Llama, Mistral, Qwen2, Qwen3; with fsdp or hsdp
+    tp: int = 1
     backend: Literal["auto", "nccl", "gloo"] = "auto"  # auto: nccl on GPUs, gloo on CPUs
     reshard_after_forward: bool = True  # FSDP2: free gathered params after forward (ZeRO-3)
     prefetch_layers: int = 1  # FSDP2: layers whose all-gather starts ahead of time; 0: FSDP2's implicit

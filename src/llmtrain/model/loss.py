@@ -12,6 +12,12 @@ copy). Peak extra memory, in forward: one chunk's logits, the hidden states' gra
 head's fp32 gradient (none for a frozen head, LoRA's: neither it nor its matmul is computed).
 The same sums as the plain loss, in chunks: equal within float rounding (tests/test_model.py).
 
+Under tensor parallel (parallel/tensor.py) each rank holds a slice of the head's rows (the
+vocabulary) and the model returns each rank's slice of the sequence: the hidden states are
+gathered over the group (the gradient goes back reduce-scattered), and each chunk's loss comes
+from the slices: the logits' max, the sum of their exponentials and the target's logit are
+all-reduced over the group (one number per token each), so no rank holds a token's full logits.
+
 The head is reached through HF's `get_output_embeddings()`; `chunk_head` makes that module
 return its input, so the model's forward (under its FSDP2 hooks, which gather the head with the
 root and keep it gathered until backward) returns the final hidden states as `logits`. Only
@@ -21,6 +27,7 @@ others (logit soft-capping or scaling) keep the plain loss.
 
 from __future__ import annotations
 
+import functools
 import warnings
 from dataclasses import dataclass
 from typing import Callable
@@ -46,12 +53,14 @@ class ChunkedHead:
 
     linear: torch.nn.Linear
     chunk_fn: Callable = None  # _chunk, or its torch.compile'd twin
+    tp_mesh: object = None  # the tensor-parallel group's DeviceMesh: the head's rows are split over it
 
 
-def chunk_head(model: torch.nn.Module, config, compile: bool = False) -> ChunkedHead | None:
+def chunk_head(model: torch.nn.Module, config, compile: bool = False, tp_mesh=None) -> ChunkedHead | None:
     """Make the model's output head pass its input through, and return it for lm_loss to apply
-    in chunks (`compile`: each chunk's work compiled); None (the model unchanged) where the
-    model type is not known to apply the head plainly, or the head has a bias."""
+    in chunks (`compile`: each chunk's work compiled; `tp_mesh`: the model is tensor-parallel
+    over it); None (the model unchanged) where the model type is not known to apply the head
+    plainly, or the head has a bias."""
     head = unwrap(model).get_output_embeddings()
     if (getattr(config, "model_type", None) not in CHUNKED_TYPES or not isinstance(head, torch.nn.Linear)
             or head.bias is not None):
@@ -61,6 +70,8 @@ def chunk_head(model: torch.nn.Module, config, compile: bool = False) -> Chunked
     # and FSDP2 warns that an in-place op on a view would skip its pre-backward hook; lm_loss
     # applies none.
     warnings.filterwarnings("ignore", message=r"FSDP2-wrapped module \(.*\) returned a view tensor")
+    if tp_mesh is not None:
+        return ChunkedHead(head, _vocab_parallel_chunk, tp_mesh)
     return ChunkedHead(head, torch.compile(_chunk) if compile else _chunk)
 
 
@@ -83,13 +94,23 @@ def lm_loss(model: torch.nn.Module, batch, head: ChunkedHead | None = None,
     if batch.positions is not None:
         positions = batch.positions[:, :-1]
         extra = {"position_ids": positions, "attention_mask": document_mask(unwrap(model), positions)}
+    elif head is not None and head.tp_mesh is not None:  # HF would count this rank's slice of the sequence
+        extra = {"position_ids": torch.arange(targets.shape[1], device=tokens.device)[None]}
     out = model(input_ids=tokens[:, :-1], **extra).logits
     targets = targets.flatten()
     if head is None:
         total = F.cross_entropy(out.float().flatten(0, 1), targets, ignore_index=IGNORE, reduction="sum")
         return total / (normaliser if normaliser is not None else (targets != IGNORE).sum().clamp(min=1))
-    return chunked_cross_entropy(out.flatten(0, 1), head.linear.weight, targets, chunk_fn=head.chunk_fn,
-                                 normaliser=normaliser)
+    weight, chunk_fn = head.linear.weight, head.chunk_fn
+    if head.tp_mesh is not None:
+        from torch.distributed.tensor import DTensor, Partial, Shard
+        # the whole sequence on every rank of the group; in backward, each rank's part of the sum
+        out = DTensor.from_local(out, head.tp_mesh, [Shard(1)]).full_tensor(grad_placements=[Partial()])
+        local = weight.to_local()
+        chunk_fn = functools.partial(_vocab_parallel_chunk, start=head.tp_mesh.get_local_rank() * local.shape[0],
+                                     group=head.tp_mesh.get_group())
+        weight = local
+    return chunked_cross_entropy(out.flatten(0, 1), weight, targets, chunk_fn=chunk_fn, normaliser=normaliser)
 
 
 def chunked_cross_entropy(hidden: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor,
@@ -104,6 +125,11 @@ def chunked_cross_entropy(hidden: torch.Tensor, weight: torch.Tensor, targets: t
     if torch.is_grad_enabled() and (hidden.requires_grad or weight.requires_grad):
         return _ChunkedCrossEntropy.apply(hidden, weight, targets, trained, chunk, chunk_fn or _chunk)
     total = hidden.new_zeros((), dtype=torch.float32)
+    if isinstance(chunk_fn, functools.partial) and chunk_fn.func is _vocab_parallel_chunk:  # evaluation
+        for start in range(0, hidden.shape[0], chunk):
+            total = total + chunk_fn(hidden[start:start + chunk], weight, targets[start:start + chunk], trained,
+                                     grads=False)[0]
+        return total / trained
     for start in range(0, hidden.shape[0], chunk):
         logits = (hidden[start:start + chunk] @ weight.t()).float()
         total = total + F.cross_entropy(logits, targets[start:start + chunk], ignore_index=IGNORE,
@@ -124,6 +150,34 @@ def _chunk(h: torch.Tensor, weight: torch.Tensor, t: torch.Tensor, n: torch.Tens
     grad = logits.sub_(lse[:, None]).exp_()
     grad[torch.arange(t.shape[0], device=t.device), t] -= 1
     grad = grad.mul_(scale[:, None]).to(h.dtype)
+    return loss, grad, grad @ weight
+
+
+def _vocab_parallel_chunk(h: torch.Tensor, weight: torch.Tensor, t: torch.Tensor, n: torch.Tensor,
+                          start: int = 0, group=None, grads: bool = True):
+    """_chunk where `weight` holds the vocabulary rows [start, start + len(weight)) of a head
+    split over `group`, and `h` every token: the same loss on every rank of the group, this
+    rank's part of d(loss)/d(h) (their sum is the whole) and the gradient of its rows."""
+    import torch.distributed as dist
+    logits = (h @ weight.t()).float()  # [tokens, this rank's vocabulary]
+    high = logits.max(dim=-1).values
+    dist.all_reduce(high, op=dist.ReduceOp.MAX, group=group)
+    logits.sub_(high[:, None])
+    sums = logits.exp().sum(dim=-1)
+    trained = t != IGNORE
+    local = t - start
+    mine = trained & (local >= 0) & (local < weight.shape[0])
+    local = local.clamp(0, weight.shape[0] - 1)
+    picked = logits.gather(1, local[:, None]).squeeze(1) * mine
+    both = torch.stack([sums, picked])
+    dist.all_reduce(both, group=group)  # the softmax's denominator and the target's logit, whole
+    lse = both[0].log()
+    loss = ((lse - both[1]) * trained).sum()
+    if not grads:
+        return loss, None, None
+    grad = logits.sub_(lse[:, None]).exp_()  # softmax over this rank's rows
+    grad[torch.arange(t.shape[0], device=t.device)[mine], local[mine]] -= 1
+    grad = grad.mul_((trained / n)[:, None]).to(h.dtype)
     return loss, grad, grad @ weight
 
 

@@ -3,23 +3,27 @@
     dims = ParallelDims.from_config(cfg, world_size, procs_per_node)
     dims.dp, dims.dp_rank(rank)        # data-parallel degree, and a rank's place in it
     dims.fsdp_mesh(device_type)        # the mesh FSDP2 shards over (None: all ranks, FSDP2's default)
+    dims.tp_mesh(device_type)          # the tensor-parallel group's mesh (parallel.tp > 1)
 
 The ranks are laid out, outermost first, as pipeline x replicate x shard x context x tensor:
 tensor parallel innermost (its collectives run every layer, so its ranks share a node's fast
-links), then context, the FSDP2 shard group, the replicas (HSDP: one per node group, their
-all-reduce once a step crosses nodes), pipeline stages outermost. Their product is the world
-size. Expert parallelism reuses data-parallel and context ranks (its degree divides
-shard x context), so it is not a factor of the product. Today only replicate and shard can
-exceed 1: ddp replicates over the world, fsdp shards over it, hsdp shards within groups of
-`parallel.shard_size` ranks (default: one node's processes) and replicates across groups.
+links: parallel.tp must divide a node's processes), then context, the FSDP2 shard group, the
+replicas (HSDP: one per node group, their all-reduce once a step crosses nodes), pipeline stages
+outermost. Their product is the world size. Expert parallelism reuses data-parallel and context
+ranks (its degree divides shard x context), so it is not a factor of the product. Today
+replicate, shard and tensor can exceed 1: over the world / tp data-parallel ranks, ddp
+replicates, fsdp shards, hsdp shards within groups of `parallel.shard_size` ranks (default: one
+node's data-parallel ranks) and replicates across groups.
 
-The data-parallel ranks (replicate x shard) each read their own share of every batch; a rank's
-loss is reduced over them. This module imports nothing else of llmtrain at run time (config/rules.py
-checks a config against it).
+The data-parallel ranks (replicate x shard) each read their own share of every batch (the ranks
+of one tensor-parallel group read the same samples); a step's loss is the sum over them, each
+rank's divided by the step's global count of trained targets. This module imports nothing else
+of llmtrain, nor torch at import (config/rules.py checks a config against it).
 """
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 
 SHARDED_STRATEGIES = ("fsdp", "hsdp")
@@ -37,23 +41,40 @@ class ParallelDims:
     pipeline: int = 1
     expert: int = 1
 
+    per_node: int = 0  # the processes of one node, where known (0: not known)
+
     @classmethod
     def from_config(cls, cfg, world_size: int, procs_per_node: int | None = None) -> "ParallelDims":
         """The degrees of `cfg` (a config.Config) on `world_size` ranks. procs_per_node: the processes of one node
         (torchrun's LOCAL_WORLD_SIZE in a job), hsdp's default shard group; None: the slurm
         section's."""
-        strategy = cfg.parallel.strategy
+        strategy, tp = cfg.parallel.strategy, cfg.parallel.tp
+        known = procs_per_node or 0
+        dp = world_size // tp if tp >= 1 else 0
         if strategy == "ddp":
-            return cls(world_size, strategy, replicate=world_size)
+            return cls(world_size, strategy, replicate=dp, tensor=tp, per_node=known)
         if strategy == "fsdp":
-            return cls(world_size, strategy, shard=world_size)
+            return cls(world_size, strategy, shard=dp, tensor=tp, per_node=known)
         per_node = procs_per_node or min(world_size, cfg.world_size // cfg.slurm.nodes)
-        shard = cfg.parallel.shard_size or per_node
-        return cls(world_size, strategy, replicate=world_size // shard if shard >= 1 else 0, shard=shard)
+        shard = cfg.parallel.shard_size or (per_node // tp if tp >= 1 else 0)
+        return cls(world_size, strategy, replicate=dp // shard if shard >= 1 else 0, shard=shard, tensor=tp,
+                   per_node=known)
 
     def problems(self) -> list[str]:
         """What is wrong, one line each, naming the key to change."""
-        if self.strategy == "hsdp" and (self.shard < 1 or self.world_size % self.shard):
+        tp = self.tensor
+        if tp < 1 or self.world_size % tp:
+            return [f"parallel.tp: must divide the world size {self.world_size} (got {tp})"]
+        if tp > 1 and self.per_node and self.per_node % tp:
+            return [f"parallel.tp: must divide a node's {self.per_node} processes (got {tp}); a tensor-parallel "
+                    f"group talks every layer and stays inside a node"]
+        if tp > 1 and self.strategy == "ddp" and self.dp > 1:
+            return [f"parallel.tp: with {self.dp} data-parallel ranks, tensor parallel needs parallel.strategy "
+                    f"fsdp or hsdp (got ddp); or set parallel.tp to the world size {self.world_size}"]
+        if self.strategy == "hsdp" and (self.shard < 1 or (self.world_size // tp) % self.shard):
+            if tp > 1:
+                return [f"parallel.shard_size: must divide the {self.world_size // tp} data-parallel ranks "
+                        f"(world size {self.world_size} / parallel.tp {tp}; got {self.shard})"]
             return [f"parallel.shard_size: must divide the world size {self.world_size} (got {self.shard}); "
                     f"hsdp shards within groups of shard_size ranks and replicates across them"]
         product = self.pipeline * self.replicate * self.shard * self.context * self.tensor
@@ -79,15 +100,38 @@ class ParallelDims:
 
     def fsdp_mesh(self, device_type: str):
         """The mesh FSDP2 shards over: None for fsdp (its default, one group of every rank); for
-        hsdp a 2-D (replicate, shard) mesh: sharded within a group, replicated across groups."""
+        hsdp a 2-D (replicate, shard) mesh: sharded within a group, replicated across groups.
+        With tensor parallel, the data-parallel part of the run's mesh."""
+        if self.tensor > 1:
+            return self.mesh(device_type)["shard" if self.strategy == "fsdp" else ("replicate", "shard")]
         if self.strategy != "hsdp":
             return None
         from torch.distributed.device_mesh import init_device_mesh
         return init_device_mesh(device_type, (self.replicate, self.shard), mesh_dim_names=("replicate", "shard"))
 
+    def tp_mesh(self, device_type: str):
+        """The 1-D mesh of this rank's tensor-parallel group."""
+        return self.mesh(device_type)["tensor"]
+
+    def mesh(self, device_type: str):
+        """The run's device mesh, (replicate, shard, tensor), made once per process."""
+        return _mesh(self, device_type)
+
     def describe(self) -> str:
-        """For the start-up log line: 'ddp over 4 ranks', 'hsdp over 8 ranks (2 replicas x 4-way shards)'."""
+        """For the start-up log line: 'ddp over 4 ranks', 'hsdp over 8 ranks (2 replicas x 4-way shards)',
+        'fsdp over 8 ranks (mesh: dp_shard 4 x tp 2)'."""
         ranks = f"{self.world_size} rank{'s' if self.world_size != 1 else ''}"
+        if self.tensor > 1:
+            sizes = {"dp_replicate": self.replicate, "dp_shard": self.shard, "cp": self.context, "tp": self.tensor}
+            return (f"{self.strategy} over {ranks} (mesh: "
+                    f"{' x '.join(f'{name} {n}' for name, n in sizes.items() if n > 1)})")
         if self.strategy == "hsdp":
             return f"hsdp over {ranks} ({self.replicate} replicas x {self.shard}-way shards)"
         return f"{self.strategy} over {ranks}"
+
+
+@functools.cache
+def _mesh(dims: ParallelDims, device_type: str):
+    from torch.distributed.device_mesh import init_device_mesh
+    return init_device_mesh(device_type, (dims.replicate, dims.shard, dims.tensor),
+                            mesh_dim_names=("replicate", "shard", "tensor"))

@@ -1,8 +1,8 @@
 """Every wrapping of the model happens here, in one order (parallelize):
 
     build on the meta device -> LoRA adapters (frozen base stored in the run's precision)
-      -> [next: FP8 conversion, tensor and expert parallel]
-      -> activation checkpointing -> torch.compile per layer
+      -> [next: FP8 conversion] -> tensor + sequence parallel (parallel/tensor.py)
+      -> [next: expert parallel] -> activation checkpointing -> torch.compile per layer
       -> FSDP2/HSDP (on world.dims' mesh) -> allocate this rank's shards
       -> weights (parallel/weights.py: seeded init or sliced load) -> DDP
 
@@ -45,6 +45,7 @@ from ..model.build import build_model, decoder_layers, pretrained_dir
 from ..model.lora import apply_lora, frozen_weights, init_adapters
 from .dims import SHARDED_STRATEGIES
 from .precision import DTYPES
+from .tensor import apply_tensor_parallel
 from .weights import copy_buffers, init_from_scratch, load_pretrained, local_slices
 from .world import World
 
@@ -66,6 +67,8 @@ def parallelize(cfg: Config, config, world: World, watch=None, resuming: bool = 
             apply_lora(model, lora)
             store_frozen_base(model, cfg)
         tied = _tied(model)  # decided on the skeleton, so every rank agrees
+        if world.dims.tensor > 1:
+            apply_tensor_parallel(model, decoder_layers(model), world.dims.tp_mesh(world.device.type))
         if cfg.model.activation_checkpointing:
             checkpoint_layers(model, cfg.model.activation_checkpointing_every)
         if cfg.train.compile:
@@ -87,7 +90,7 @@ def parallelize(cfg: Config, config, world: World, watch=None, resuming: bool = 
             init_adapters(model, cfg.train.seed, local_slices)
         copy_buffers(model, reference)
     del reference
-    if not world.dims.sharded and world.world_size > 1:
+    if not world.dims.sharded and world.dims.dp > 1:
         # Gradients live in DDP's all-reduce buckets (no second copy, no copy-in per step), and
         # no buffer broadcast before every forward: the only buffers (rotary frequencies) are
         # computed alike on every rank and never change.

@@ -125,7 +125,8 @@ def run(cfg: Config, world: World, watch: Watchdog, run_lock: RunLock) -> None:
     elif cfg.model.name_or_path is not None:
         log.info(f"pretrained weights not read from {pretrained_dir(cfg)}: the checkpoint to resume "
                  f"holds every weight")
-    head = chunk_head(model, config, compile=t.compile) if t.chunked_loss else None
+    tp_mesh = world.dims.tp_mesh(world.device.type) if world.dims.tensor > 1 else None
+    head = chunk_head(model, config, compile=t.compile, tp_mesh=tp_mesh) if t.chunked_loss else None
     if t.chunked_loss and head is None:
         log.info(f"train.chunked_loss: not for model type {config.model_type!r} (its head is not "
                  f"a plain linear layer it applies last); the loss takes the full logits")

@@ -1,0 +1,108 @@
+"""Tensor and sequence parallel on Hugging Face decoders (`parallel.tp`): the ranks of one
+tensor-parallel group (inside a node) split every layer's matmuls, and between the layers each
+holds a slice of the sequence.
+
+    apply_tensor_parallel(model, tp_mesh)   # on the meta skeleton, before checkpointing and FSDP2
+
+Within a decoder layer (Megatron's scheme, torch's parallel styles):
+
+    x [batch, seq/tp, hidden] -> norm (each rank its tokens) -> all-gather the sequence
+      -> q, k, v: column-parallel (each rank its heads) -> attention on its heads, whole sequence
+      -> o: row-parallel, reduce-scattered back to seq/tp          (the same for the MLP:
+         gate, up column-parallel, down row-parallel)
+
+The embedding is row-parallel over the vocabulary (each rank its rows, the lookups summed and
+scattered over the sequence), the final norm sequence-parallel, and the output head's weight is
+split over the vocabulary too: model/loss.py computes the loss from the vocabulary slices (three
+all-reduces of one number per token), so no rank ever holds a token's full logits. A head tied to
+the embedding stays tied (the same sharded parameter). The model is called with explicit
+position ids: HF's model-level code would otherwise count a rank's seq/tp tokens.
+
+A family is one entry in PLANS: the names of its attention and MLP projections and of the norms
+that work on heads (Qwen3's q_norm, k_norm: each rank normalises its own heads). Another type is
+refused by check-config until it has its entry (a wrong plan would train silently wrong).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:  # torch at run time only where the model is split: check-config imports this
+    import torch
+
+
+@dataclass(frozen=True)
+class Plan:
+    """A decoder layer's module names, as HF's Llama family spells them."""
+    attention: str = "self_attn"
+    columns: tuple[str, ...] = ("q_proj", "k_proj", "v_proj")  # of the attention, split by heads
+    rows: str = "o_proj"
+    mlp: str = "mlp"
+    mlp_columns: tuple[str, ...] = ("gate_proj", "up_proj")
+    mlp_rows: str = "down_proj"
+    norms: tuple[str, ...] = ("input_layernorm", "post_attention_layernorm")  # on the residual stream
+    head_norms: tuple[str, ...] = ()  # norms inside the attention over each head's features
+
+
+LLAMA = Plan()
+PLANS = {
+    "llama": LLAMA,
+    "mistral": LLAMA,
+    "qwen2": LLAMA,
+    "qwen3": Plan(head_norms=("q_norm", "k_norm")),
+}
+
+
+def apply_tensor_parallel(model: "torch.nn.Module", layers: "list[torch.nn.Module]", mesh) -> None:
+    """Split `model` (a HF causal LM; `layers`: its decoder layers) over the 1-D tensor-parallel
+    `mesh`, in place."""
+    import torch
+    from torch.distributed.tensor import Replicate, Shard, distribute_tensor
+    from torch.distributed.tensor.parallel import (ColwiseParallel, PrepareModuleInput, RowwiseParallel,
+                                                   SequenceParallel, parallelize_module)
+
+    plan = PLANS[model.config.model_type]
+    embedding, head = model.get_input_embeddings(), model.get_output_embeddings()
+    tied = head is not None and head.weight is embedding.weight
+    decoder = model.get_decoder()
+    # The embedding: each rank looks up its vocabulary rows; the sum is scattered over the sequence.
+    parallelize_module(embedding, mesh, RowwiseParallel(input_layouts=Replicate(), output_layouts=Shard(1)))
+    parallelize_module(decoder.norm, mesh, SequenceParallel(use_local_output=True))
+    for layer in layers:
+        styles = {name: SequenceParallel() for name in plan.norms}
+        # attention and MLP take the whole sequence (an all-gather) and give back a slice of it
+        styles[plan.attention] = PrepareModuleInput(input_kwarg_layouts={"hidden_states": Shard(1)},
+                                                    desired_input_kwarg_layouts={"hidden_states": Replicate()})
+        styles[plan.mlp] = PrepareModuleInput(input_layouts=(Shard(1),), desired_input_layouts=(Replicate(),))
+        for name in plan.columns:
+            styles[f"{plan.attention}.{name}"] = ColwiseParallel()
+        for name in plan.head_norms:  # [batch, seq, heads, head_dim]: each rank its heads
+            styles[f"{plan.attention}.{name}"] = SequenceParallel(sequence_dim=2, use_local_output=True)
+        styles[f"{plan.attention}.{plan.rows}"] = RowwiseParallel(output_layouts=Shard(1))
+        for name in plan.mlp_columns:
+            styles[f"{plan.mlp}.{name}"] = ColwiseParallel()
+        styles[f"{plan.mlp}.{plan.mlp_rows}"] = RowwiseParallel(output_layouts=Shard(1))
+        parallelize_module(layer, mesh, styles)
+    # The head: its weight split over the vocabulary; model/loss.py applies it (chunk_head).
+    if tied:
+        head.weight = embedding.weight
+    else:
+        head.weight = torch.nn.Parameter(distribute_tensor(head.weight, mesh, [Shard(0)]),
+                                         requires_grad=head.weight.requires_grad)
+
+
+def problems(model_type: str, config: dict, tp: int) -> list[str]:
+    """What keeps a model (its config.json as a dict) from splitting over `tp` ranks."""
+    if tp == 1:
+        return []
+    if model_type not in PLANS:
+        return [f"parallel.tp: no tensor-parallel plan for model type {model_type!r} (known: "
+                f"{', '.join(sorted(PLANS))}); set parallel.tp: 1"]
+    for key in ("num_attention_heads", "num_key_value_heads", "vocab_size", "intermediate_size"):
+        value = config.get(key, config.get("num_attention_heads") if key == "num_key_value_heads" else None)
+        if isinstance(value, int) and value % tp:
+            return [f"parallel.tp: must divide the model's {key} {value} (got {tp}); each rank "
+                    f"holds {key} / tp of them"]
+    return []
+

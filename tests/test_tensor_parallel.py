@@ -1,0 +1,90 @@
+"""Tensor + sequence parallel (parallel.tp) under torchrun (gloo): the same losses as one process,
+with FSDP2 on top, a tied head, and checkpoints that change layout."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from conftest import assert_same_curve, cli, losses, prepared_home, run_dir, tiny_config, torchrun
+
+pytestmark = pytest.mark.slow
+
+TIED = {"model_type": "llama", "hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 2,
+        "num_attention_heads": 4, "num_key_value_heads": 2, "max_position_embeddings": 128,
+        "tie_word_embeddings": True}
+
+
+@pytest.fixture(scope="module")
+def setup(tmp_path_factory):
+    with prepared_home(tmp_path_factory, "tp", tiny_config(train={"max_steps": 10, "eval_every": 5,
+                                                                  "checkpoint_every": 5})) as home:
+        yield home
+
+
+@pytest.fixture(scope="module")
+def single(setup):
+    """One process (micro batch 4, 2 accumulation steps): the curve every layout must give."""
+    cli("train", "--config", setup[1], "--set", "run.name=single", check=True)
+    return run_dir(setup, "single")
+
+
+def test_tp2_gives_one_process_curve_and_splits_the_model(setup, single):
+    proc = torchrun(2, "train", "--config", setup[1], "--set", "run.name=tp2", "--set", "parallel.tp=2")
+    tp2 = run_dir(setup, "tp2")
+    assert_same_curve(tp2, single, tol=1e-4)  # fp32, 10 steps, 2 evaluations
+    log = (tp2 / "logs" / "rank-0.log").read_text()
+    assert "ddp over 2 ranks (mesh: tp 2)" in log
+    assert "global batch 8 = 4 x 1 ranks x 2 accumulation steps" in log  # one data-parallel rank
+    assert "Traceback" not in proc.stderr
+
+
+def test_a_tied_head_stays_tied_under_tp2(setup):
+    """The head is the embedding's sharded parameter: one parameter count, one process's curve
+    (an untied copy would train two matrices apart and drift)."""
+    tied = ["--set", f"model.architecture={json.dumps(TIED)}"]
+    cli("train", "--config", setup[1], "--set", "run.name=tied-single", *tied, check=True)
+    torchrun(2, "train", "--config", setup[1], "--set", "run.name=tied-tp2", "--set", "parallel.tp=2", *tied)
+    assert_same_curve(run_dir(setup, "tied-tp2"), run_dir(setup, "tied-single"), tol=1e-4)
+    log = (run_dir(setup, "tied-tp2") / "logs" / "rank-0.log").read_text()
+    assert "model: 106,816 parameters" in log  # 139,584 untied: the 512 x 64 head counted once
+
+
+def test_fsdp_x_tp_on_four_processes_gives_one_process_curve(setup, single):
+    """2-D: FSDP2 over 2 data-parallel ranks, each a tensor-parallel pair; they read 2 samples
+    each (the pair the same ones)."""
+    torchrun(4, "train", "--config", setup[1], "--set", "run.name=fsdp-tp", "--set", "parallel.tp=2",
+             "--set", "parallel.strategy=fsdp", "--set", "train.micro_batch_size=2")
+    d = run_dir(setup, "fsdp-tp")
+    assert_same_curve(d, single, tol=1e-4)
+    log = (d / "logs" / "rank-0.log").read_text()
+    assert "fsdp over 4 ranks (mesh: dp_shard 2 x tp 2)" in log
+    assert "global batch 8 = 2 x 2 ranks x 2 accumulation steps" in log
+
+
+def test_a_tp_checkpoint_resumes_under_fsdp_and_exports_the_same_model(setup, single):
+    """Written at tp 2, read at fsdp (no tensor parallel): the curve goes on as one process's.
+    And the model a tp 2 run exports is the one a single process exports."""
+    tp2 = run_dir(setup, "tp2")
+    if not (tp2 / "checkpoints" / "step-00000005").is_dir():  # run alone (-k): make it
+        torchrun(2, "train", "--config", setup[1], "--set", "run.name=tp2", "--set", "parallel.tp=2")
+    torchrun(2, "train", "--config", setup[1], "--set", "run.name=from-tp", "--set", "parallel.strategy=fsdp",
+             "--set", f"train.resume={tp2 / 'checkpoints' / 'step-00000005'}")
+    resumed = run_dir(setup, "from-tp")
+    log = (resumed / "logs" / "rank-0.log").read_text()
+    assert f"resumed from {tp2}/checkpoints/step-00000005 (step 5, saved by 2 ranks)" in log
+    reference = {(kind, step): loss for kind, step, loss in losses(single)}
+    curve = losses(resumed)
+    assert [step for _, step, _ in curve][0] == 6
+    assert max(abs(loss - reference[kind, step]) for kind, step, loss in curve) <= 1e-4
+
+    out = setup[0] / "exported"
+    for name in ("tp2", "single"):
+        cli("export", "--run-dir", run_dir(setup, name), "--out", out / name, check=True)
+    a, b = (load_file(out / name / "model.safetensors") for name in ("tp2", "single"))
+    assert sorted(a) == sorted(b) and all(a[k].shape == b[k].shape for k in a)
+    assert max((a[k] - b[k]).abs().max().item() for k in a) < 1e-4
+    assert all(a[k].dtype == torch.float32 for k in a)
