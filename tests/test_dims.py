@@ -98,10 +98,7 @@ def tp_config(tmp_path, *sets, nodes=2, procs=4, **sections):
     (["parallel.strategy=fsdp", "parallel.tp=8"],  # 2 nodes x 4: a group of 8 would cross nodes
      "parallel.tp: must divide a node's 4 processes (got 8); a tensor-parallel group talks every layer and "
      "stays inside a node"),
-    (["parallel.strategy=fsdp", "parallel.tp=3"],  # every problem at once: the layout's and seq_len's
-     ["parallel.tp: must divide the world size 8 (got 3)",
-      "data.seq_len: must be divisible by parallel.tp 3 (got 64); between layers each rank of a "
-      "tensor-parallel group holds seq_len / tp tokens"]),
+    (["parallel.strategy=fsdp", "parallel.tp=3"], "parallel.tp: must divide the world size 8 (got 3)"),
     (["parallel.tp=2"],
      "parallel.tp: with 4 data-parallel ranks, tensor parallel needs parallel.strategy fsdp or hsdp (got ddp); "
      "or set parallel.tp to the world size 8"),

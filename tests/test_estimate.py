@@ -165,7 +165,9 @@ def test_the_cli_prints_the_table_and_the_verdict_for_8b_in_seconds(home, write_
     others = {m[0]: (float(m[1]), m[2]) for m in re.findall(
         r"^  (\w[\w +()-]*?) +(\d+\.\d\d) GiB (fits|too big)$", proc.stdout, re.MULTILINE)}
     assert list(others) == ["ddp", "ddp + checkpointing", "fsdp", "fsdp + checkpointing",
-                            "hsdp (8-way shards)", "hsdp + checkpointing (8-way shards)"], proc.stdout
+                            "hsdp (8-way shards)", "hsdp + checkpointing (8-way shards)",
+                            *(f"fsdp x tp {tp}{ac}" for tp in (2, 4, 8) for ac in ("", " + checkpointing"))
+                            ], proc.stdout
     assert others["fsdp + checkpointing"] == (rows["total"], "fits")
     assert others["ddp"][1] == "too big" and others["ddp"][0] > 120
     assert others["hsdp + checkpointing (8-way shards)"] == others["fsdp + checkpointing"]  # one node
@@ -175,6 +177,36 @@ def test_the_cli_prints_the_table_and_the_verdict_for_8b_in_seconds(home, write_
     assert small.returncode == 0, small.stderr
     assert small.stdout.splitlines()[-1].startswith(f"does not fit: {rows['total']:.2f} GiB > 14.4 GiB "
                                                     f"usable of 16 GiB (--gpu-mem; "), small.stdout
+
+
+def test_tensor_parallel_8_halves_what_70b_needs_per_gpu_and_tp_3_is_refused(home, write_config):
+    """Llama 3 70B on 64 H100s with checkpointing: fsdp x tp 8 holds the same weights, gradients
+    and optimizer state per GPU (sharded over 64 either way) but an eighth of the gathered
+    copies and of the activations; without checkpointing only tp 8 fits."""
+    config = write_config(llama(LLAMA_3_70B, 64))
+    proc = cli("estimate", "--config", config, "--set", "parallel.tp=8")
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stdout.startswith("llama: 70,553,706,496 parameters (70,553,706,496 trainable); fsdp x tp 8 on "
+                                  "64 GPUs, bf16, micro batch 1 x 8192 tokens"), proc.stdout
+    fsdp, tp8 = table(cli("estimate", "--config", config).stdout), table(proc.stdout)
+    for row in ("parameters", "optimizer state"):
+        assert tp8[row] == pytest.approx(fsdp[row], rel=0.01)  # 1/64 of the model either way
+    assert tp8["param copies"] == pytest.approx(fsdp["param copies"] / 8, rel=0.01)
+    assert tp8["activations"] < fsdp["activations"] / 4 and tp8["total"] < fsdp["total"] / 2
+    others = dict(re.findall(r"^  (\w[\w +()-]*?) +\d+\.\d\d GiB (fits|too big)$", proc.stdout, re.MULTILINE))
+    assert (others["fsdp"], others["fsdp x tp 8"], others["fsdp + checkpointing"]) == ("too big", "fits", "fits")
+    assert "largest micro batch that fits: " in proc.stdout and "global batch per data-parallel rank, 128 / 8 = 16" \
+        in proc.stdout
+
+    three = cli("estimate", "--config", config, "--set", "parallel.tp=3")
+    assert (three.returncode, three.stdout, three.stderr) == (
+        2, "", "parallel.tp: must divide the world size 64 (got 3)\n")
+    six_gpus = cli("estimate", "--config", config, "--set", "parallel.tp=3", "--set", "slurm.gpus_per_node=6",
+                   "--set", "slurm.nodes=8", "--set", "train.global_batch_size=32", "--set", "train.eval_samples=16",
+                   "--set", "data.seq_len=8190")  # a layout tp 3 fits: only the model refuses it
+    assert (six_gpus.returncode, six_gpus.stderr) == (
+        2, "parallel.tp: must divide the model's num_attention_heads 64 (got 3); each rank holds "
+           "num_attention_heads / tp of them\n")
 
 
 @pytest.mark.parametrize("args,code,line", [

@@ -120,7 +120,7 @@ def validate(cfg: Config, world_size: int | None = None) -> list[str]:
             f"train.global_batch_size: must be divisible by micro_batch_size x {what} "
             f"= {t.micro_batch_size} x {dp} = {micro} (got {t.global_batch_size})"
         )
-    if par.tp > 1 and d.seq_len % par.tp:
+    if par.tp > 1 and not parallel and d.seq_len % par.tp:
         p.append(f"data.seq_len: must be divisible by parallel.tp {par.tp} (got {d.seq_len}); between layers "
                  f"each rank of a tensor-parallel group holds seq_len / tp tokens")
     if par.tp > 1 and not t.chunked_loss:

@@ -43,6 +43,14 @@ layers, vocabulary; Pl, Pr, H: one layer's, the root's (embeddings, final norm, 
   parallel.prefetch_layers) and the previous reduce-scatter's fp32 input (4 Pl; the root's 4 Pr),
   kept until the next one instead of record_stream. DDP: none, NCCL reduces the buckets in place
 
+Tensor parallel (parallel.tp = t): every matrix (the layers' projections, the embedding, the
+head) is split over the t ranks of a group before FSDP2 shards the rest, so the parameter
+terms are divided by t (the norms' vectors, replicated, are left in: a few kB a layer); within a
+layer the activations of the heads and the MLP's features are divided by t, and so are the
+norms' (sequence parallel: each rank its seq_len / t tokens), but the gathered input each
+projection keeps (2 p h per token, the attention's and the MLP's) is whole on every rank; the
+loss holds the gathered hidden states and a chunk of V / t logits.
+
 The peak is the largest total of four moments: the loss at the end of forward (every activation
 kept), the backward of the last layer and of the first (the other layers' gradients reduced),
 and the root's reduce-scatter (FSDP2). It is tensor memory, what torch.cuda.max_memory_allocated
@@ -85,7 +93,7 @@ class ModelShape:
     model_type: str
     params: int
     trainable: int
-    rows: tuple  # (first dimension, numel, trainable, frozen linear weight) of every parameter
+    rows: tuple  # (first dimension, numel, trainable, frozen linear weight, a matrix) of every parameter
     layer: int  # parameters of the largest decoder layer
     layer_trainable: int
     layer_matrices: int  # its projections (2-D weights) and their parameters
@@ -122,6 +130,7 @@ class Estimate:
     world_size: int
     shard_size: int
     micro_batch: int
+    tp: int = 1
 
     @property
     def total(self) -> int:
@@ -155,7 +164,7 @@ def model_shape(cfg: Config) -> ModelShape:
         model_type=config.model_type,
         params=sum(p.numel() for p in params.values()),
         trainable=sum(p.numel() for p in params.values() if p.requires_grad),
-        rows=tuple((p.shape[0] if p.ndim else 1, p.numel(), p.requires_grad, id(p) in linear)
+        rows=tuple((p.shape[0] if p.ndim else 1, p.numel(), p.requires_grad, id(p) in linear, p.ndim == 2)
                    for p in params.values()),
         layer=sum(p.numel() for p in largest.values()),
         layer_trainable=sum(p.numel() for p in largest.values() if p.requires_grad),
@@ -175,37 +184,55 @@ def model_shape(cfg: Config) -> ModelShape:
 
 def shard_size(cfg: Config, world: int) -> int:
     """Ranks a parameter is sharded over, as parallel/dims.py decides (hsdp's default: a node)."""
+    return dims_of(cfg, world).shard
+
+
+def dims_of(cfg: Config, world: int) -> ParallelDims:
+    """The degrees parallel/dims.py decides for cfg on `world` ranks; UserError where they cannot work."""
     dims = ParallelDims.from_config(cfg, world)
     if problems := dims.problems():
         raise UserError(problems[0])
-    return dims.shard
+    return dims
+
+
+def _split(m: ModelShape, tp: int) -> ModelShape:
+    """What one rank of a tensor-parallel group holds of the sizes the formulas read: the
+    matrices' share (the norms' vectors, a few kB a layer, counted as split too)."""
+    if tp == 1:
+        return m
+    import dataclasses
+    return dataclasses.replace(m, **{name: getattr(m, name) // tp for name in (
+        "params", "trainable", "layer", "layer_trainable", "layer_matrix_params", "root", "root_trainable", "head",
+        "head_trainable", "intermediate", "heads", "kv_heads", "vocab")})
 
 
 def estimate(cfg: Config, world_size: int | None = None, micro_batch: int | None = None,
              shape: ModelShape | None = None) -> Estimate:
     """Bytes per rank at the peak of a training step of `cfg` on world_size ranks (default the
     config's), at micro_batch (default train.micro_batch_size)."""
-    m = shape or model_shape(cfg)
+    whole = shape or model_shape(cfg)
     world = world_size or cfg.world_size
     micro = micro_batch or cfg.train.micro_batch_size
     t, par = cfg.train, cfg.parallel
-    shard = shard_size(cfg, world)
+    dims = dims_of(cfg, world)
+    shard, tp = dims.shard, dims.tensor
+    m = _split(whole, tp)  # one rank's part of a tensor-parallel group's
     sharded = par.strategy != "ddp"
     p = PRECISION_BYTES[t.precision]
     autocast = not sharded and p < 4  # DDP and one process: fp32 weights, autocast to bf16/fp16
     res = p if sharded else 4  # the residual stream: FSDP2 computes in p, autocast leaves it fp32
     tokens = micro * cfg.data.seq_len
-    accum = max(1, t.global_batch_size // (micro * world))
+    accum = max(1, t.global_batch_size // (micro * dims.dp))
     h, L = m.hidden, m.layers
 
-    params = _param_bytes(m, shard, p, linear_only=not sharded)
-    grads = 4 * _sharded(m, shard, trainable_only=True)
-    deferred = 4 * m.trainable if sharded and not par.reduce_every_micro_batch and accum > 1 else 0
-    held = grads if (not sharded and world > 1) or accum > 1 else 0  # gradients there from forward on
-    layer_acts = tokens * _layer_bytes(m, p, res, autocast, cfg)
+    params = _param_bytes(whole, shard, p, linear_only=not sharded, tp=tp)
+    grads = 4 * _sharded(whole, shard, trainable_only=True, tp=tp)
+    deferred = 4 * whole.trainable // tp if sharded and not par.reduce_every_micro_batch and accum > 1 else 0
+    held = grads if (not sharded and dims.dp > 1) or accum > 1 else 0  # gradients there from forward on
+    layer_acts = tokens * _layer_bytes(m, p, res, autocast, cfg, tp)
     every = cfg.model.activation_checkpointing_every
     checkpointed = -(-L // every) if cfg.model.activation_checkpointing else 0
-    kept = (L - checkpointed) * layer_acts + checkpointed * tokens * res * h + tokens * (4 + res) * h
+    kept = (L - checkpointed) * layer_acts + (checkpointed * tokens * res * h + tokens * (4 + res) * h) // tp
     recompute = layer_acts if checkpointed else 0
     backward = tokens * (p * m.intermediate + 8 * h)
     mask = _mask_bytes(cfg, micro)
@@ -239,28 +266,32 @@ def estimate(cfg: Config, world_size: int | None = None, micro_batch: int | None
         }
     phase, (gradients, copies, activations, loss_bytes, comm) = max(
         phases.items(), key=lambda item: sum(item[1]))
-    return Estimate(parameters=params, gradients=gradients + deferred, optimizer=OPTIMIZERS[t.optimizer].state_bytes * _sharded(m, shard, trainable_only=True),
+    optimizer = OPTIMIZERS[t.optimizer].state_bytes * _sharded(whole, shard, trainable_only=True, tp=tp)
+    return Estimate(parameters=params, gradients=gradients + deferred, optimizer=optimizer,
                     param_copies=copies, activations=activations, loss=loss_bytes, comm=comm,
-                    phase=phase, params=m.params, trainable=m.trainable, world_size=world,
-                    shard_size=shard, micro_batch=micro)
+                    phase=phase, params=whole.params, trainable=whole.trainable, world_size=world,
+                    shard_size=shard, micro_batch=micro, tp=tp)
 
 
-def _sharded(m: ModelShape, shard: int, trainable_only: bool) -> int:
-    """Parameters one rank holds: FSDP2 gives each rank ceil(rows / shard) rows of each."""
-    return sum(-(-rows // shard) * (numel // rows) for rows, numel, trains, _ in m.rows
-               if trains or not trainable_only)
+def _sharded(m: ModelShape, shard: int, trainable_only: bool, tp: int = 1) -> int:
+    """Parameters one rank holds: FSDP2 gives each rank ceil(rows / shard) rows of each (of a
+    matrix's 1 / tp, tensor parallel's split)."""
+    return sum(-(-rows // shard) * (numel // rows) // (tp if matrix else 1)
+               for rows, numel, trains, _, matrix in m.rows if trains or not trainable_only)
 
 
-def _param_bytes(m: ModelShape, shard: int, p: int, linear_only: bool) -> int:
+def _param_bytes(m: ModelShape, shard: int, p: int, linear_only: bool, tp: int = 1) -> int:
     """The bytes of the parameters one rank holds: fp32, but a frozen base (LoRA) in p, all of
     it (FSDP2) or its linear layers' weights (autocast), as parallel/wrap.store_frozen_base."""
-    return sum(-(-rows // shard) * (numel // rows) * (4 if trains or (linear_only and not linear) else p)
-               for rows, numel, trains, linear in m.rows)
+    return sum(-(-rows // shard) * (numel // rows) // (tp if matrix else 1)
+               * (4 if trains or (linear_only and not linear) else p)
+               for rows, numel, trains, linear, matrix in m.rows)
 
 
-def _layer_bytes(m: ModelShape, p: int, res: int, autocast: bool, cfg: Config) -> int:
-    """Activation bytes one decoder layer keeps for backward, per token."""
-    norms = 2 * (4 + res) * m.hidden
+def _layer_bytes(m: ModelShape, p: int, res: int, autocast: bool, cfg: Config, tp: int = 1) -> int:
+    """Activation bytes one decoder layer keeps for backward, per token (`m`: one tensor-parallel
+    rank's part, whose norms see seq_len / tp tokens and whose projections the gathered input)."""
+    norms = 2 * (4 + res) * m.hidden // tp
     # autocast casts a norm's output once per projection reading it: all but the two output ones
     norm_outputs = (m.layer_matrices - 2 if autocast else 2) * p * m.hidden
     attention = p * 2 * (m.heads + m.kv_heads) * m.head_dim + 4 * m.heads
@@ -312,7 +343,7 @@ def gpu_memory(cfg: Config, gpu_mem_gib: float | None = None) -> tuple[str, floa
 def largest_micro_batch(cfg: Config, usable: float, world: int, shape: ModelShape) -> int | None:
     """The largest micro batch whose peak is within `usable` bytes, among those that divide the
     rank's share of train.global_batch_size (the config's rule); None if not even 1 fits."""
-    per_rank = max(1, cfg.train.global_batch_size // world)
+    per_rank = max(1, cfg.train.global_batch_size // dims_of(cfg, world).dp)
     fitting = [m for m in range(1, per_rank + 1)
                if per_rank % m == 0 and estimate(cfg, world, m, shape).total <= usable]
     return fitting[-1] if fitting else None
@@ -329,7 +360,8 @@ def report(cfg: Config, gpu_mem_gib: float | None = None, world_size: int | None
     checkpointing = ("off" if not mc.activation_checkpointing
                      else "every layer" if every == 1 else f"every {every} layers")
     lines = [f"{shape.model_type}: {shape.params:,} parameters ({shape.trainable:,} trainable); "
-             f"{cfg.parallel.strategy} on {est.world_size} {'GPUs' if cfg.slurm.gpus_per_node else 'ranks'}, "
+             f"{layout(cfg.parallel.strategy, est.tp)} on {est.world_size} "
+             f"{'GPUs' if cfg.slurm.gpus_per_node else 'ranks'}, "
              f"{t.precision}, micro batch "
              f"{est.micro_batch} x {cfg.data.seq_len} tokens, activation checkpointing {checkpointing}",
              f"{'per GPU':<16} {'GiB':>7}  what"]
@@ -350,21 +382,36 @@ def report(cfg: Config, gpu_mem_gib: float | None = None, world_size: int | None
                         f"shard over more GPUs (parallel.strategy: fsdp), turn on "
                         f"model.activation_checkpointing or shorten data.seq_len"]
     verdict = "fits: {:.2f} GiB <=" if est.total <= usable * GIB else "does NOT fit: {:.2f} GiB >"
+    dp = est.world_size // est.tp
+    share = (f"the global batch per GPU, {t.global_batch_size} / {est.world_size}" if est.tp == 1 else
+             f"the global batch per data-parallel rank, {t.global_batch_size} / {dp}")
     return lines + [f"{verdict.format(est.total / GIB)} {room}",
                     f"largest micro batch that fits: {best} (train.micro_batch_size is {t.micro_batch_size}; "
-                    f"it must divide the global batch per GPU, {t.global_batch_size} / {est.world_size} "
-                    f"= {t.global_batch_size // est.world_size})"]
+                    f"it must divide {share} = {t.global_batch_size // dp})"]
+
+
+def layout(strategy: str, tp: int) -> str:
+    return strategy if tp == 1 else f"{strategy} x tp {tp}"
 
 
 def alternatives(cfg: Config, world: int, shape: ModelShape, usable_gib: float | None) -> list[str]:
-    """One line per strategy (ddp, fsdp, hsdp) x activation checkpointing (off, every layer):
-    the total per GPU at this world size and micro batch, to see what another choice would need."""
+    """One line per strategy (ddp, fsdp, hsdp) x activation checkpointing (off, every layer),
+    then fsdp x tensor parallel (tp 2, 4, 8 where a node's GPUs and the model allow): the total
+    per GPU at this world size and micro batch, to see what another layout would need."""
     import dataclasses
+
+    from ..parallel.tensor import problems as tensor_problems
+    per_node = cfg.slurm.procs_per_node or cfg.slurm.gpus_per_node or 1
+    model = {"model_type": shape.model_type, "num_attention_heads": shape.heads,
+             "num_key_value_heads": shape.kv_heads, "vocab_size": shape.vocab, "intermediate_size": shape.intermediate}
+    layouts = [(strategy, 1) for strategy in ("ddp", "fsdp", "hsdp")] + [
+        ("fsdp", tp) for tp in (2, 4, 8) if per_node % tp == 0 and world % tp == 0
+        and not tensor_problems(shape.model_type, model, tp) and cfg.data.seq_len % tp == 0]
     cells = []
-    for strategy in ("ddp", "fsdp", "hsdp"):
+    for strategy, tp in layouts:
         for ac in (False, True):
             alt = dataclasses.replace(
-                cfg, parallel=dataclasses.replace(cfg.parallel, strategy=strategy),
+                cfg, parallel=dataclasses.replace(cfg.parallel, strategy=strategy, tp=tp),
                 model=dataclasses.replace(cfg.model, activation_checkpointing=ac,
                                           activation_checkpointing_every=1))
             try:
@@ -372,7 +419,7 @@ def alternatives(cfg: Config, world: int, shape: ModelShape, usable_gib: float |
             except UserError:  # hsdp's shard size does not divide this world size
                 continue
             fits = "" if usable_gib is None else (" fits" if total <= usable_gib else " too big")
-            name = f"{strategy}{' + checkpointing' if ac else ''}"
+            name = f"{layout(strategy, tp)}{' + checkpointing' if ac else ''}"
             if strategy == "hsdp":
                 name += f" ({shard_size(alt, world)}-way shards)"
             cells.append(f"  {name:<38} {total:>8.2f} GiB{fits}")
