@@ -127,6 +127,37 @@ def test_a_layout_that_cannot_work_is_one_line_from_check_config(tmp_path, sets,
     assert e.value.problems == (line if isinstance(line, list) else [line])
 
 
+@pytest.mark.parametrize("sets,line", [
+    (["parallel.strategy=fsdp", "parallel.cp=2", "parallel.tp=2", "data.seq_len=36"],
+     "data.seq_len: must be divisible by 2 x parallel.cp x parallel.tp = 8 (got 36); each context-parallel "
+     "rank takes 2 of 2 x cp chunks of a sequence"),
+    (["parallel.strategy=fsdp", "parallel.cp=3"], "parallel.cp: must divide the world size / parallel.tp = 8 (got 3)"),
+    (["parallel.strategy=fsdp", "parallel.cp=2", "model.attn_implementation=eager"],
+     "model.attn_implementation: context parallel attends with sdpa over the gathered keys and values (got "
+     "eager); set model.attn_implementation: sdpa"),
+    (["parallel.strategy=fsdp", "parallel.cp=2", "train.compile=true"],
+     "train.compile: not with context parallel yet (its attention gathers keys and values between ranks); set "
+     "train.compile: false with parallel.cp > 1"),
+    (["parallel.cp=2", "parallel.tp=2"],
+     "parallel.tp: with 4 data-parallel and context-parallel ranks, tensor parallel needs parallel.strategy fsdp "
+     "or hsdp (got ddp); or set parallel.tp to the world size 8"),
+])
+def test_a_context_parallel_layout_that_cannot_work_is_one_line(tmp_path, sets, line):
+    with pytest.raises(ConfigError) as e:
+        tp_config(tmp_path, *sets)
+    assert e.value.problems == [line]
+
+
+def test_context_parallel_ranks_sit_between_the_shards_and_tensor_parallel(tmp_path):
+    """16 ranks (2 nodes x 8), fsdp x cp 2 x tp 2: 4 data-parallel ranks; a step's loss adds
+    the 4 x 2 ranks' parts (each half of its sequences)."""
+    cfg = tp_config(tmp_path, "parallel.strategy=fsdp", "parallel.cp=2", "parallel.tp=2", procs=8)
+    dims = ParallelDims.from_config(cfg, 16)
+    assert (dims.shard, dims.context, dims.tensor, dims.dp, dims.loss_ranks) == (4, 2, 2, 4, 8)
+    assert dims.describe() == "fsdp over 16 ranks (mesh: dp_shard 4 x cp 2 x tp 2)"
+    assert [dims.dp_rank(r) for r in range(16)] == [r // 4 for r in range(16)]
+
+
 def test_a_model_without_a_tensor_parallel_plan_is_refused(tmp_path):
     arch = {"model_type": "gpt2", "n_embd": 64, "n_layer": 2, "n_head": 4, "n_positions": 128}
     with pytest.raises(ConfigError) as e:

@@ -52,7 +52,8 @@ def validate(cfg: Config, world_size: int | None = None) -> list[str]:
     per_node = None if world_size else (s.procs_per_node or s.gpus_per_node or 1)
     parallel = _check_parallel(cfg, world, per_node)
     p += parallel
-    dp = world // cfg.parallel.tp if not parallel and cfg.parallel.tp >= 1 else world  # data-parallel ranks
+    split = par.tp * par.cp if par.tp >= 1 and par.cp >= 1 else 1
+    dp = world // split if not parallel else world  # data-parallel ranks
     ranks = f"the world size {world}" if dp == world else f"the {dp} data-parallel ranks"
     if 0 < t.eval_samples < dp and t.eval_every > 0:
         p.append(f"train.eval_samples: must be >= {ranks}, so every rank evaluates "
@@ -115,14 +116,29 @@ def validate(cfg: Config, world_size: int | None = None) -> list[str]:
 
     micro = t.micro_batch_size * dp
     if micro > 0 and t.global_batch_size > 0 and t.global_batch_size % micro:
-        what = "world size" if dp == world else "data-parallel ranks (world size / parallel.tp)"
+        what = ("world size" if dp == world else "data-parallel ranks (world size / parallel.tp)" if par.cp == 1
+                else "data-parallel ranks (world size / (parallel.tp x parallel.cp))")
         p.append(
             f"train.global_batch_size: must be divisible by micro_batch_size x {what} "
             f"= {t.micro_batch_size} x {dp} = {micro} (got {t.global_batch_size})"
         )
-    if par.tp > 1 and not parallel and d.seq_len % par.tp:
-        p.append(f"data.seq_len: must be divisible by parallel.tp {par.tp} (got {d.seq_len}); between layers "
-                 f"each rank of a tensor-parallel group holds seq_len / tp tokens")
+    chunks = par.tp * (2 * par.cp if par.cp > 1 else 1)  # a sequence's pieces: 2 x cp chunks, each split by tp
+    if chunks > 1 and not parallel and d.seq_len % chunks:
+        if par.cp == 1:
+            p.append(f"data.seq_len: must be divisible by parallel.tp {par.tp} (got {d.seq_len}); between layers "
+                     f"each rank of a tensor-parallel group holds seq_len / tp tokens")
+        else:
+            p.append(f"data.seq_len: must be divisible by 2 x parallel.cp x parallel.tp = {chunks} (got "
+                     f"{d.seq_len}); each context-parallel rank takes 2 of 2 x cp chunks of a sequence")
+    elif chunks > 1 and not parallel and d.samples and not d.packing and 64 % chunks:
+        p.append(f"data.packing: unpacked samples are cut to a multiple of 64 tokens, which 2 x parallel.cp x "
+                 f"parallel.tp = {chunks} must divide; set data.packing: true or lower parallel.cp / parallel.tp")
+    if par.cp > 1 and cfg.model.attn_implementation != "sdpa":
+        p.append(f"model.attn_implementation: context parallel attends with sdpa over the gathered keys and "
+                 f"values (got {cfg.model.attn_implementation}); set model.attn_implementation: sdpa")
+    if par.cp > 1 and t.compile:
+        p.append("train.compile: not with context parallel yet (its attention gathers keys and values between "
+                 "ranks); set train.compile: false with parallel.cp > 1")
     if par.tp > 1 and not t.chunked_loss:
         p.append("train.chunked_loss: tensor parallel computes the loss from each rank's slice of the "
                  "vocabulary, chunk by chunk; set train.chunked_loss: true (got false)")
@@ -156,7 +172,7 @@ def _check_parallel(cfg: Config, world: int, per_node: int | None) -> list[str]:
     if par.shard_size is not None and par.strategy != "hsdp":
         return [f"parallel.shard_size: only used with parallel.strategy: hsdp (got strategy "
                 f"{par.strategy})"]
-    if par.tp == 1 and par.shard_size is None:  # the processes of one node, which always divide the world
+    if par.tp == 1 and par.cp == 1 and par.shard_size is None:  # the processes of one node, which always divide the world
         return []
     return ParallelDims.from_config(cfg, world, per_node).problems()
 

@@ -191,6 +191,10 @@ class ParallelConfig:
     # and hold a slice of the sequence between layers (sequence parallel); the data-parallel
     # degree is then world size / tp. Llama, Mistral, Qwen2, Qwen3; with fsdp or hsdp
     tp: int = 1
+    # context parallel: ranks that each take 2 of 2 x cp chunks of every sequence (a head and a
+    # tail chunk, so the causal work is even) and attend over the whole sequence's keys and values
+    # (gathered); the data-parallel degree is world size / (tp x cp)
+    cp: int = 1
     backend: Literal["auto", "nccl", "gloo"] = "auto"  # auto: nccl on GPUs, gloo on CPUs
     reshard_after_forward: bool = True  # FSDP2: free gathered params after forward (ZeRO-3)
     prefetch_layers: int = 1  # FSDP2: layers whose all-gather starts ahead of time; 0: FSDP2's implicit

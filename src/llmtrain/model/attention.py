@@ -111,3 +111,63 @@ def block_mask_bytes(batch: int, seq: int) -> int:
     (a count per tile row and an index per tile pair, int32 each) and the document ids (int64)."""
     tiles = -(-seq // BLOCK)
     return batch * (4 * 4 * tiles * (tiles + 1) + 8 * seq)
+
+
+def context_parallel_attention(model: torch.nn.Module, group, device_type: str) -> None:
+    """Attention where each rank of `group` (parallel.cp ranks) holds 2 of the 2 x cp chunks of
+    every sequence, rank r chunks r and 2 cp - 1 - r (context_chunks): its queries attend over the
+    whole sequence's keys and values, gathered from the group (their gradients go back
+    reduce-scattered), under the [batch, 1, local, whole] boolean mask lm_loss passes (causal by
+    the tokens' places in the whole sequence, and within documents). Exact: the same sums as one
+    rank attending over the whole sequence."""
+    from torch.distributed.device_mesh import DeviceMesh
+    from torch.distributed.tensor import DTensor, Partial, Shard
+    from transformers import AttentionInterface
+    from transformers.integrations.sdpa_attention import sdpa_attention_forward
+
+    mesh = DeviceMesh.from_group(group, device_type)
+    cp = group.size()
+
+    def whole(x: torch.Tensor) -> torch.Tensor:  # [batch, heads, 2 chunks, dim] -> in sequence order
+        gathered = DTensor.from_local(x, mesh, [Shard(2)]).full_tensor(grad_placements=[Partial()])
+        return gathered.index_select(2, _gathered_order(cp, x.shape[2] // 2, x.device))
+
+    def attend(module, query, key, value, attention_mask, **kwargs):
+        if not isinstance(attention_mask, torch.Tensor):
+            raise RuntimeError("context parallel attention needs lm_loss's mask over the whole sequence")
+        return sdpa_attention_forward(module, query, whole(key), whole(value), attention_mask, **kwargs)
+    AttentionInterface.register(CP_SDPA, attend)
+    model.set_attn_implementation(CP_SDPA)
+
+
+CP_SDPA = "llmtrain_context_parallel_sdpa"
+
+
+def context_chunks(seq: int, rank: int, cp: int, device=None) -> torch.Tensor:
+    """The places in a sequence of `seq` tokens that context-parallel rank `rank` of `cp` holds:
+    chunks rank and 2 cp - 1 - rank of 2 cp (a head and a tail chunk, so that every rank has as
+    much causal attention to compute)."""
+    c = seq // (2 * cp)
+    return torch.cat([torch.arange(rank * c, (rank + 1) * c, device=device),
+                      torch.arange((2 * cp - 1 - rank) * c, (2 * cp - rank) * c, device=device)])
+
+
+def _gathered_order(cp: int, c: int, device) -> torch.Tensor:
+    """Indices that put the ranks' gathered chunks (rank j: chunk j, then chunk 2 cp - 1 - j) in
+    sequence order."""
+    order = [j * 2 * c + (0 if chunk < cp else c) for chunk in range(2 * cp)
+             for j in [chunk if chunk < cp else 2 * cp - 1 - chunk]]
+    return torch.cat([torch.arange(start, start + c, device=device) for start in order])
+
+
+def context_mask(places: torch.Tensor, seq: int, positions: torch.Tensor | None = None) -> torch.Tensor:
+    """The [batch or 1, 1, len(places), seq] mask of a context-parallel rank's queries (at
+    `places` of the sequence) over the whole sequence's keys: causal, and within documents where
+    `positions` (the whole sequence's, [batch, seq]) mark them."""
+    keys = torch.arange(seq, device=places.device)
+    allowed = places[:, None] >= keys[None, :]  # [local, seq]
+    if positions is None:
+        return allowed[None, None]
+    document = (positions == 0).cumsum(dim=1)  # [batch, seq]
+    same = document[:, places][:, :, None] == document[:, None, :]
+    return (allowed[None] & same)[:, None]

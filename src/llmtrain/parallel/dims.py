@@ -48,17 +48,17 @@ class ParallelDims:
         """The degrees of `cfg` (a config.Config) on `world_size` ranks. procs_per_node: the processes of one node
         (torchrun's LOCAL_WORLD_SIZE in a job), hsdp's default shard group; None: the slurm
         section's."""
-        strategy, tp = cfg.parallel.strategy, cfg.parallel.tp
+        strategy, tp, cp = cfg.parallel.strategy, cfg.parallel.tp, cfg.parallel.cp
         known = procs_per_node or 0
-        dp = world_size // tp if tp >= 1 else 0
+        dp = world_size // (tp * cp) if tp >= 1 and cp >= 1 else 0
         if strategy == "ddp":
-            return cls(world_size, strategy, replicate=dp, tensor=tp, per_node=known)
+            return cls(world_size, strategy, replicate=dp, context=cp, tensor=tp, per_node=known)
         if strategy == "fsdp":
-            return cls(world_size, strategy, shard=dp, tensor=tp, per_node=known)
+            return cls(world_size, strategy, shard=dp, context=cp, tensor=tp, per_node=known)
         per_node = procs_per_node or min(world_size, cfg.world_size // cfg.slurm.nodes)
-        shard = cfg.parallel.shard_size or (per_node // tp if tp >= 1 else 0)
-        return cls(world_size, strategy, replicate=dp // shard if shard >= 1 else 0, shard=shard, tensor=tp,
-                   per_node=known)
+        shard = cfg.parallel.shard_size or (per_node // (tp * cp) if tp >= 1 and cp >= 1 else 0)
+        return cls(world_size, strategy, replicate=dp // shard if shard >= 1 else 0, shard=shard, context=cp,
+                   tensor=tp, per_node=known)
 
     def problems(self) -> list[str]:
         """What is wrong, one line each, naming the key to change."""
@@ -68,13 +68,17 @@ class ParallelDims:
         if tp > 1 and self.per_node and self.per_node % tp:
             return [f"parallel.tp: must divide a node's {self.per_node} processes (got {tp}); a tensor-parallel "
                     f"group talks every layer and stays inside a node"]
-        if tp > 1 and self.strategy == "ddp" and self.dp > 1:
-            return [f"parallel.tp: with {self.dp} data-parallel ranks, tensor parallel needs parallel.strategy "
-                    f"fsdp or hsdp (got ddp); or set parallel.tp to the world size {self.world_size}"]
-        if self.strategy == "hsdp" and (self.shard < 1 or (self.world_size // tp) % self.shard):
-            if tp > 1:
-                return [f"parallel.shard_size: must divide the {self.world_size // tp} data-parallel ranks "
-                        f"(world size {self.world_size} / parallel.tp {tp}; got {self.shard})"]
+        if tp > 1 and self.strategy == "ddp" and self.dp * self.context > 1:
+            ranks = "data-parallel" if self.context == 1 else "data-parallel and context-parallel"
+            return [f"parallel.tp: with {self.dp * self.context} {ranks} ranks, tensor parallel needs "
+                    f"parallel.strategy fsdp or hsdp (got ddp); or set parallel.tp to the world size {self.world_size}"]
+        cp = self.context
+        if cp < 1 or (self.world_size // tp) % cp:
+            return [f"parallel.cp: must divide the world size / parallel.tp = {self.world_size // tp} (got {cp})"]
+        if self.strategy == "hsdp" and (self.shard < 1 or (self.world_size // (tp * cp)) % self.shard):
+            if tp * cp > 1:
+                return [f"parallel.shard_size: must divide the {self.world_size // (tp * cp)} data-parallel ranks "
+                        f"(world size {self.world_size} / (parallel.tp {tp} x parallel.cp {cp}); got {self.shard})"]
             return [f"parallel.shard_size: must divide the world size {self.world_size} (got {self.shard}); "
                     f"hsdp shards within groups of shard_size ranks and replicates across them"]
         product = self.pipeline * self.replicate * self.shard * self.context * self.tensor
@@ -98,11 +102,18 @@ class ParallelDims:
         """`rank`'s place among the data-parallel ranks (its batch share), by the layout above."""
         return rank // (self.context * self.tensor) % self.dp
 
+    @property
+    def loss_ranks(self) -> int:
+        """The ranks whose losses add up to the step's: the data-parallel ranks, each cut into
+        parallel.cp parts of the sequence (the gradients are averaged over as many)."""
+        return self.dp * self.context
+
     def fsdp_mesh(self, device_type: str):
         """The mesh FSDP2 shards over: None for fsdp (its default, one group of every rank); for
         hsdp a 2-D (replicate, shard) mesh: sharded within a group, replicated across groups.
-        With tensor parallel, the data-parallel part of the run's mesh."""
-        if self.tensor > 1:
+        With tensor or context parallel, the data-parallel part of the run's mesh (the ranks of a
+        context-parallel group hold the same weights: FSDP2 shards them over those too)."""
+        if self.tensor > 1 or self.context > 1:
             return self.mesh(device_type)["shard" if self.strategy == "fsdp" else ("replicate", "shard")]
         if self.strategy != "hsdp":
             return None
@@ -114,14 +125,18 @@ class ParallelDims:
         return self.mesh(device_type)["tensor"]
 
     def mesh(self, device_type: str):
-        """The run's device mesh, (replicate, shard, tensor), made once per process."""
+        """The run's device mesh, (replicate, shard x context, tensor), made once per process."""
         return _mesh(self, device_type)
+
+    def cp_group(self):
+        """This rank's context-parallel process group (every rank makes every group, once)."""
+        return _cp_group(self)
 
     def describe(self) -> str:
         """For the start-up log line: 'ddp over 4 ranks', 'hsdp over 8 ranks (2 replicas x 4-way shards)',
         'fsdp over 8 ranks (mesh: dp_shard 4 x tp 2)'."""
         ranks = f"{self.world_size} rank{'s' if self.world_size != 1 else ''}"
-        if self.tensor > 1:
+        if self.tensor > 1 or self.context > 1:
             sizes = {"dp_replicate": self.replicate, "dp_shard": self.shard, "cp": self.context, "tp": self.tensor}
             return (f"{self.strategy} over {ranks} (mesh: "
                     f"{' x '.join(f'{name} {n}' for name, n in sizes.items() if n > 1)})")
@@ -133,5 +148,16 @@ class ParallelDims:
 @functools.cache
 def _mesh(dims: ParallelDims, device_type: str):
     from torch.distributed.device_mesh import init_device_mesh
-    return init_device_mesh(device_type, (dims.replicate, dims.shard, dims.tensor),
+    return init_device_mesh(device_type, (dims.replicate, dims.shard * dims.context, dims.tensor),
                             mesh_dim_names=("replicate", "shard", "tensor"))
+
+
+@functools.cache
+def _cp_group(dims: ParallelDims):
+    """The ranks that differ only in their context coordinate: rank = (dp x cp + c) x tp + t."""
+    import torch.distributed as dist
+    cp, tp = dims.context, dims.tensor
+    groups = [[(d * cp + c) * tp + t for c in range(cp)] for d in range(dims.world_size // (cp * tp))
+              for t in range(tp)]
+    group, _ = dist.new_subgroups_by_enumeration(groups)
+    return group

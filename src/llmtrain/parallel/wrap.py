@@ -40,7 +40,7 @@ from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 from ..config import Config
-from ..model.attention import causal_attention
+from ..model.attention import causal_attention, context_parallel_attention
 from ..model.build import build_model, decoder_layers, pretrained_dir
 from ..model.lora import apply_lora, frozen_weights, init_adapters
 from .dims import SHARDED_STRATEGIES
@@ -60,7 +60,9 @@ def parallelize(cfg: Config, config, world: World, watch=None, resuming: bool = 
     with phase("building"):
         model = build_model(config, cfg, "meta")
         reference = build_model(config, cfg, "meta", buffers="cpu")  # full shapes, real buffers
-        if cfg.model.attn_implementation == "sdpa":
+        if world.dims.context > 1:  # config/rules.py: sdpa only
+            context_parallel_attention(model, world.dims.cp_group(), world.device.type)
+        elif cfg.model.attn_implementation == "sdpa":
             causal_attention(model)
         lora = cfg.model.lora_spec
         if lora is not None:
@@ -90,15 +92,18 @@ def parallelize(cfg: Config, config, world: World, watch=None, resuming: bool = 
             init_adapters(model, cfg.train.seed, local_slices)
         copy_buffers(model, reference)
     del reference
-    if not world.dims.sharded and world.dims.dp > 1:
+    if not world.dims.sharded and world.dims.loss_ranks > 1:  # over the world: rules.py allows no tp here
         # Gradients live in DDP's all-reduce buckets (no second copy, no copy-in per step), and
         # no buffer broadcast before every forward: the only buffers (rotary frequencies) are
         # computed alike on every rank and never change.
         # (torch 2.13 renamed broadcast_buffers to forward_sync_buffers and warns at the old name)
         no_sync = ("forward_sync_buffers" if "forward_sync_buffers" in inspect.signature(DDP).parameters
                    else "broadcast_buffers")
+        # With context parallel, gradients as views of the buckets came out wrong after a no_sync
+        # micro-batch (grad norm 1.40 for 1.20 at step 1, torch 2.13, gloo; exact without
+        # accumulation): they get their own tensors there, one more gradient-sized copy.
         model = DDP(model, device_ids=[world.local_rank] if world.device.type == "cuda" else None,
-                    gradient_as_bucket_view=True, **{no_sync: False})
+                    gradient_as_bucket_view=world.dims.context == 1, **{no_sync: False})
     return model
 
 

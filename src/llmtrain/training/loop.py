@@ -161,7 +161,8 @@ def run(cfg: Config, world: World, watch: Watchdog, run_lock: RunLock) -> None:
                                 hf_files=(config, tokenizer))
     job = Job(cfg, model, head, optimizer, scaler, checkpointer, sampler, state, train_data, val_data, accum,
               flops_per_token(config, n_params, seq_len, num_params(model, trainable=True))
-              * t.global_batch_size * seq_len)
+              * t.global_batch_size * seq_len,
+              cp_group=world.dims.cp_group() if world.dims.context > 1 else None)
     checkpointer.estimate_save(model, optimizer)  # the deadline's figure until a save is timed
     with watch.phase("resuming"):
         resumed = checkpointer.load(model, optimizer)  # a refused resume raises here
@@ -207,9 +208,10 @@ class Job:
     flops_per_step: float
     reason: str = "done"  # why the loop ended (control.py's reasons)
     provenance: dict | None = None  # this start's provenance.json (rank 0), for the W&B run
+    cp_group: object = None  # context parallel: the ranks that share this rank's sequences (lm_loss)
 
     def __post_init__(self):
-        self.step = Step(self.model, self.head, self.optimizer, self.scaler, self.cfg)
+        self.step = Step(self.model, self.head, self.optimizer, self.scaler, self.cfg, self.cp_group)
 
     def carried(self) -> dict:
         """What a checkpoint carries besides the model and optimizer (into meta.json)."""
@@ -245,7 +247,7 @@ def loop(cfg: Config, world: World, watch: Watchdog, log: Log, job: Job) -> None
             with hooks.phase("data"):
                 micro_batches, targets = prefetch.next(batch)
             # Forward and backward over the micro-batches; gradients reduced on the last one.
-            loss, grad_norm = step.forward_backward(micro_batches, targets / world.dims.dp, hooks.loss_factor(n),
+            loss, grad_norm = step.forward_backward(micro_batches, targets / world.dims.loss_ranks, hooks.loss_factor(n),
                                                     norm=due.logs or t.grad_clip > 0, phase=hooks.phase)
             hooks.synced(n)
             # One all-reduce on the device: did any rank ask to stop or save, or see a non-finite step?

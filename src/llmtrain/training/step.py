@@ -31,8 +31,9 @@ def no_phase(name: str):
 
 
 class Step:
-    def __init__(self, model, head, optimizer, scaler: torch.amp.GradScaler, cfg: Config):
+    def __init__(self, model, head, optimizer, scaler: torch.amp.GradScaler, cfg: Config, cp_group=None):
         self.model, self.head, self.optimizer, self.scaler, self.cfg = model, head, optimizer, scaler, cfg
+        self.cp_group = cp_group  # context parallel: this rank's part of every sequence (lm_loss)
         # Who decides a skip: the device (the optimizer reads the flag), or the host.
         self.host_decides = scaler.is_enabled() or not OPTIMIZERS[cfg.train.optimizer].skips_on_device
 
@@ -44,7 +45,8 @@ class Step:
 
         The step's loss is the mean over all its trained targets, every rank's and micro-batch's:
         each micro-batch's summed loss is divided by `normaliser`, the step's count of trained
-        targets over the data-parallel degree (the gradient reduction averages over those ranks).
+        targets over the data-parallel degree times the context-parallel one (the gradient reduction
+        averages over those ranks: ParallelDims.loss_ranks).
         So neither the micro-batch size, the accumulation nor the world size changes it, however
         unevenly the trained tokens fall; the mean over ranks of what this returns is that loss.
         `phase`: the profiler's labels (training/profiling.py)."""
@@ -52,7 +54,7 @@ class Step:
         for i, batch in enumerate(micro_batches):
             with gradient_sync(model, i == len(micro_batches) - 1, cfg):
                 with phase("forward"), autocast(cfg, batch.tokens.device):
-                    loss = lm_loss(model, batch, self.head, max(normaliser, 1e-9)) * loss_factor
+                    loss = lm_loss(model, batch, self.head, max(normaliser, 1e-9), self.cp_group) * loss_factor
                 with phase("backward"):
                     self.scaler.scale(loss).backward()
             total = loss.detach() if total is None else total + loss.detach()
