@@ -209,6 +209,23 @@ def test_tensor_parallel_8_halves_what_70b_needs_per_gpu_and_tp_3_is_refused(hom
            "num_attention_heads / tp of them\n")
 
 
+def test_context_parallel_2_on_top_of_tp_8_fits_32k_tokens_in_less(home, write_config):
+    """70B at 32k tokens a sequence (rope scaled to 128k) on 64 H100s: fsdp alone does not fit
+    even with checkpointing; x tp 8 does, and x cp 2 halves each rank's tokens again (a quarter
+    of the weights' shards' neighbours: FSDP2 shards over the cp pair too)."""
+    config = write_config(llama({**LLAMA_3_70B, "max_position_embeddings": 131072}, 64, data={"seq_len": 32768}))
+    proc = cli("estimate", "--config", config, "--set", "parallel.tp=8", "--set", "parallel.cp=2")
+    assert proc.returncode == 0, proc.stderr
+    assert "; fsdp x cp 2 x tp 8 on 64 GPUs" in proc.stdout.splitlines()[0]
+    assert "fp32, sharded over 8 GPUs after tp 8's split" in proc.stdout
+    totals = {m[0]: float(m[1]) for m in re.findall(r"^  (\w[\w +()-]*?) +(\d+\.\d\d) GiB (?:fits|too big)$",
+                                                    proc.stdout, re.MULTILINE)}
+    assert totals["fsdp + checkpointing"] > 80 > 72 > totals["fsdp x tp 8 + checkpointing"]
+    assert totals["fsdp x cp 2 x tp 8 + checkpointing"] < totals["fsdp x tp 8 + checkpointing"]
+    assert totals["fsdp x cp 2 x tp 8"] < totals["fsdp x tp 8"] / 1.5
+    assert table(proc.stdout)["total"] == totals["fsdp x cp 2 x tp 8 + checkpointing"]
+
+
 @pytest.mark.parametrize("args,code,line", [
     (["--gpu-mem", "-1"], 1, "error: --gpu-mem: must be a GPU's memory in GiB, > 0 (got -1.0)"),
     (["--world-size", "0"], 1, "error: --world-size: must be >= 1 (got 0)"),

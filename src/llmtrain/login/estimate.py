@@ -51,6 +51,11 @@ norms' (sequence parallel: each rank its seq_len / t tokens), but the gathered i
 projection keeps (2 p h per token, the attention's and the MLP's) is whole on every rank; the
 loss holds the gathered hidden states and a chunk of V / t logits.
 
+Context parallel (parallel.cp = c): a rank computes seq_len / c tokens of each sequence, so every
+per-token term above is for T / c tokens; each layer also keeps the keys and values gathered
+from the group for its attention's backward, p 2 k d (seq_len - seq_len / c) per row, and the
+step holds the boolean mask of its queries over the whole sequence, seq_len^2 / c bytes a row.
+
 The peak is the largest total of four moments: the loss at the end of forward (every activation
 kept), the backward of the last layer and of the first (the other layers' gradients reduced),
 and the root's reduce-scatter (FSDP2). It is tensor memory, what torch.cuda.max_memory_allocated
@@ -215,13 +220,14 @@ def estimate(cfg: Config, world_size: int | None = None, micro_batch: int | None
     micro = micro_batch or cfg.train.micro_batch_size
     t, par = cfg.train, cfg.parallel
     dims = dims_of(cfg, world)
-    shard, tp = dims.shard, dims.tensor
+    tp, cp = dims.tensor, dims.context
+    shard = dims.shard * (cp if par.strategy != "ddp" else 1)  # FSDP2 shards over the context-parallel ranks too
     m = _split(whole, tp)  # one rank's part of a tensor-parallel group's
     sharded = par.strategy != "ddp"
     p = PRECISION_BYTES[t.precision]
     autocast = not sharded and p < 4  # DDP and one process: fp32 weights, autocast to bf16/fp16
     res = p if sharded else 4  # the residual stream: FSDP2 computes in p, autocast leaves it fp32
-    tokens = micro * cfg.data.seq_len
+    tokens = micro * cfg.data.seq_len // cp  # this rank's share of the micro-batch's
     accum = max(1, t.global_batch_size // (micro * dims.dp))
     h, L = m.hidden, m.layers
 
@@ -230,12 +236,14 @@ def estimate(cfg: Config, world_size: int | None = None, micro_batch: int | None
     deferred = 4 * whole.trainable // tp if sharded and not par.reduce_every_micro_batch and accum > 1 else 0
     held = grads if (not sharded and dims.dp > 1) or accum > 1 else 0  # gradients there from forward on
     layer_acts = tokens * _layer_bytes(m, p, res, autocast, cfg, tp)
+    if cp > 1:  # the other ranks' keys and values, gathered for attention and kept for its backward
+        layer_acts += micro * (cfg.data.seq_len - cfg.data.seq_len // cp) * 2 * m.kv_heads * m.head_dim * p
     every = cfg.model.activation_checkpointing_every
     checkpointed = -(-L // every) if cfg.model.activation_checkpointing else 0
     kept = (L - checkpointed) * layer_acts + (checkpointed * tokens * res * h + tokens * (4 + res) * h) // tp
     recompute = layer_acts if checkpointed else 0
     backward = tokens * (p * m.intermediate + 8 * h)
-    mask = _mask_bytes(cfg, micro)
+    mask = _mask_bytes(cfg, micro) if cp == 1 else micro * cfg.data.seq_len ** 2 // cp  # cp: a bool mask
     kept += mask
     loss = _loss_bytes(m, tokens, p, res, autocast and (m.head_trainable > 0 or not m.head_linear))
 
@@ -360,7 +368,7 @@ def report(cfg: Config, gpu_mem_gib: float | None = None, world_size: int | None
     checkpointing = ("off" if not mc.activation_checkpointing
                      else "every layer" if every == 1 else f"every {every} layers")
     lines = [f"{shape.model_type}: {shape.params:,} parameters ({shape.trainable:,} trainable); "
-             f"{layout(cfg.parallel.strategy, est.tp)} on {est.world_size} "
+             f"{layout(cfg.parallel.strategy, est.tp, cfg.parallel.cp)} on {est.world_size} "
              f"{'GPUs' if cfg.slurm.gpus_per_node else 'ranks'}, "
              f"{t.precision}, micro batch "
              f"{est.micro_batch} x {cfg.data.seq_len} tokens, activation checkpointing {checkpointing}",
@@ -382,36 +390,38 @@ def report(cfg: Config, gpu_mem_gib: float | None = None, world_size: int | None
                         f"shard over more GPUs (parallel.strategy: fsdp), turn on "
                         f"model.activation_checkpointing or shorten data.seq_len"]
     verdict = "fits: {:.2f} GiB <=" if est.total <= usable * GIB else "does NOT fit: {:.2f} GiB >"
-    dp = est.world_size // est.tp
-    share = (f"the global batch per GPU, {t.global_batch_size} / {est.world_size}" if est.tp == 1 else
+    dp = est.world_size // (est.tp * cfg.parallel.cp)
+    share = (f"the global batch per GPU, {t.global_batch_size} / {est.world_size}" if dp == est.world_size else
              f"the global batch per data-parallel rank, {t.global_batch_size} / {dp}")
     return lines + [f"{verdict.format(est.total / GIB)} {room}",
                     f"largest micro batch that fits: {best} (train.micro_batch_size is {t.micro_batch_size}; "
                     f"it must divide {share} = {t.global_batch_size // dp})"]
 
 
-def layout(strategy: str, tp: int) -> str:
-    return strategy if tp == 1 else f"{strategy} x tp {tp}"
+def layout(strategy: str, tp: int, cp: int = 1) -> str:
+    return strategy + (f" x cp {cp}" if cp > 1 else "") + (f" x tp {tp}" if tp > 1 else "")
 
 
 def alternatives(cfg: Config, world: int, shape: ModelShape, usable_gib: float | None) -> list[str]:
     """One line per strategy (ddp, fsdp, hsdp) x activation checkpointing (off, every layer),
-    then fsdp x tensor parallel (tp 2, 4, 8 where a node's GPUs and the model allow): the total
-    per GPU at this world size and micro batch, to see what another layout would need."""
+    then fsdp x tensor parallel (tp 2, 4, 8 where a node's GPUs and the model allow) and the
+    largest of those x context parallel 2: the total per GPU at this world size and micro batch,
+    to see what another layout would need."""
     import dataclasses
 
     from ..parallel.tensor import problems as tensor_problems
     per_node = cfg.slurm.procs_per_node or cfg.slurm.gpus_per_node or 1
     model = {"model_type": shape.model_type, "num_attention_heads": shape.heads,
              "num_key_value_heads": shape.kv_heads, "vocab_size": shape.vocab, "intermediate_size": shape.intermediate}
-    layouts = [(strategy, 1) for strategy in ("ddp", "fsdp", "hsdp")] + [
-        ("fsdp", tp) for tp in (2, 4, 8) if per_node % tp == 0 and world % tp == 0
-        and not tensor_problems(shape.model_type, model, tp) and cfg.data.seq_len % tp == 0]
+    tps = [tp for tp in (2, 4, 8) if per_node % tp == 0 and world % tp == 0
+           and not tensor_problems(shape.model_type, model, tp) and cfg.data.seq_len % tp == 0]
+    layouts = ([(strategy, 1, 1) for strategy in ("ddp", "fsdp", "hsdp")] + [("fsdp", tp, 1) for tp in tps]
+               + [("fsdp", tp, 2) for tp in tps[-1:] if world % (2 * tp) == 0 and cfg.data.seq_len % (4 * tp) == 0])
     cells = []
-    for strategy, tp in layouts:
+    for strategy, tp, cp in layouts:
         for ac in (False, True):
             alt = dataclasses.replace(
-                cfg, parallel=dataclasses.replace(cfg.parallel, strategy=strategy, tp=tp),
+                cfg, parallel=dataclasses.replace(cfg.parallel, strategy=strategy, tp=tp, cp=cp),
                 model=dataclasses.replace(cfg.model, activation_checkpointing=ac,
                                           activation_checkpointing_every=1))
             try:
@@ -419,7 +429,7 @@ def alternatives(cfg: Config, world: int, shape: ModelShape, usable_gib: float |
             except UserError:  # hsdp's shard size does not divide this world size
                 continue
             fits = "" if usable_gib is None else (" fits" if total <= usable_gib else " too big")
-            name = f"{layout(strategy, tp)}{' + checkpointing' if ac else ''}"
+            name = f"{layout(strategy, tp, cp)}{' + checkpointing' if ac else ''}"
             if strategy == "hsdp":
                 name += f" ({shard_size(alt, world)}-way shards)"
             cells.append(f"  {name:<38} {total:>8.2f} GiB{fits}")
@@ -434,8 +444,9 @@ def _descriptions(cfg: Config, est: Estimate, shape: ModelShape) -> dict[str, st
         copies = "none (fp32)" if precision == "fp32" else f"{precision} weights cached by autocast"
         comm = "none: NCCL reduces the buckets in place"
     else:
-        replicas = est.world_size // est.shard_size
-        where = f"sharded over {est.shard_size} GPUs" + (f", {replicas} replicas" if replicas > 1 else "")
+        replicas = est.world_size // (est.shard_size * est.tp)
+        where = (f"sharded over {est.shard_size} GPUs" + (f" after tp {est.tp}'s split" if est.tp > 1 else "")
+                 + (f", {replicas} replicas" if replicas > 1 else ""))
         grads = "fp32 shards; unsharded ones in flight (the head's, a layer's)"
         copies = f"{precision}: the root (embeddings, head) and the layers gathered now"
         comm = "the prefetched layer's all-gather, a reduce-scatter input"
