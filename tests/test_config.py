@@ -13,7 +13,7 @@ from conftest import DEMO, REPO, cli, llmtrain, tiny_config
 from llmtrain.config import ConfigError, load_config
 
 
-@pytest.mark.parametrize("path", ["config.yaml", "configs/demo.yaml"])
+@pytest.mark.parametrize("path", ["config.yaml", "configs/demo.yaml", "configs/llama3-70b.yaml"])
 def test_shipped_configs_are_valid(home, path):
     proc = llmtrain("check-config", REPO / path)
     assert proc.returncode == 0, proc.stderr
