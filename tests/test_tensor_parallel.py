@@ -13,9 +13,11 @@ from conftest import assert_same_curve, cli, losses, prepared_home, run_dir, tin
 
 pytestmark = pytest.mark.slow
 
-TIED = {"model_type": "llama", "hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 2,
-        "num_attention_heads": 4, "num_key_value_heads": 2, "max_position_embeddings": 128,
-        "tie_word_embeddings": True}
+# Qwen3: its q_norm and k_norm work on each head's features (each rank normalises its own heads),
+# and its head is tied to the embedding.
+QWEN3_TIED = {"model_type": "qwen3", "hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 2,
+              "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 16, "max_position_embeddings": 128,
+              "tie_word_embeddings": True}
 
 
 @pytest.fixture(scope="module")
@@ -42,15 +44,15 @@ def test_tp2_gives_one_process_curve_and_splits_the_model(setup, single):
     assert "Traceback" not in proc.stderr
 
 
-def test_a_tied_head_stays_tied_under_tp2(setup):
+def test_a_tied_qwen3_stays_tied_under_tp2(setup):
     """The head is the embedding's sharded parameter: one parameter count, one process's curve
-    (an untied copy would train two matrices apart and drift)."""
-    tied = ["--set", f"model.architecture={json.dumps(TIED)}"]
+    (an untied copy would train two matrices apart and drift); Qwen3's per-head norms too."""
+    tied = ["--set", f"model.architecture={json.dumps(QWEN3_TIED)}"]
     cli("train", "--config", setup[1], "--set", "run.name=tied-single", *tied, check=True)
     torchrun(2, "train", "--config", setup[1], "--set", "run.name=tied-tp2", "--set", "parallel.tp=2", *tied)
     assert_same_curve(run_dir(setup, "tied-tp2"), run_dir(setup, "tied-single"), tol=1e-4)
     log = (run_dir(setup, "tied-tp2") / "logs" / "rank-0.log").read_text()
-    assert "model: 106,816 parameters" in log  # 139,584 untied: the 512 x 64 head counted once
+    assert "model: 106,880 parameters" in log  # 139,648 untied: the 512 x 64 head counted once
 
 
 def test_fsdp_x_tp_on_four_processes_gives_one_process_curve(setup, single):
