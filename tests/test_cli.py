@@ -155,3 +155,18 @@ def test_help_lists_the_users_commands_and_not_the_scripts_plumbing(monkeypatch)
                            (["sweep", "status"], "usage: llmtrain sweep status [-h] [--config FILE] SWEEP_DIR|NAME")):
         proc = cli(*command, "--help")
         assert proc.returncode == 0 and proc.stdout.startswith(usage), proc.stdout
+
+
+def test_the_torchrun_agent_gives_its_workers_time_to_save_on_a_stop_signal():
+    """torch's agent SIGKILLs its workers 30 s after passing them a SIGTERM (scancel, a
+    preemption): a big model's save takes longer. llmtrain's agent waits SHUTDOWN_TIMEOUT_S,
+    unless the user chose (TORCH_ELASTIC_SHUTDOWN_TIMEOUT, or --shutdown-timeout)."""
+    code = ("import os, llmtrain.training.torchrun as t; from torch.distributed.run import parse_args, "
+            "config_from_args; a = parse_args(['--standalone', '--nproc-per-node', '1', 'x.py']); "
+            "print(config_from_args(a)[0].shutdown_timeout)")
+    env = {k: v for k, v in os.environ.items() if k not in ("TORCH_ELASTIC_SHUTDOWN_TIMEOUT", "PET_SHUTDOWN_TIMEOUT")}
+    ours = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env)
+    theirs = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                            env={**env, "TORCH_ELASTIC_SHUTDOWN_TIMEOUT": "45"})
+    assert (ours.stdout, theirs.stdout) == ("900\n", "45\n"), ours.stderr + theirs.stderr
+

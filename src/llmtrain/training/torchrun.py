@@ -26,6 +26,13 @@ import sys
 # reads TORCH_CPP_LOG_LEVEL once, when torch loads) logs C++ errors but not warnings; the
 # workers it starts get the variable as the user set it.
 _USER_CPP_LOG_LEVEL = os.environ.get("TORCH_CPP_LOG_LEVEL")
+# On a stop signal (scancel, a preemption's SIGTERM, the local launcher's end) the agent passes
+# SIGTERM to the workers and SIGKILLs them after this many seconds: torch's 30 s cut a big
+# model's save short (a 70B checkpoint takes minutes), and a kill -9'd local launcher's run lost
+# its save under load. The workers end on their own (their save, or the stack dump at the
+# collective timeout, training/control.py); Slurm's KillWait still bounds a job.
+SHUTDOWN_TIMEOUT_S = 900
+os.environ.setdefault("TORCH_ELASTIC_SHUTDOWN_TIMEOUT", str(SHUTDOWN_TIMEOUT_S))
 os.environ["TORCH_CPP_LOG_LEVEL"] = "ERROR"
 from torch.distributed.elastic.multiprocessing import SignalException  # noqa: E402
 from torch.distributed.elastic.multiprocessing.errors import ChildFailedError  # noqa: E402
