@@ -109,10 +109,10 @@ def test_interrupted_download_is_never_taken_for_complete(env, config, hub):
                             env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, start_new_session=True)
     models = Path(env["LLMTRAIN_HOME"]) / "models" / "org"
     deadline = time.monotonic() + 60
-    while not list(models.glob(".tiny.tmp-*")):
+    # huggingface_hub holds a lock beside each file it downloads: the slow one's is under way
+    while not list(models.glob(".tiny.tmp-*/.cache/huggingface/download/extra-weights.bin.lock")):
         assert time.monotonic() < deadline and proc.poll() is None
         time.sleep(0.05)
-    time.sleep(1.0)  # mid-way through the slow file
     assert proc.poll() is None
     os.killpg(proc.pid, signal.SIGKILL)
     proc.wait()

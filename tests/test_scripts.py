@@ -349,21 +349,27 @@ def test_a_third_ctrl_c_ends_a_local_run_at_once_without_saving(tmp_path, nproc)
     beat.unlink(missing_ok=True)  # launch 1's
     # Resumed at step 3, each step 60 s longer: the three presses come during step 4, before
     # the trainer reads the stop switch at its agreement (whose save would be a checkpoint).
-    proc = subprocess.Popen(["bash", str(REPO / "submit.sh"), "--local", "--config", str(config),
-                             "--nproc", str(nproc), "--set", "train.max_steps=400"],
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                            env={**os.environ, "LLMTRAIN_INJECT_STEP_S": "60"},
-                            start_new_session=True)  # its own group, like a terminal's
+    said_file = tmp_path / "stderr.txt"
+    with open(said_file, "w") as said_to:  # read as it grows: each press waits for the last one's line
+        proc = subprocess.Popen(["bash", str(REPO / "submit.sh"), "--local", "--config", str(config),
+                                 "--nproc", str(nproc), "--set", "train.max_steps=400"],
+                                stdout=subprocess.PIPE, stderr=said_to, text=True,
+                                env={**os.environ, "LLMTRAIN_INJECT_STEP_S": "60"},
+                                start_new_session=True)  # its own group, like a terminal's
     try:
         deadline = time.monotonic() + 300
         while not beat.exists():  # written at the first step's start
             assert proc.poll() is None and time.monotonic() < deadline, proc.communicate()
             time.sleep(0.2)
         assert len(set(processes_naming(str(config))) - {proc.pid}) == (1 if nproc == 1 else 3)
-        for _ in range(3):
+        for press in range(1, 4):
             os.killpg(proc.pid, signal.SIGINT)  # what the terminal sends the foreground group
-            time.sleep(0.5)
-        out, err = proc.communicate(timeout=30)
+            deadline = time.monotonic() + 30
+            while sum(line.startswith(("interrupted", "stopped")) for line in said_file.read_text().splitlines()) < press:
+                assert time.monotonic() < deadline, f"no answer to Ctrl-C number {press}: {said_file.read_text()}"
+                time.sleep(0.05)
+        out, _ = proc.communicate(timeout=30)
+        err = said_file.read_text()
         assert proc.returncode == 130, err[-3000:]
         left = processes_naming(str(config))
     finally:
