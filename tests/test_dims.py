@@ -111,9 +111,6 @@ def tp_config(tmp_path, *sets, nodes=2, procs=4, **sections):
     (["parallel.strategy=fsdp", "parallel.tp=2", "train.chunked_loss=false"],
      "train.chunked_loss: tensor parallel computes the loss from each rank's slice of the vocabulary, chunk by "
      "chunk; set train.chunked_loss: true (got false)"),
-    (["parallel.strategy=fsdp", "parallel.tp=2", "train.compile=true"],
-     "train.compile: compiled layers get wrong gradients under tensor parallel on this torch (the loss is "
-     "right, the update is not); set train.compile: false with parallel.tp > 1"),
     (["parallel.strategy=fsdp", "parallel.tp=4"],  # the tiny model: 4 heads, 2 kv heads
      "parallel.tp: must divide the model's num_key_value_heads 2 (got 4); each rank holds num_key_value_heads "
      "/ tp of them"),

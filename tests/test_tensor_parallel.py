@@ -44,6 +44,16 @@ def test_tp2_gives_one_process_curve_and_splits_the_model(setup, single):
     assert "Traceback" not in proc.stderr
 
 
+def test_compiled_and_checkpointed_tp2_layers_train_as_one_process(setup, single):
+    """torch.compile per layer and activation checkpointing under tp 2: the embedding's output
+    (an asynchronous reduce-scatter's) reached the first compiled layer without its gradient,
+    so the embedding never trained (FSDP2) or backward failed (tp alone); now the curve is one
+    process's."""
+    torchrun(2, "train", "--config", setup[1], "--set", "run.name=tp2-compiled", "--set", "parallel.tp=2",
+             "--set", "train.compile=true", "--set", "model.activation_checkpointing=true")
+    assert_same_curve(run_dir(setup, "tp2-compiled"), single, tol=1e-4)
+
+
 def test_a_tied_qwen3_stays_tied_under_tp2(setup):
     """The head is the embedding's sharded parameter: one parameter count, one process's curve
     (an untied copy would train two matrices apart and drift); Qwen3's per-head norms too."""

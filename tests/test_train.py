@@ -12,8 +12,8 @@ import torch
 import yaml
 from transformers import AutoTokenizer, LlamaConfig, LlamaForCausalLM
 
-from conftest import (DEMO, REPO, assert_same_curve, cli, env_with, llmtrain, losses, prepared_home,
-                      read_metrics, run_dir, tiny_config, torchrun, torchrun_command)
+from conftest import (DEMO, REPO, assert_same_curve, cli, imported_first, llmtrain, losses,
+                      prepared_home, read_metrics, run_dir, tiny_config, torchrun, torchrun_command)
 from llmtrain.config import load_config
 from llmtrain.data.loader import StepSampler, TokenStream, batch_tokens, open_prepared
 
@@ -132,10 +132,18 @@ def test_compiled_layers_with_fsdp_and_activation_checkpointing_train_as_eager(s
     the caches (a cache folder set by the user is kept)."""
     _, config = setup
     cache = tmp_path / "inductor"
+    # Each checkpointed forward calls torch.utils.checkpoint.checkpoint: counted, written at exit.
+    # (Compiled whole, FSDP2's swapped class made transformers' checkpointing skip every layer.)
+    calls = tmp_path / "checkpoint-calls"
+    env = imported_first(tmp_path, "import atexit, torch.utils.checkpoint as c\n"
+                                   "real, calls = c.checkpoint, []\n"
+                                   "c.checkpoint = lambda *a, **k: calls.append(1) or real(*a, **k)\n"
+                                   f"atexit.register(lambda: open({str(calls)!r}, 'w').write(str(len(calls))))\n")
     llmtrain("train", "--config", config, "--set", "run.name=compiled", "--set", "train.compile=true",
              "--set", "parallel.strategy=fsdp", "--set", "model.activation_checkpointing=true",
-             check=True, env=env_with(TORCHINDUCTOR_CACHE_DIR=str(cache)))
+             check=True, env={**env, "TORCHINDUCTOR_CACHE_DIR": str(cache)})
     assert_same_curve(run_dir(setup, "ddp"), run_dir(setup, "compiled"), tol=1e-4)
+    assert calls.read_text() == str(2 * 2 * 8)  # 2 layers x 2 micro-batches x 8 steps (evaluation: none)
     log = (run_dir(setup, "compiled") / "logs" / "rank-0.log").read_text()
     assert re.search(rf"torch\.compile: \d+\.\ds compiling in the first step \(caches: {cache}, \S+triton_", log)
     assert any(cache.iterdir())

@@ -142,9 +142,6 @@ def validate(cfg: Config, world_size: int | None = None) -> list[str]:
     if par.tp > 1 and not t.chunked_loss:
         p.append("train.chunked_loss: tensor parallel computes the loss from each rank's slice of the "
                  "vocabulary, chunk by chunk; set train.chunked_loss: true (got false)")
-    if par.tp > 1 and t.compile:  # measured on torch 2.13 (gloo): step 1's gradient norm 0.96 for 1.20
-        p.append("train.compile: compiled layers get wrong gradients under tensor parallel on this torch "
-                 "(the loss is right, the update is not); set train.compile: false with parallel.tp > 1")
     if par.tp > 1 and cfg.model.lora is not None:
         p.append("parallel.tp: LoRA adapters are not split over tensor-parallel ranks yet; set parallel.tp: 1 "
                  "(fsdp shards a LoRA run's base)")

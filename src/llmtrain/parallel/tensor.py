@@ -25,6 +25,7 @@ refused by check-config until it has its entry (a wrong plan would train silentl
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
@@ -68,6 +69,11 @@ def apply_tensor_parallel(model: "torch.nn.Module", layers: "list[torch.nn.Modul
     decoder = model.get_decoder()
     # The embedding: each rank looks up its vocabulary rows; the sum is scattered over the sequence.
     parallelize_module(embedding, mesh, RowwiseParallel(input_layouts=Replicate(), output_layouts=Shard(1)))
+    # Its reduce-scatter is asynchronous: the output is an AsyncCollectiveTensor. A torch.compile'd
+    # layer unwraps such an input with trigger_wait(), which (torch 2.13) drops its requires_grad, so
+    # the compiled layer sends no gradient back to the embedding (zero under FSDP2, a crash in
+    # Redistribute.backward without it). Wait here, in eager, keeping the gradient's path.
+    embedding.register_forward_hook(_waited)
     parallelize_module(decoder.norm, mesh, SequenceParallel(use_local_output=True))
     for layer in layers:
         styles = {name: SequenceParallel() for name in plan.norms}
@@ -90,6 +96,29 @@ def apply_tensor_parallel(model: "torch.nn.Module", layers: "list[torch.nn.Modul
     else:
         head.weight = torch.nn.Parameter(distribute_tensor(head.weight, mesh, [Shard(0)]),
                                          requires_grad=head.weight.requires_grad)
+
+
+def _waited(module, args, output):
+    """Forward hook: an AsyncCollectiveTensor output as a plain tensor (no copy), its gradient
+    passed back unchanged."""
+    from torch.distributed._functional_collectives import AsyncCollectiveTensor
+    return _wait_function().apply(output) if isinstance(output, AsyncCollectiveTensor) else output
+
+
+@functools.cache
+def _wait_function():
+    import torch
+
+    class Wait(torch.autograd.Function):
+        @staticmethod
+        def forward(ctx, x):
+            return x.wait()
+
+        @staticmethod
+        def backward(ctx, grad):
+            return grad
+
+    return Wait
 
 
 def problems(model_type: str, config: dict, tp: int) -> list[str]:

@@ -29,10 +29,12 @@ same path with the whole model as its "shard", then wraps it.
 from __future__ import annotations
 
 import contextlib
+import functools
 import getpass
 import inspect
 import os
 import tempfile
+import types
 from pathlib import Path
 
 import torch
@@ -131,10 +133,31 @@ def compile_layers(model: torch.nn.Module) -> None:
     activation checkpointing wrap the call around that forward and stay eager, the parameter
     names (so checkpoints) do not change, and the layers share one compiled graph (same code,
     parameters as inputs). Compilation happens in the first step; its caches go to node-local
-    folders (compile_caches)."""
+    folders (compile_caches).
+
+    transformers 5 checkpoints inside a layer's forward, and only in the class's outermost
+    forward: compiled whole, under FSDP2 (which swaps the class) a checkpointed layer silently
+    kept all its activations, and under tensor parallel the checkpoint in the graph failed on
+    DTensors. So a checkpointed layer's own forward is compiled and the checkpoint runs eagerly
+    around it (_checkpointed)."""
     compile_caches()
     for layer in decoder_layers(model):
-        layer.forward = torch.compile(layer.forward)
+        forward = type(layer).forward
+        if (getattr(layer, "gradient_checkpointing", False)
+                and forward.__code__.co_name == "forward_with_checkpointing"):  # transformers 5
+            body = torch.compile(types.MethodType(forward.__wrapped__, layer))
+            layer.forward = functools.partial(_checkpointed, layer, body)
+        else:
+            layer.forward = torch.compile(layer.forward)
+
+
+def _checkpointed(layer, body, *args, **kwargs):
+    """A checkpointed layer's forward: `body` (its compiled forward) under the layer's
+    checkpoint function when training with gradients, as HF's forward_with_checkpointing does."""
+    if layer.training and torch.is_grad_enabled():
+        kwargs.pop("use_cache", None)  # training runs without a KV cache (model/build.py)
+        return layer._gradient_checkpointing_func(functools.partial(body, **kwargs), *args)
+    return body(*args, **kwargs)
 
 
 def compile_caches() -> list[str]:
