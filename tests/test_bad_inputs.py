@@ -133,6 +133,10 @@ ROWS = [
                                        "--set", "data.seq_len=32"], 2,  # known before any job starts
      r"train\.resume: checkpoint .*/step-00000004 does not match this config: seq_len differs "
      r"\(64 -> 32\); use a new run\.name, or set train\.resume: none to start over"),
+    ("other-optimizer", lambda r, g, t: ["train", "--config", g, "--set", "run.name=done",
+                                         "--set", "train.optimizer=lion"], 2,  # AdamW's state is not Lion's
+     r"train\.resume: checkpoint .*/step-00000004 does not match this config: optimizer differs "
+     r"\('adamw' -> 'lion'\); use a new run\.name, or set train\.resume: none to start over"),
     ("export-over-files", lambda r, g, t: ["export", "--run-dir", r / "home" / "runs" / "done",
                                            "--out", nonempty_dir(t)], 1,
      r"error: --out: .* exists and is not empty; choose a new folder"),

@@ -193,7 +193,7 @@ def _check_resume(cfg: Config) -> list[str]:
         return []  # no checkpoint yet (or a damaged one: the trainer falls back and says so)
     saved = meta.get("compat", {})
     now = {"seq_len": cfg.data.seq_len, "global_batch_size": cfg.train.global_batch_size,
-           "lora": cfg.model.lora}
+           "lora": cfg.model.lora, "optimizer": cfg.train.optimizer}
     fix = "use a new run.name, or set train.resume: none to start over"
     p = [f"train.resume: checkpoint {folder / pointer} does not match this config: {key} differs "
          f"({saved[key]!r} -> {value!r}); {fix}" for key, value in now.items()

@@ -41,6 +41,8 @@ def validate(cfg: Config, world_size: int | None = None) -> list[str]:
     for key in ("beta1", "beta2"):
         if not 0 <= getattr(t, key) < 1:
             p.append(f"train.{key}: must be in [0, 1) (got {getattr(t, key)})")
+    if not 0 < t.decay_fraction <= 1:
+        p.append(f"train.decay_fraction: must be in (0, 1] (got {t.decay_fraction})")
     if t.min_lr > t.lr > 0:
         p.append(f"train.min_lr: must be <= train.lr (got {t.min_lr} > {t.lr})")
     if t.max_steps is not None and t.max_steps > 0 and t.warmup_steps >= t.max_steps:
@@ -72,6 +74,13 @@ def validate(cfg: Config, world_size: int | None = None) -> list[str]:
                  "slurm.max_requeues is 0; allow at least 1, or turn exclude_slow_nodes off")
     if t.optimizer not in OPTIMIZERS:
         p.append(f"train.optimizer: unknown {t.optimizer!r}; one of: {', '.join(OPTIMIZERS)}")
+    elif unknown := sorted(set(t.optimizer_args) - set(OPTIMIZERS[t.optimizer].args)):
+        takes = ", ".join(OPTIMIZERS[t.optimizer].args) or "none"
+        p.append(f"train.optimizer_args: {t.optimizer} takes no {unknown[0]!r} (takes: {takes})")
+    elif "betas" in t.optimizer_args and not (
+            isinstance(t.optimizer_args["betas"], list) and len(t.optimizer_args["betas"]) == 2
+            and all(isinstance(b, (int, float)) and 0 <= b < 1 for b in t.optimizer_args["betas"])):
+        p.append(f"train.optimizer_args: betas must be two numbers in [0, 1) (got {t.optimizer_args['betas']!r})")
     if t.keep_checkpoints < 2:
         p.append(f"train.keep_checkpoints: must be >= 2, so a damaged newest checkpoint has a "
                  f"fallback (got {t.keep_checkpoints})")

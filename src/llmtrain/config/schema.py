@@ -156,9 +156,14 @@ class TrainConfig:
     max_steps: Optional[int] = None  # optimizer steps; set this or epochs
     epochs: Optional[int] = None  # passes over the prepared samples; max_steps derived at start
     lr: float = 3e-4  # peak learning rate
-    min_lr: float = 3e-5  # learning rate at the end of the cosine decay
+    min_lr: float = 3e-5  # learning rate at the end of the decay
     warmup_steps: int = 0  # linear warmup from 0 to lr
+    # after warmup: cosine to min_lr; wsd: lr until the last decay_fraction of the steps, then
+    # linear to min_lr (warmup-stable-decay); constant: lr
+    lr_schedule: Literal["cosine", "wsd", "constant"] = "cosine"
+    decay_fraction: float = 0.2  # wsd: the share of max_steps that decays
     optimizer: str = "adamw"  # a name in optimizers.OPTIMIZERS
+    optimizer_args: dict = field(default_factory=dict)  # the optimizer's own settings, e.g. lion {betas: [0.9, 0.99]}
     weight_decay: float = 0.1  # AdamW decoupled weight decay (not on biases and norms)
     beta1: float = 0.9
     beta2: float = 0.95

@@ -45,9 +45,10 @@ from ..files import write_atomic
 from ..parallel.world import World
 
 # Keys that must be equal to continue a run, and keys whose change is only logged.
-MUST_MATCH = ("model", "lora", "tokenizer_vocab", "data_fingerprint", "seq_len", "global_batch_size")
+MUST_MATCH = ("model", "lora", "tokenizer_vocab", "data_fingerprint", "seq_len", "global_batch_size",
+              "optimizer")  # another optimizer's state is not this one's
 MAY_CHANGE = ("lr", "min_lr", "warmup_steps", "max_steps", "eval_every", "checkpoint_every",
-              "weight_decay", "grad_clip")
+              "weight_decay", "grad_clip", "lr_schedule", "decay_fraction")
 
 
 class CheckpointMismatch(UserError):
@@ -305,7 +306,7 @@ def compat_info(cfg: Config, model_config, manifest: dict) -> dict:
                                                     "torch_dtype", "architectures")}
     return {"model": arch, "lora": cfg.model.lora, "tokenizer_vocab": manifest["tokenizer"]["vocab_size"],
             "data_fingerprint": manifest["fingerprint"], "seq_len": cfg.data.seq_len,
-            "global_batch_size": cfg.train.global_batch_size}
+            "global_batch_size": cfg.train.global_batch_size, "optimizer": cfg.train.optimizer}
 
 
 def _settings(cfg: Config) -> dict:
