@@ -17,14 +17,28 @@ from ..model.weight_files import open_weights, weight_files
 
 def local_slices(shape: torch.Size, tensor) -> tuple[slice, ...]:
     """The part of a full tensor of `shape` that this rank holds in `tensor` (a DTensor shard, or
-    a plain tensor holding everything): DTensor's own arithmetic, which knows FSDP2's split of a
-    tensor-parallel shard (_StridedShard) as well as Shard(d)'s torch.chunk split."""
+    a plain tensor holding everything). Shard(d) splits like torch.chunk, as FSDP2 does; FSDP2's
+    split of a tensor-parallel shard (a _StridedShard: the mesh's dimensions applied inner one
+    first) is DTensor's own arithmetic."""
+    index = [slice(0, n) for n in shape]
     placements = getattr(tensor, "placements", None)
     if placements is None:
-        return tuple(slice(0, n) for n in shape)
-    from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
-    size, offset = compute_local_shape_and_global_offset(shape, tensor.device_mesh, placements)
-    return tuple(slice(o, o + n) for o, n in zip(offset, size))
+        return tuple(index)
+    mesh = tensor.device_mesh
+    if any(type(p).__name__ == "_StridedShard" for p in placements):
+        from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
+        size, offset = compute_local_shape_and_global_offset(shape, mesh, placements)
+        return tuple(slice(o, o + n) for o, n in zip(offset, size))
+    coordinate = mesh.get_coordinate()
+    for mesh_dim, placement in enumerate(placements):
+        if not placement.is_shard():
+            continue
+        dim, parts = placement.dim, mesh.size(mesh_dim)
+        start, stop = index[dim].start, index[dim].stop
+        chunk = -(-(stop - start) // parts)
+        lo = min(start + coordinate[mesh_dim] * chunk, stop)
+        index[dim] = slice(lo, min(lo + chunk, stop))
+    return tuple(index)
 
 
 def _local(tensor) -> torch.Tensor:
