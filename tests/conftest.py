@@ -56,8 +56,8 @@ def pytest_sessionfinish(session):
 # the end, and a worker that runs out of tests takes half of the other's queue. (A fixture that
 # both workers share, like test_slurm's preemption trials, runs once under a file lock.)
 LONGEST_FIRST = ("test_scripts.py::test_setup_", "test_slurm.py", "test_sweep.py::test_a_local_",
-                 "test_bigmodel.py", "test_control.py", "test_checkpoint.py", "test_train.py",
-                 "test_finetune.py")
+                 "test_bigmodel.py", "test_tensor_parallel.py", "test_context_parallel.py", "test_control.py",
+                 "test_checkpoint.py", "test_train.py", "test_finetune.py", "test_optimizers.py")
 
 
 def pytest_collection_modifyitems(items):
