@@ -151,9 +151,6 @@ def validate(cfg: Config, world_size: int | None = None) -> list[str]:
     if par.tp > 1 and not t.chunked_loss:
         p.append("train.chunked_loss: tensor parallel computes the loss from each rank's slice of the "
                  "vocabulary, chunk by chunk; set train.chunked_loss: true (got false)")
-    if par.tp > 1 and cfg.model.lora is not None:
-        p.append("parallel.tp: LoRA adapters are not split over tensor-parallel ranks yet; set parallel.tp: 1 "
-                 "(fsdp shards a LoRA run's base)")
     return p
 
 

@@ -15,7 +15,8 @@ The embedding is row-parallel over the vocabulary (each rank its rows, the looku
 scattered over the sequence), the final norm sequence-parallel, and the output head's weight is
 split over the vocabulary too: model/loss.py computes the loss from the vocabulary slices (three
 all-reduces of one number per token), so no rank ever holds a token's full logits. A head tied to
-the embedding stays tied (the same sharded parameter). The model is called with explicit
+the embedding stays tied (the same sharded parameter). LoRA adapters are split with their layer
+(_attach_adapters). The model is called with explicit
 position ids: HF's model-level code would otherwise count a rank's seq/tp tokens.
 
 A family is one entry in PLANS: the names of its attention and MLP projections and of the norms
@@ -64,6 +65,10 @@ def apply_tensor_parallel(model: "torch.nn.Module", layers: "list[torch.nn.Modul
                                                    SequenceParallel, parallelize_module)
 
     plan = PLANS[model.config.model_type]
+    # SequenceParallel makes its module's parameters trainable (torch 2.13): LoRA's frozen norms
+    # would train. What was frozen stays frozen.
+    frozen = {name for name, param in model.named_parameters() if not param.requires_grad}
+    adapters = _detach_adapters(layers)  # the styles split a linear layer's every parameter
     embedding, head = model.get_input_embeddings(), model.get_output_embeddings()
     tied = head is not None and head.weight is embedding.weight
     decoder = model.get_decoder()
@@ -90,12 +95,49 @@ def apply_tensor_parallel(model: "torch.nn.Module", layers: "list[torch.nn.Modul
             styles[f"{plan.mlp}.{name}"] = ColwiseParallel()
         styles[f"{plan.mlp}.{plan.mlp_rows}"] = RowwiseParallel(output_layouts=Shard(1))
         parallelize_module(layer, mesh, styles)
+    _attach_adapters(adapters, plan, mesh)
     # The head: its weight split over the vocabulary; model/loss.py applies it (chunk_head).
     if tied:
         head.weight = embedding.weight
     else:
         head.weight = torch.nn.Parameter(distribute_tensor(head.weight, mesh, [Shard(0)]),
                                          requires_grad=head.weight.requires_grad)
+    for name, param in model.named_parameters():
+        if name in frozen:
+            param.requires_grad_(False)
+
+
+def _detach_adapters(layers) -> list:
+    """(name, linear layer, lora_A, lora_B, lora_dropout) of every layer with LoRA adapters
+    (model/lora.py), taken off their layer for the parallel styles (which split every parameter
+    of every submodule)."""
+    found = []
+    for layer in layers:
+        for name, module in layer.named_modules():
+            if hasattr(module, "lora_A"):
+                found.append((name.rpartition(".")[2], module, module.lora_A, module.lora_B, module.lora_dropout))
+                del module.lora_A, module.lora_B, module.lora_dropout
+    return found
+
+
+def _attach_adapters(found: list, plan: Plan, mesh) -> None:
+    """Each adapter split as its layer: on a column-parallel layer (its output features split)
+    B's rows, A whole; on a row-parallel one (its input features split) A's columns, B whole,
+    and the layer's partial sums carry the adapter's. DTensor's arithmetic does the rest
+    (model/lora.py's forward is unchanged)."""
+    import torch
+    from torch.distributed.tensor import Replicate, Shard, distribute_tensor
+    for name, module, lora_a, lora_b, dropout in found:
+        module.lora_dropout = dropout
+        column = name in plan.columns or name in plan.mlp_columns
+        if not column and name not in (plan.rows, plan.mlp_rows):  # a layer the plan leaves whole
+            module.lora_A, module.lora_B = lora_a, lora_b
+            continue
+        for adapter, placement in ((lora_a, Replicate() if column else Shard(1)),
+                                   (lora_b, Shard(0) if column else Replicate())):
+            adapter.weight = torch.nn.Parameter(distribute_tensor(adapter.weight, mesh, [placement]),
+                                                requires_grad=adapter.weight.requires_grad)
+        module.lora_A, module.lora_B = lora_a, lora_b
 
 
 def _waited(module, args, output):
