@@ -68,6 +68,8 @@ def test_lion_skips_a_non_finite_step_on_the_device_without_a_host_read(tmp_path
     ({"optimizer": "lion", "optimizer_args": {"betas": [0.9, 1.5]}},
      "train.optimizer_args: betas must be two numbers in [0, 1) (got [0.9, 1.5])"),
     ({"lr_schedule": "wsd", "decay_fraction": 0}, "train.decay_fraction: must be in (0, 1] (got 0.0)"),
+    ({"lr_schedule": "wsd", "decay_fraction": 0.6, "warmup_steps": 5},  # of tiny_config's 8 steps
+     "train.decay_fraction: wsd's decay (5 of 8 steps) would start inside the warmup (5 steps); lower one of them"),
 ])
 def test_a_wrong_optimizer_setting_is_one_line(tmp_path, train, line):
     path = tmp_path / "config.yaml"
@@ -104,3 +106,16 @@ def test_lion_on_fsdp2_gives_ddps_curve_and_resumes_bit_for_bit(prepared):
     assert all(v == whole[k, s] for k, s, v in resumed), (resumed, whole)  # bit for bit
     meta = json.loads((ckpt / "meta.json").read_text())
     assert meta["step"] == 4
+
+
+@pytest.mark.slow
+def test_lion_under_tensor_parallel_sums_a_replicated_weights_gradient_first(prepared):
+    """tp 2 without FSDP2: a norm's weight is on both ranks and each holds part of its gradient
+    (a partial sum over its tokens); Lion sums it before the sign, or the two copies drift
+    apart and the curve leaves one process's."""
+    _, config = prepared
+    from conftest import cli
+    cli("train", "--config", config, "--set", "run.name=lion-single", check=True)
+    torchrun(2, "train", "--config", config, "--set", "run.name=lion-tp2", "--set", "parallel.tp=2")
+    assert_same_curve(run_dir(prepared, "lion-tp2"), run_dir(prepared, "lion-single"), tol=1e-4)
+

@@ -100,8 +100,13 @@ def _lion_class():
                     state = self.state[p]
                     if not state:
                         state["exp_avg"] = torch.zeros_like(p, memory_format=torch.preserve_format)
-                    # elementwise: each rank's shard of a sharded parameter on its own
-                    w, g, m = (_local(x) for x in (p, p.grad, state["exp_avg"]))
+                    # elementwise: each rank's shard of a sharded parameter on its own; a
+                    # replicated parameter's gradient may still be a per-rank partial sum (tensor
+                    # parallel's norms, LoRA's A on a column-parallel layer): summed first
+                    grad = p.grad
+                    if hasattr(grad, "placements") and grad.placements != p.placements:
+                        grad = grad.redistribute(p.device_mesh, p.placements)
+                    w, g, m = (_local(x) for x in (p, grad, state["exp_avg"]))
                     if found_inf is None:
                         keep = 1.0
                     else:  # a skipped step's gradient is NaN or inf: zeroed, and every change x 0

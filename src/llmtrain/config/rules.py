@@ -43,6 +43,9 @@ def validate(cfg: Config, world_size: int | None = None) -> list[str]:
             p.append(f"train.{key}: must be in [0, 1) (got {getattr(t, key)})")
     if not 0 < t.decay_fraction <= 1:
         p.append(f"train.decay_fraction: must be in (0, 1] (got {t.decay_fraction})")
+    elif t.lr_schedule == "wsd" and t.max_steps and t.warmup_steps > t.max_steps - round(t.decay_fraction * t.max_steps):
+        p.append(f"train.decay_fraction: wsd's decay ({round(t.decay_fraction * t.max_steps)} of {t.max_steps} steps) "
+                 f"would start inside the warmup ({t.warmup_steps} steps); lower one of them")
     if t.min_lr > t.lr > 0:
         p.append(f"train.min_lr: must be <= train.lr (got {t.min_lr} > {t.lr})")
     if t.max_steps is not None and t.max_steps > 0 and t.warmup_steps >= t.max_steps:

@@ -52,8 +52,9 @@ projection keeps (2 p h per token, the attention's and the MLP's) is whole on ev
 loss holds the gathered hidden states and a chunk of V / t logits.
 
 Context parallel (parallel.cp = c): a rank computes seq_len / c tokens of each sequence, so every
-per-token term above is for T / c tokens; each layer also keeps the keys and values gathered
-from the group for its attention's backward, p 2 k d (seq_len - seq_len / c) per row, and the
+per-token term above is for T / c tokens; each layer also keeps the whole sequence's keys and values, gathered
+from the group and repeated to every query head, for its attention's backward, p 2 a d seq_len
+per row (DDP there holds a second gradient copy: its buckets are not the gradients), and the
 step holds the boolean mask of its queries over the whole sequence, seq_len^2 / c bytes a row.
 
 The peak is the largest total of four moments: the loss at the end of forward (every activation
@@ -234,10 +235,13 @@ def estimate(cfg: Config, world_size: int | None = None, micro_batch: int | None
     params = _param_bytes(whole, shard, p, linear_only=not sharded, tp=tp)
     grads = 4 * _sharded(whole, shard, trainable_only=True, tp=tp)
     deferred = 4 * whole.trainable // tp if sharded and not par.reduce_every_micro_batch and accum > 1 else 0
-    held = grads if (not sharded and dims.dp > 1) or accum > 1 else 0  # gradients there from forward on
+    held = grads if (not sharded and dims.loss_ranks > 1) or accum > 1 else 0  # gradients there from forward on
+    if not sharded and cp > 1:  # DDP without gradients as bucket views (parallel/wrap.py): buckets too
+        held += grads
     layer_acts = tokens * _layer_bytes(m, p, res, autocast, cfg, tp)
-    if cp > 1:  # the other ranks' keys and values, gathered for attention and kept for its backward
-        layer_acts += micro * (cfg.data.seq_len - cfg.data.seq_len // cp) * 2 * m.kv_heads * m.head_dim * p
+    if cp > 1:  # the whole sequence's keys and values, gathered, repeated to every query head (SDPA
+        # with a mask takes transformers' repeat_kv path) and kept for attention's backward
+        layer_acts += micro * cfg.data.seq_len * 2 * m.heads * m.head_dim * p
     every = cfg.model.activation_checkpointing_every
     checkpointed = -(-L // every) if cfg.model.activation_checkpointing else 0
     kept = (L - checkpointed) * layer_acts + (checkpointed * tokens * res * h + tokens * (4 + res) * h) // tp
