@@ -1,5 +1,6 @@
-"""optimizers.py: the schedules, Lion's update and its skip on the device (in one process), and
-under torchrun (gloo) Lion on FSDP2 giving DDP's curve and resuming bit for bit."""
+"""optimizers.py: the schedules and Lion's update in one process (its skip on the device:
+tests/test_step.py), and under torchrun (gloo) Lion on FSDP2 giving DDP's curve and resuming bit
+for bit, and under tensor parallel one process's."""
 
 from __future__ import annotations
 
@@ -13,7 +14,6 @@ import yaml
 from conftest import assert_same_curve, losses, prepared_home, run_dir, tiny_config, torchrun
 from llmtrain.config import ConfigError, load_config
 from llmtrain.optimizers import _lion_class, lr_at
-from test_step import optimizer_state, setup, train_step, weights
 
 
 def schedule(name: str, **t) -> list[float]:
@@ -42,22 +42,6 @@ def test_lion_takes_the_sign_of_its_interpolated_momentum():
         m = 0.99 * m + 0.01 * g
     torch.testing.assert_close(w.detach(), expected, rtol=0, atol=1e-7)
     torch.testing.assert_close(opt.state[w]["exp_avg"], m, rtol=0, atol=1e-8)
-
-
-def test_lion_skips_a_non_finite_step_on_the_device_without_a_host_read(tmp_path):
-    """As AdamW (tests/test_step.py): the NaN step changes neither a weight nor the momentum,
-    and the host never reads the flag."""
-    step = setup(tmp_path, optimizer="lion", lr=1e-3)
-    assert not step.host_decides
-    before = weights(step)
-    loss, read = train_step(step)
-    assert not read and loss > 0
-    trained, state = weights(step), optimizer_state(step)
-    assert any(not torch.equal(a, b) for a, b in zip(before, trained))
-    loss, read = train_step(step, loss_factor=float("nan"))
-    assert not read and loss != loss
-    assert all(torch.equal(a, b) for a, b in zip(trained, weights(step)))
-    assert all(torch.equal(a, b) for a, b in zip(state, optimizer_state(step)))
 
 
 @pytest.mark.parametrize("train,line", [

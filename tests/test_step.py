@@ -72,8 +72,11 @@ def test_the_loss_is_the_mean_over_every_micro_batch_and_target(tmp_path):
         torch.testing.assert_close(a, p.grad, rtol=1e-4, atol=1e-6)
 
 
-def test_adamw_skips_a_non_finite_step_on_the_device_without_a_host_read(tmp_path):
-    step = setup(tmp_path)
+@pytest.mark.parametrize("optimizer,lr", [("adamw", 3e-3), ("lion", 1e-3)])
+def test_the_optimizers_skip_a_non_finite_step_on_the_device_without_a_host_read(tmp_path, optimizer, lr):
+    """Every entry that declares skips_on_device: the NaN step changes no weight and no state
+    (step counts, moments), and the host never reads the flag."""
+    step = setup(tmp_path, optimizer=optimizer, lr=lr)
     assert not step.host_decides
     before = weights(step)
     loss, read = train_step(step)
