@@ -117,14 +117,7 @@ def tp_config(tmp_path, *sets, nodes=2, procs=4, **sections):
     (["parallel.strategy=fsdp", "parallel.tp=4", "model.architecture.num_attention_heads=6"],  # the first key
      "parallel.tp: must divide the model's num_attention_heads 6 (got 4); each rank holds num_attention_heads "
      "/ tp of them"),
-])
-def test_a_layout_that_cannot_work_is_one_line_from_check_config(tmp_path, sets, line):
-    with pytest.raises(ConfigError) as e:
-        tp_config(tmp_path, *sets)
-    assert e.value.problems == (line if isinstance(line, list) else [line])
-
-
-@pytest.mark.parametrize("sets,line", [
+    # context parallel
     (["parallel.strategy=fsdp", "parallel.cp=2", "parallel.tp=2", "data.seq_len=36"],
      "data.seq_len: must be divisible by 2 x parallel.cp x parallel.tp = 8 (got 36); each context-parallel "
      "rank takes 2 of 2 x cp chunks of a sequence"),
@@ -139,7 +132,7 @@ def test_a_layout_that_cannot_work_is_one_line_from_check_config(tmp_path, sets,
      "parallel.tp: with 4 data-parallel and context-parallel ranks, tensor parallel needs parallel.strategy fsdp "
      "or hsdp (got ddp); or set parallel.tp to the world size 8"),
 ])
-def test_a_context_parallel_layout_that_cannot_work_is_one_line(tmp_path, sets, line):
+def test_a_layout_that_cannot_work_is_one_line_from_check_config(tmp_path, sets, line):
     with pytest.raises(ConfigError) as e:
         tp_config(tmp_path, *sets)
     assert e.value.problems == [line]
