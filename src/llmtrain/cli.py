@@ -446,8 +446,8 @@ def cmd_check_config(args) -> int:
     from .metrics import plural
     t = cfg.train
     length = f"{t.max_steps} steps" if t.max_steps is not None else plural(t.epochs, "epoch")
-    par = cfg.parallel
-    layout = par.strategy + (f" x cp {par.cp}" if par.cp > 1 else "") + (f" x tp {par.tp}" if par.tp > 1 else "")
+    from .parallel.dims import layout_name
+    layout = layout_name(cfg.parallel.strategy, cfg.parallel.tp, cfg.parallel.cp)
     print(f"{args.config}: OK — run {cfg.run.name!r}, {length} of "
           f"{t.global_batch_size} x {cfg.data.seq_len} tokens, {layout}, "
           f"{t.precision}; run_dir: {cfg.run_dir}")

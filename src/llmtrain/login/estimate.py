@@ -76,7 +76,7 @@ from dataclasses import dataclass
 
 from ..config import Config, UserError
 from ..optimizers import OPTIMIZERS
-from ..parallel.dims import ParallelDims
+from ..parallel.dims import ParallelDims, layout_name
 
 GIB = 2**30
 HEADROOM = 0.10  # of a GPU's memory: CUDA context, NCCL buffers, allocator fragmentation
@@ -372,7 +372,7 @@ def report(cfg: Config, gpu_mem_gib: float | None = None, world_size: int | None
     checkpointing = ("off" if not mc.activation_checkpointing
                      else "every layer" if every == 1 else f"every {every} layers")
     lines = [f"{shape.model_type}: {shape.params:,} parameters ({shape.trainable:,} trainable); "
-             f"{layout(cfg.parallel.strategy, est.tp, cfg.parallel.cp)} on {est.world_size} "
+             f"{layout_name(cfg.parallel.strategy, est.tp, cfg.parallel.cp)} on {est.world_size} "
              f"{'GPUs' if cfg.slurm.gpus_per_node else 'ranks'}, "
              f"{t.precision}, micro batch "
              f"{est.micro_batch} x {cfg.data.seq_len} tokens, activation checkpointing {checkpointing}",
@@ -402,9 +402,6 @@ def report(cfg: Config, gpu_mem_gib: float | None = None, world_size: int | None
                     f"it must divide {share} = {t.global_batch_size // dp})"]
 
 
-def layout(strategy: str, tp: int, cp: int = 1) -> str:
-    return strategy + (f" x cp {cp}" if cp > 1 else "") + (f" x tp {tp}" if tp > 1 else "")
-
 
 def alternatives(cfg: Config, world: int, shape: ModelShape, usable_gib: float | None) -> list[str]:
     """One line per strategy (ddp, fsdp, hsdp) x activation checkpointing (off, every layer),
@@ -433,7 +430,7 @@ def alternatives(cfg: Config, world: int, shape: ModelShape, usable_gib: float |
             except UserError:  # hsdp's shard size does not divide this world size
                 continue
             fits = "" if usable_gib is None else (" fits" if total <= usable_gib else " too big")
-            name = f"{layout(strategy, tp, cp)}{' + checkpointing' if ac else ''}"
+            name = f"{layout_name(strategy, tp, cp)}{' + checkpointing' if ac else ''}"
             if strategy == "hsdp":
                 name += f" ({shard_size(alt, world)}-way shards)"
             cells.append(f"  {name:<38} {total:>8.2f} GiB{fits}")

@@ -161,3 +161,9 @@ def _cp_group(dims: ParallelDims):
               for t in range(tp)]
     group, _ = dist.new_subgroups_by_enumeration(groups)
     return group
+
+
+def layout_name(strategy: str, tp: int = 1, cp: int = 1) -> str:
+    """A layout as check-config and the estimator name it: 'fsdp', 'fsdp x cp 2 x tp 8'."""
+    return strategy + (f" x cp {cp}" if cp > 1 else "") + (f" x tp {tp}" if tp > 1 else "")
+
