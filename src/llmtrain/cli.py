@@ -461,7 +461,7 @@ def _get(cfg, key: str):
         return cfg.world_size
     if key == "prepared_dir":
         from .data.sources import prepared_path
-        return prepared_path(cfg)
+        return "\n".join(str(prepared_path(one)) for one in cfg.source_configs())
     if key == "prepared":
         from .login.submit import is_prepared
         return "yes" if is_prepared(cfg) else "no"
@@ -478,7 +478,8 @@ def _get(cfg, key: str):
 def cmd_prepare(args) -> int:
     cfg = load_config(args.config, args.overrides, world_size=1)
     from .data.prepare import prepare
-    prepare(cfg)
+    for one in cfg.source_configs():  # a mixture's sources one by one
+        prepare(one)
     return 0
 
 

@@ -26,8 +26,16 @@ def check_environment(cfg: Config, written: dict | None = None) -> list[str]:
     p += _check_model(cfg, written)
     p += _check_attention(cfg)
     p += _check_resume(cfg)
-    manifest = given_prepared(cfg)
-    p += _check_prepared(cfg, manifest) if manifest else _check_data(cfg.data, Path(cfg.path).parent, written)
+    if not cfg.data.mixture:
+        manifest = given_prepared(cfg)
+        p += _check_prepared(cfg, manifest) if manifest else _check_data(cfg.data, Path(cfg.path).parent, written)
+    for source in cfg.data.sources:  # each as a data section of its own, its lines named by its keys
+        one = cfg.for_source(source)
+        manifest = given_prepared(one)
+        for line in _check_prepared(one, manifest) if manifest else _check_data(one.data, Path(cfg.path).parent):
+            key, _, rest = line.partition(":")
+            line = f"{source.key(key.removeprefix('data.'))}:{rest}" if key.startswith("data.") else line
+            p += [line] if line not in p else []
     return p
 
 
@@ -199,14 +207,20 @@ def _check_resume(cfg: Config) -> list[str]:
          f"({saved[key]!r} -> {value!r}); {fix}" for key, value in now.items()
          if key in saved and saved[key] != value]
     if "data_fingerprint" in saved:
-        if manifest := given_prepared(cfg):
-            now = manifest["fingerprint"]
-        else:
-            now = fingerprint(cfg) if on_disk(cfg.data.dataset, "datasets") else None
+        prints = {s.name: _fingerprint(cfg.for_source(s)) for s in cfg.data.sources}
+        now = (prints if None not in prints.values() else None) if cfg.data.mixture else _fingerprint(cfg)
         if now not in (None, saved["data_fingerprint"]):
             p.append(f"train.resume: checkpoint {folder / pointer} was trained on other data (the "
                      f"dataset's files, the tokenizer or the data options changed); {fix}")
     return p
+
+
+def _fingerprint(cfg: Config) -> str | None:
+    """The fingerprint of the data a run reads (data.prepared's, else its source's); None where
+    the source is not on disk."""
+    if manifest := given_prepared(cfg):
+        return manifest["fingerprint"]
+    return fingerprint(cfg) if on_disk(cfg.data.dataset, "datasets") else None
 
 
 def _check_model(cfg: Config, written: dict | None = None) -> list[str]:

@@ -16,7 +16,8 @@ from ..data.sources import HOME_VAR
 from ..files import load_yaml
 from .environment import check_environment
 from .rules import validate
-from .schema import _REQUIRED, _SECTION_TYPES, NOT_PATHS, SECTIONS, Config, ConfigError, _did_you_mean
+from .schema import (_REQUIRED, _SECTION_TYPES, MIXTURE_OPTIONS, NOT_PATHS, SECTIONS, Config, ConfigError,
+                     DataConfig, _did_you_mean)
 
 
 def load_config(path: str | os.PathLike, overrides: list[str] = (),
@@ -127,6 +128,8 @@ def _build_section(section: str, cls: type, body: dict, base: Path, problems: li
             problems.append(f"{where}: required, no default")
             ok = False
             continue
+        if where == "data.mixture":
+            value = _build_mixture(value, base, problems)
         if isinstance(value, str) and name in _PATH_KEYS.get(section, ()) and value not in NOT_PATHS:
             try:
                 value = _expand(value, base, hub=where not in _ONLY_PATHS)
@@ -136,6 +139,40 @@ def _build_section(section: str, cls: type, body: dict, base: Path, problems: li
                 continue
         values[name] = value
     return cls(**values) if ok else None
+
+
+def _build_mixture(value: Any, base: Path, problems: list[str]) -> list[dict] | None:
+    """data.mixture as written -> its entries, each option typed as its data.<key> and its paths
+    expanded. An entry without dataset or weight is reported and kept (the indices in later
+    lines stay the file's); DataConfig.sources leaves it out."""
+    if value is None:
+        return None
+    if not isinstance(value, list) or not value:
+        problems.append(f"data.mixture: must be a list of sources like [{{dataset: a.jsonl, weight: 3}}, "
+                        f"{{dataset: b.jsonl, weight: 1}}] (got {value!r})")
+        return None
+    hints, known = typing.get_type_hints(DataConfig), ("name", "weight", *MIXTURE_OPTIONS)
+    entries = []
+    for i, entry in enumerate(value):
+        where, item = f"data.mixture[{i}]", {}
+        if not isinstance(entry, dict):
+            problems.append(f"{where}: must be a mapping like {{dataset: a.jsonl, weight: 3}} (got {entry!r})")
+            entry = {}
+        for key, raw in entry.items():
+            if key not in known:
+                problems.append(f"{where}.{key}: unknown key{_did_you_mean(key, known)}; a source takes "
+                                f"{', '.join(known)} (the other data keys are the data section's)")
+                continue
+            try:
+                item[key] = _coerce(raw, {"name": str, "weight": float}.get(key) or hints[key])
+                if isinstance(item[key], str) and key in _PATH_KEYS["data"]:
+                    item[key] = _expand(item[key], base, hub=f"data.{key}" not in _ONLY_PATHS)
+            except ValueError as e:
+                problems.append(f"{where}.{key}: {e} (got {raw!r})")
+                item.pop(key, None)
+        problems += [f"{where}.{key}: required, no default" for key in ("dataset", "weight") if key not in entry]
+        entries.append(item)
+    return entries
 
 
 def _coerce(value: Any, hint: Any) -> Any:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import re
 
+from ..data.sources import source_name
 from ..optimizers import OPTIMIZERS
 from ..parallel.dims import ParallelDims
 from .schema import Config
@@ -87,12 +88,14 @@ def validate(cfg: Config, world_size: int | None = None) -> list[str]:
     if t.keep_checkpoints < 2:
         p.append(f"train.keep_checkpoints: must be >= 2, so a damaged newest checkpoint has a "
                  f"fallback (got {t.keep_checkpoints})")
-    if not 0 <= d.holdout_fraction < 0.5:
-        p.append(f"data.validation_fraction: must be in [0, 0.5) (got {d.validation_fraction})")
-    if d.validation and d.validation_fraction:
-        p.append(f"data.validation_fraction: set only one of data.validation and "
-                 f"data.validation_fraction (got {d.validation!r} and {d.validation_fraction})")
-    if t.eval_every > 0 and d.holdout_fraction == 0 and not d.validation:
+    p += _check_mixture(d, t)
+    for key, source in [(lambda k: f"data.{k}", d)] if not d.mixture else [(s.key, s.data) for s in d.sources]:
+        if not 0 <= source.holdout_fraction < 0.5:
+            p.append(f"{key('validation_fraction')}: must be in [0, 0.5) (got {source.validation_fraction})")
+        if source.validation and source.validation_fraction:
+            p.append(f"{key('validation_fraction')}: set only one of {key('validation')} and "
+                     f"{key('validation_fraction')} (got {source.validation!r} and {source.validation_fraction})")
+    if t.eval_every > 0 and all(s.holdout_fraction == 0 and not s.validation for s in [d, *(s.data for s in d.sources)]):
         p.append("train.eval_every: evaluation needs data.validation or data.validation_fraction > 0, "
                  "or set eval_every: 0")
     if d.num_proc is not None and d.num_proc < 1:
@@ -154,6 +157,32 @@ def validate(cfg: Config, world_size: int | None = None) -> list[str]:
     if par.tp > 1 and not t.chunked_loss:
         p.append("train.chunked_loss: tensor parallel computes the loss from each rank's slice of the "
                  "vocabulary, chunk by chunk; set train.chunked_loss: true (got false)")
+    return p
+
+
+def _check_mixture(d, t) -> list[str]:
+    """data.dataset or data.mixture, and a mixture's weights and names."""
+    if (d.dataset is None) == (d.mixture is None):
+        got = "neither" if d.dataset is None else "both"
+        return [f"data.dataset: set exactly one of data.dataset and data.mixture (got {got})"]
+    if d.mixture is None:
+        return []
+    p, names = [], {}
+    for i, entry in enumerate(d.mixture):
+        weight = entry.get("weight")
+        if weight is not None and not 0 < weight < float("inf"):
+            p.append(f"data.mixture[{i}].weight: must be > 0 (got {weight:g})")
+        if "dataset" in entry:
+            name = entry.get("name") or source_name(entry["dataset"])
+            if name in names:
+                p.append(f"data.mixture[{i}].name: {name!r} is data.mixture[{names[name]}]'s name too; names "
+                         f"must be unique (a source without name: is named after its dataset; set one)")
+            names.setdefault(name, i)
+    if d.prepared:
+        p.append("data.prepared: with data.mixture each source has its own; set data.mixture[i].prepared")
+    if t.epochs is not None:
+        p.append(f"train.epochs: not with data.mixture, whose sources each have their own epochs; set "
+                 f"train.max_steps (got epochs {t.epochs})")
     return p
 
 

@@ -12,6 +12,7 @@ from typing import Any, Literal, Optional
 
 import yaml
 
+from ..data.sources import source_name
 from ..errors import UserError
 
 
@@ -92,8 +93,13 @@ class ModelConfig:
 @dataclass(frozen=True)
 class DataConfig:
     # a local file, folder (save_to_disk, hub snapshot) or glob of files (parquet, jsonl, json,
-    # csv, txt, arrow; jsonl/json/csv/txt also compressed: .gz, .bz2, .xz), or a downloaded hub id
-    dataset: str
+    # csv, txt, arrow; jsonl/json/csv/txt also compressed: .gz, .bz2, .xz), or a downloaded hub id;
+    # None: data.mixture names the sources
+    dataset: Optional[str] = None
+    # weighted sources instead of dataset: [{dataset, weight, name, and MIXTURE_OPTIONS}], each
+    # prepared on its own; weights count tokens (text) or rows (fine-tuning). Parsed by load.py
+    # into MixtureSource entries (`sources`), checked by rules.py
+    mixture: Any = None
     # text: documents of plain text, one stream of tokens; chat: a conversation per record (a
     # list of {role, content} in messages_field) rendered with the tokenizer's chat template;
     # prompt_completion: a prompt and its completion per record
@@ -142,11 +148,49 @@ class DataConfig:
         return {"text_field": self.text_field}
 
     @property
+    def sources(self) -> "tuple[MixtureSource, ...]":
+        """data.mixture's sources, each with its own data section (its dataset and options on
+        this one's); () without a mixture."""
+        if not self.mixture:
+            return ()
+        out = []
+        for index, entry in enumerate(self.mixture):
+            if "dataset" not in entry or "weight" not in entry:  # reported by load.py
+                continue
+            options = {k: v for k, v in entry.items() if k in MIXTURE_OPTIONS}
+            out.append(MixtureSource(entry.get("name") or source_name(entry["dataset"]), entry["weight"],
+                                     dataclasses.replace(self, mixture=None, **{"prepared": None, **options}), index, entry))
+        return tuple(out)
+
+    @property
     def holdout_fraction(self) -> float:
         """The share of the dataset's documents held out for evaluation, defaults applied."""
         if self.validation_fraction is not None:
             return self.validation_fraction
         return 0.0 if self.validation else 0.01
+
+
+# What a data.mixture entry may set besides weight and name: the keys that say where a source's
+# documents are and how to read them. The rest (format, seq_len, add_bos, packing, ...) is the
+# data section's, alike for every source: a batch mixes them.
+MIXTURE_OPTIONS = ("dataset", "split", "text_field", "messages_field", "prompt_field", "completion_field",
+                   "text_unit", "encoding_errors", "validation", "validation_fraction", "prepared")
+
+
+@dataclass(frozen=True)
+class MixtureSource:
+    """One entry of data.mixture: its name (default: its dataset's file or folder name), its
+    weight as written, and the data section it is prepared and read with."""
+    name: str
+    weight: float
+    data: DataConfig
+    index: int  # its place in data.mixture, for messages: data.mixture[1].weight
+    entry: dict  # the entry as written (typed, paths expanded)
+
+    def key(self, key: str) -> str:
+        """Where a data key of this source is set: data.mixture[i].<key> if the entry sets it,
+        else the data section's (which it inherits)."""
+        return f"data.mixture[{self.index}].{key}" if key in self.entry else f"data.{key}"
 
 
 @dataclass(frozen=True)
@@ -343,6 +387,14 @@ class Config:
     def world_size(self) -> int:
         """World size that the slurm section asks for."""
         return self.slurm.nodes * (self.slurm.procs_per_node or self.slurm.gpus_per_node or 1)
+
+    def for_source(self, source: MixtureSource) -> "Config":
+        """This config with one mixture source as its data: what prepares, fingerprints and reads it."""
+        return dataclasses.replace(self, data=source.data)
+
+    def source_configs(self) -> "list[Config]":
+        """A config for each dataset the run reads: this one, or one per mixture source."""
+        return [self.for_source(s) for s in self.data.sources] if self.data.mixture else [self]
 
     def to_dict(self) -> dict:
         out = dataclasses.asdict(self)

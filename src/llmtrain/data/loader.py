@@ -228,7 +228,7 @@ class SampleRows:
             raise ValueError(f"rows of {self.row_tokens} tokens read with seq_len {seq_len}")
         return int(self.starts[-1])
 
-    def batch(self, indices: np.ndarray, seq_len: int) -> Batch:
+    def batch(self, indices: np.ndarray, seq_len: int, whole: bool = False) -> Batch:
         """The rows as a Batch. Unpacked rows are cut after the longest sample's last token,
         rounded up (`unpacked_width`): every token cut is padding, which no target covers and no
         sample attends to, so the loss is the same and the model does less work (at seq_len
@@ -238,9 +238,13 @@ class SampleRows:
             shard = int(np.searchsorted(self.starts, i, side="right")) - 1
             rows.append((self.shards[shard], int(i) - self.starts[shard]))
         positions = np.stack([maps["positions"][r] for maps, r in rows])
-        width = self.row_tokens if self.packed else unpacked_width(positions)
+        width = self.row_tokens if self.packed or whole else unpacked_width(positions)
         tokens, trained = (np.stack([maps[key][r, :width] for maps, r in rows]) for key in ("tokens", "trained"))
         return Batch(tokens.astype(np.int64), trained.astype(bool), positions[:, :width].astype(np.int64))
+
+    def rows(self, indices: np.ndarray) -> Batch:
+        """The rows whole, never cut (a mixture cuts a batch of several sources' rows at once)."""
+        return self.batch(indices, self.row_tokens - 1, whole=True)
 
     def targets(self, indices: np.ndarray, seq_len: int) -> int:
         return int(self.row_targets[np.asarray(indices, dtype=np.int64)].sum())

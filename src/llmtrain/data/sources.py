@@ -131,14 +131,20 @@ def prepared_path(cfg, fp: str | None = None) -> Path:
     under data.prepared_dir; with `fp`, the folder that fingerprint names."""
     if fp is None and cfg.data.prepared:
         return Path(cfg.data.prepared)
-    source = Path(cfg.data.dataset)
-    if is_glob(cfg.data.dataset):  # /data/shakespeare/*.txt -> shakespeare
+    return Path(cfg.data.prepared_dir) / f"{source_name(cfg.data.dataset)}-{fp or fingerprint(cfg)}"
+
+
+def source_name(dataset: str) -> str:
+    """A dataset's short name: its file or folder name (a glob's folder: /data/shakespeare/*.txt
+    -> shakespeare), less .txt and compression suffixes. Names its prepared folder, and a
+    mixture's source where the entry gives no name."""
+    source = Path(dataset)
+    if is_glob(dataset):
         source = _glob_root(source)
     name = source.name
     for suffix in (*COMPRESSED, ".txt"):
         name = name.removesuffix(suffix)
-    name = re.sub(r"[^\w.-]+", "_", name) or "data"
-    return Path(cfg.data.prepared_dir) / f"{name}-{fp or fingerprint(cfg)}"
+    return re.sub(r"[^\w.-]+", "_", name) or "data"
 
 
 def source_record(cfg) -> dict:

@@ -37,8 +37,9 @@ def targets(cfg: Config | None, model: str | None, dataset: str | None) -> list[
             for source in (cfg.model.name_or_path, tokenizer_source(cfg)):
                 if source and is_hub_id(source):
                     found.append(("model", source))
-        if not dataset and is_hub_id(cfg.data.dataset):
-            found.append(("dataset", cfg.data.dataset))
+        for one in cfg.source_configs() if not dataset else []:  # a mixture's sources, all
+            if is_hub_id(one.data.dataset):
+                found.append(("dataset", one.data.dataset))
     return list(dict.fromkeys(found))
 
 

@@ -126,9 +126,11 @@ def prepare_resources(cfg: Config) -> tuple[int, str, str]:
     cpus = s.prepare_cpus or s.cpus_per_node
     if s.prepare_time is not None:
         return cpus, s.prepare_time, "slurm.prepare_time"
-    sources = [local_path(cfg.data.dataset, "datasets")]
-    if cfg.data.validation and Path(cfg.data.validation).exists():
-        sources.append(Path(cfg.data.validation))
+    sources = []
+    for d in (one.data for one in cfg.source_configs()):  # a mixture's sources, all
+        sources.append(local_path(d.dataset, "datasets"))
+        if d.validation and Path(d.validation).exists():
+            sources.append(Path(d.validation))
     size = 0
     for source in sources:
         for name, nbytes, _ in source_listing(source) if source.exists() else []:

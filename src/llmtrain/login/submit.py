@@ -88,13 +88,14 @@ def refusals(cfg: Config, config: str | os.PathLike, *, offline: bool, launch: b
     with offline, a model/tokenizer/dataset not on disk; with launch, a run that is running or
     queued now; with cluster, a request no partition or node can meet."""
     from ..data.sources import given_prepared
-    source_needed = given_prepared(cfg) is None  # data.prepared, prepared: the source may be gone
+    # data.prepared, prepared: the source may be gone
+    datasets = [(one.data.dataset, "datasets", "data.dataset" if one is cfg else f"data.mixture[{s.index}].dataset")
+                for one, s in zip(cfg.source_configs(), cfg.data.sources or [None]) if given_prepared(one) is None]
     missing = list(dict.fromkeys(
         f"{what}: {source} is not downloaded yet (looked in {local_path(source, kind)}); "
         f"run: bash download_data_model.sh --config {config}"
         for source, kind, what in ((cfg.model.name_or_path, "models", "model.name_or_path"),
-                                   (tokenizer_source(cfg), "models", "model.tokenizer"),
-                                   (cfg.data.dataset if source_needed else None, "datasets", "data.dataset"))
+                                   (tokenizer_source(cfg), "models", "model.tokenizer"), *datasets)
         if source and not on_disk(source, kind)))
     if offline and missing:
         raise ConfigError(missing)
@@ -174,7 +175,15 @@ def pin_prepared(cfg: Config) -> Config:
     every rank), a requeue trains on after the source is gone, and what follows here (is it
     prepared? the frozen copy) reads data.prepared instead of fingerprinting the source again."""
     from ..data.sources import prepared_path
+    if cfg.data.mixture:  # each source's own folder
+        return dataclasses.replace(cfg, data=dataclasses.replace(cfg.data, mixture=pinned_mixture(
+            cfg, [prepared_path(one) for one in cfg.source_configs()])))
     return dataclasses.replace(cfg, data=dataclasses.replace(cfg.data, prepared=str(prepared_path(cfg))))
+
+
+def pinned_mixture(cfg: Config, folders: list) -> list[dict]:
+    """data.mixture's entries, each with its source's prepared folder."""
+    return [{**s.entry, "prepared": str(folder)} for s, folder in zip(cfg.data.sources, folders)]
 
 
 def freeze(cfg: Config, path: Path, source: str | os.PathLike) -> None:
@@ -198,7 +207,7 @@ def stamp() -> str:
 
 def is_prepared(cfg: Config) -> bool:
     from ..data.sources import prepared_path, read_manifest
-    return read_manifest(prepared_path(cfg)) is not None
+    return all(read_manifest(prepared_path(one)) is not None for one in cfg.source_configs())
 
 
 def submit(config: str | os.PathLike, overrides: list[str] | tuple[str, ...] = (), *,
@@ -286,7 +295,11 @@ def run_local(config: str | os.PathLike, overrides: list[str] | tuple[str, ...] 
     refusals(cfg, config, offline=True, launch=True, cluster=False)
     from ..data.prepare import prepare
     # The ranks train from this folder, found once here: none of them reads the source's files.
-    overrides.append(f"data.prepared={json.dumps(str(prepare(cfg)))}")  # quoted: any path is YAML text
+    folders = [prepare(one) for one in cfg.source_configs()]
+    if cfg.data.mixture:  # each source's folder in its entry
+        overrides.append(f"data.mixture={json.dumps(pinned_mixture(cfg, folders))}")
+    else:
+        overrides.append(f"data.prepared={json.dumps(str(folders[0]))}")  # quoted: any path is YAML text
     print(f"run_dir: {cfg.run_dir}", flush=True)
     env = {**os.environ, "OMP_NUM_THREADS": thread_share(nproc)}
     if nproc == 1:  # a group of one: not a rank of an outer launcher (srun, torchrun) we run in

@@ -129,7 +129,7 @@ def sweep_slurm(config: str | os.PathLike, overrides: list[str], grid: list[str]
     for cfg in cfgs:
         if not is_prepared(cfg):
             from ..data.sources import prepared_path
-            unprepared.setdefault(prepared_path(cfg), cfg)
+            unprepared.setdefault(tuple(prepared_path(one) for one in cfg.source_configs()), cfg)
     for cfg in unprepared.values():  # one CPU job per distinct dataset to tokenize
         sweep.prepare_job_ids.append(sbatch(sweep.commands, sbatch_command(
             cfg, "prepare", script=script, home=home,

@@ -21,6 +21,7 @@ import torch.distributed as dist
 
 from ..config import Config, ConfigError, UserError, dump_yaml
 from ..data.loader import Prefetcher, SampleRows, StepSampler, TokenStream, open_prepared, open_split
+from ..data import mixture
 from ..data.tokenizer import load_tokenizer
 from ..metrics import peak_memory_gib, plural
 from ..model.build import (flops_per_token, model_config, num_params, pretrained_dir,
@@ -98,7 +99,11 @@ def train(cfg: Config) -> None:
 def run(cfg: Config, world: World, watch: Watchdog, run_lock: RunLock) -> None:
     t, seq_len = cfg.train, cfg.data.seq_len
     with watch.phase("reading data and tokenizer"):
-        folder, manifest = open_prepared(cfg)
+        if cfg.data.mixture:  # each source's folder; the manifest stands for them all (data/mixture.py)
+            sources = mixture.open_sources(cfg)
+            folder, manifest = None, mixture.summary_manifest(sources)
+        else:
+            folder, manifest = open_prepared(cfg)
         log, hosts = open_run_dir(cfg, world, run_lock)
         watch.log = log
         torch.manual_seed(t.seed + world.rank)
@@ -141,12 +146,20 @@ def run(cfg: Config, world: World, watch: Watchdog, run_lock: RunLock) -> None:
         log.info(f"LoRA: {trainable:,} trainable parameters ({trainable / n_params:.2%}), rank {lora.rank}, "
                  f"alpha {lora.alpha:g} on {', '.join(lora.target_modules)}; the base is frozen")
 
-    train_data = open_split(folder, manifest, "train", cfg)
-    val_data = open_split(folder, manifest, "validation", cfg) if "validation" in manifest["splits"] else None
-    check_eval_split(cfg, val_data, world, log)
     dp = world.dims.dp  # the data-parallel ranks share every batch
-    sampler = StepSampler(train_data.num_samples(seq_len), t.global_batch_size, t.seed,
-                          world.dims.dp_rank(world.rank), dp)
+    if cfg.data.mixture:  # the sources blended under the global sampler; evaluated one by one
+        train_data, val_data, sampler = mixture.open_mixture(cfg, sources, t.global_batch_size,
+                                                             world.dims.dp_rank(world.rank), dp)
+        for data in val_data.values():
+            check_eval_split(cfg, data, world, log)
+        val_data = val_data or None
+        log.info(mixture.describe(cfg, sampler))
+    else:
+        train_data = open_split(folder, manifest, "train", cfg)
+        val_data = open_split(folder, manifest, "validation", cfg) if "validation" in manifest["splits"] else None
+        check_eval_split(cfg, val_data, world, log)
+        sampler = StepSampler(train_data.num_samples(seq_len), t.global_batch_size, t.seed,
+                              world.dims.dp_rank(world.rank), dp)
     accum = t.global_batch_size // (t.micro_batch_size * dp)
     unit = "samples"
     if isinstance(train_data, SampleRows):  # fine-tuning: a training sample is a row of samples
@@ -168,6 +181,8 @@ def run(cfg: Config, world: World, watch: Watchdog, run_lock: RunLock) -> None:
         resumed = checkpointer.load(model, optimizer)  # a refused resume raises here
     if resumed:
         job.restore(resumed)
+        if getattr(sampler.state, "changed", None):
+            log.info(mixture.weights_changed(sampler))
         apply_settings(optimizer, t)  # the config's weight decay, betas and eps win
     job.provenance = record_start(written, world, hosts)  # only a start that goes ahead replaces them
     log.info(f"model ready: peak memory {peak_memory_gib(world.device):.2f} GiB on this rank "
@@ -200,10 +215,10 @@ class Job:
     optimizer: torch.optim.Optimizer
     scaler: torch.amp.GradScaler
     checkpointer: Checkpointer
-    sampler: StepSampler
+    sampler: StepSampler | mixture.MixtureSampler
     state: RunState
-    train_data: TokenStream | SampleRows
-    val_data: TokenStream | SampleRows | None
+    train_data: TokenStream | SampleRows | mixture.Mixture
+    val_data: TokenStream | SampleRows | dict | None  # a mixture's: {source: its validation split}
     accum: int  # micro-batches per rank per step
     flops_per_step: float
     reason: str = "done"  # why the loop ended (control.py's reasons)

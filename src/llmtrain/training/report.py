@@ -14,6 +14,7 @@ import torch.distributed as dist
 
 from ..config import Config
 from ..data.loader import SampleRows, StepSampler, TokenStream
+from ..data.mixture import MixtureSampler
 from ..metrics import (MetricsWriter, SampleLog, Throughput, peak_flops, peak_memory_gib,
                        progress_line)
 from ..model.loss import lm_loss
@@ -91,9 +92,10 @@ class Reporter:
                          cfg.train, self.world, job.step.scaler, job.sampler)
         if due.evals:
             with self.meter.paused(), self.control.paused("eval"), self.phase("eval"):
-                eval_loss = evaluate(job.model, job.head, job.val_data, cfg, self.world)
-            self.metrics.write({"kind": "eval", "step": state.step, "eval_loss": eval_loss})
-            log.info(f"eval step {state.step}: eval_loss {eval_loss:.4f}")
+                record = evaluation(job, cfg, self.world)
+            self.metrics.write({"kind": "eval", "step": state.step, **record})
+            by_source = "".join(f", {name} {v:.4f}" for name, v in record.get("eval_loss_by_source", {}).items())
+            log.info(f"eval step {state.step}: eval_loss {record['eval_loss']:.4f}{by_source}")
             if self.plots:
                 self.plots.refresh(state.step)
         stop = next((v for v in verdicts if v.stop), None)
@@ -126,11 +128,32 @@ def log_step(metrics: MetricsWriter, log: Log, speed: dict, state, loss, grad_no
                    "grad_norm": sum(r[1] for r in per_rank) / world.world_size,
                    "tokens": state.tokens, **speed, "peak_mem_gib": per_rank[peak_rank][2],
                    "peak_mem_rank": peak_rank, "skipped_steps": state.skipped,
-                   "epoch": round(sampler.epochs_done(), 4),
+                   **data_position(sampler),
                    **({"loss_scale": scaler.get_scale()} if scaler.is_enabled() else {})})
-    epochs = -(-t.max_steps // sampler.steps_per_epoch)
+    mixed = isinstance(sampler, MixtureSampler)  # each source has its own epochs: in metrics only
+    epoch = None if mixed else (sampler.state.epoch + 1, -(-t.max_steps // sampler.steps_per_epoch))
     log.info(progress_line(state.step, t.max_steps, mean_loss, lr, speed["tokens_per_sec"],
-                           speed["eta_s"], epoch=(sampler.state.epoch + 1, epochs)))
+                           speed["eta_s"], epoch=epoch))
+
+
+def data_position(sampler: "StepSampler | MixtureSampler") -> dict:
+    """Where the data stands, for a train record: the fractional epoch, or a mixture's tokens and
+    epochs per source."""
+    if isinstance(sampler, MixtureSampler):
+        return {"source_tokens": sampler.source_tokens(), "source_epochs": sampler.source_epochs()}
+    return {"epoch": round(sampler.epochs_done(), 4)}
+
+
+def evaluation(job, cfg: Config, world: World) -> dict:
+    """An eval record's values: eval_loss, and for a mixture each source's on its own validation
+    split (eval_samples each) as eval_loss_by_source, eval_loss then their mean weighted by the
+    sources' weights (the loss on the blend the run trains on)."""
+    if not isinstance(job.val_data, dict):
+        return {"eval_loss": evaluate(job.model, job.head, job.val_data, cfg, world)}
+    by_source = {name: evaluate(job.model, job.head, data, cfg, world) for name, data in job.val_data.items()}
+    weights = {name: job.sampler.state.weights[name] for name in by_source}
+    mean = sum(weights[n] * loss for n, loss in by_source.items()) / sum(weights.values())
+    return {"eval_loss": mean, "eval_loss_by_source": by_source}
 
 
 @torch.no_grad()

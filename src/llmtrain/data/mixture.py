@@ -1,0 +1,241 @@
+"""Weighted mixtures of prepared sources (data.mixture): the sources' train splits as one index
+space, and the global blend that decides which source each sample of the run comes from.
+
+    train = Mixture(names, readers, seq_len)       # source k's sample j is index offsets[k] + j
+    sampler = MixtureSampler(train, weights, global_batch, seed, rank, world_size)
+    step = sampler.next_global()                   # as StepSampler: all ranks' indices of a step
+
+Each source is prepared on its own (data/prepare.py, its folder named by its own fingerprint), so
+a source that two mixtures share, or a mixture and a plain data.dataset run, is tokenized once.
+
+The blend sits under the global sampler. Sample g of the run (counted over all ranks since the
+weights took over) comes from the source whose count is furthest below its share:
+argmax_k  w_k * (g + 1) - n_k  (ties: the first source), n_k the samples source k gave so far:
+the largest-sampling-error rule of Megatron-LM (megatron/core/datasets/helpers.cpp,
+build_blending_indices) and nanotron (nanoset.py). Every prefix of the run then holds each
+source within about one sample of its share: a 3:1 blend is exact every 4 samples. A sample is
+seq_len tokens of text, so text weights count tokens; for fine-tuning it is a row (one sample,
+or several packed).
+
+Within a source the samples follow its own epochs: epoch e of source k is a seeded permutation
+of its samples (numpy.random.default_rng([seed, crc32(name), e])), read front to back; a small
+source repeats, each time in another order, and nothing of it is dropped. The position is
+global and plain (`MixtureState`: the samples drawn, each source's count, and where the current
+weights took over), so a resume on another number of processes reads the same samples in the
+same order. Changed weights continue each source where it stopped: the blend starts over from
+the position at which they took over, with the new shares.
+"""
+
+from __future__ import annotations
+
+import copy
+import zlib
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import numpy as np
+
+from ..config import Config, UserError
+from .loader import Batch, DataNotPrepared, SampleRows, open_split, unpacked_width
+from .sources import prepared_path, read_manifest
+
+
+def blend(weights: np.ndarray, n: int, drawn: np.ndarray) -> np.ndarray:
+    """The sources of the next `n` samples (largest-error rule), after `drawn[k]` samples of
+    each source under these weights (normalised: they sum to 1)."""
+    drawn = np.array(drawn, dtype=np.int64)
+    total, out = int(drawn.sum()), np.empty(n, dtype=np.int64)
+    for i in range(n):
+        k = int(np.argmax(weights * (total + i + 1) - drawn))
+        out[i] = k
+        drawn[k] += 1
+    return out
+
+
+def open_sources(cfg: Config) -> list[tuple[str, Path, dict]]:
+    """Each source's (name, prepared folder, manifest); a source not prepared is one line."""
+    opened = []
+    for source in cfg.data.sources:
+        folder = prepared_path(cfg.for_source(source))
+        manifest = read_manifest(folder)
+        if manifest is None:
+            raise DataNotPrepared(
+                f"data.mixture[{source.index}]: {source.data.dataset} ({source.name}) is not prepared for this "
+                f"tokenizer and settings (expected {folder}); run: llmtrain prepare --config {cfg.path} "
+                f"(with the same --set options)")
+        opened.append((source.name, folder, manifest))
+    return opened
+
+
+def summary_manifest(opened: list[tuple[str, Path, dict]]) -> dict:
+    """What the trainer checks the model and a checkpoint against, for the whole mixture: the
+    tokenizer (alike for all: prepared with the model's), and each source's fingerprint by name."""
+    return {"tokenizer": max((m["tokenizer"] for _, _, m in opened), key=lambda t: t["vocab_size"]),
+            "fingerprint": {name: m["fingerprint"] for name, _, m in opened}}
+
+
+class Mixture:
+    """The sources' train splits (TokenStream or SampleRows, all of one kind) as one index
+    space: index offsets[k] + j is sample j of source k."""
+
+    def __init__(self, names: list[str], readers: list, seq_len: int):
+        self.names, self.readers, self.seq_len = names, readers, seq_len
+        self.sizes = np.array([r.num_samples(seq_len) for r in readers], dtype=np.int64)
+        for name, size in zip(names, self.sizes):
+            if size == 0:
+                raise UserError(f"data.mixture: source {name!r} has no training sample of {seq_len + 1} "
+                                f"tokens; give it more documents, or lower data.seq_len")
+        self.offsets = np.concatenate([[0], np.cumsum(self.sizes)])
+
+    def num_samples(self, seq_len: int) -> int:
+        return int(self.offsets[-1])
+
+    def source_of(self, indices: np.ndarray) -> np.ndarray:
+        return np.searchsorted(self.offsets, indices, side="right") - 1
+
+    def batch(self, indices: np.ndarray, seq_len: int) -> Batch:
+        """The samples in the order given, each read from its source; unpacked fine-tuning rows
+        cut after the batch's longest sample, as SampleRows.batch cuts them."""
+        indices = np.asarray(indices, dtype=np.int64)
+        source = self.source_of(indices)
+        fields: dict[str, np.ndarray] = {}
+        for k in np.unique(source):
+            where = np.flatnonzero(source == k)
+            reader, local = self.readers[k], indices[where] - self.offsets[k]
+            part = reader.rows(local) if isinstance(reader, SampleRows) else reader.batch(local, seq_len)
+            for key, value in part.fields().items():
+                fields.setdefault(key, np.empty((len(indices), *value.shape[1:]), dtype=value.dtype))[where] = value
+        batch = Batch(**fields)
+        first = self.readers[0]
+        if isinstance(first, SampleRows) and not first.packed:
+            width = unpacked_width(batch.positions)
+            batch = Batch(**{k: v[:, :width] for k, v in batch.fields().items()})
+        return batch
+
+    def targets(self, indices: np.ndarray, seq_len: int) -> int:
+        indices = np.asarray(indices, dtype=np.int64)
+        source = self.source_of(indices)
+        return sum(self.readers[k].targets(indices[source == k] - self.offsets[k], seq_len)
+                   for k in np.unique(source))
+
+
+@dataclass
+class MixtureState:
+    """The data position of a mixture: plain numbers, saved in checkpoints. Global, not per rank."""
+
+    samples: int = 0  # samples drawn in the run, all sources
+    counts: dict = field(default_factory=dict)  # {source: samples it gave}: where it continues
+    since: int = 0  # the sample at which the current weights took over
+    since_counts: dict = field(default_factory=dict)  # each source's count then
+    weights: dict = field(default_factory=dict)  # {source: weight} the blend uses (normalised)
+    changed: dict | None = None  # at a resume with other weights: the checkpoint's (for the log)
+
+    def state_dict(self) -> dict:
+        return {"samples": self.samples, "counts": dict(self.counts), "since": self.since,
+                "since_counts": dict(self.since_counts), "weights": dict(self.weights)}
+
+    def load_state_dict(self, sd: dict) -> None:
+        """The checkpoint's position; with other weights than the config's (by name), the blend
+        starts over here with the config's, and each source continues where it stopped."""
+        self.samples = int(sd["samples"])
+        self.counts = {name: int(sd["counts"].get(name, 0)) for name in self.weights}
+        saved = {name: float(w) for name, w in sd["weights"].items()}
+        if saved.keys() == self.weights.keys() and all(abs(saved[n] - w) < 1e-9 for n, w in self.weights.items()):
+            self.since = int(sd["since"])
+            self.since_counts = {name: int(sd["since_counts"].get(name, 0)) for name in self.weights}
+        else:
+            self.since, self.since_counts, self.changed = self.samples, dict(self.counts), saved
+
+
+class MixtureSampler:
+    """StepSampler's interface over a Mixture: each optimizer step's global batch, drawn by the
+    blend, each source read through its own epochs; this rank's contiguous slice of it."""
+
+    def __init__(self, data: Mixture, weights: list[float], global_batch: int, seed: int, rank: int,
+                 world_size: int):
+        self.data, self.global_batch, self.seed = data, global_batch, seed
+        self.rank, self.world_size = rank, world_size
+        self.weights = np.array(weights, dtype=np.float64) / sum(weights)
+        names = data.names
+        self.state = MixtureState(counts=dict.fromkeys(names, 0), since_counts=dict.fromkeys(names, 0),
+                                  weights=dict(zip(names, self.weights.tolist())))
+        self._perms: dict[int, tuple[int, np.ndarray]] = {}
+
+    @property
+    def num_samples(self) -> int:
+        return self.data.num_samples(0)
+
+    def fork(self) -> "MixtureSampler":
+        """An independent sampler at the same position (for reading ahead)."""
+        other = copy.copy(self)
+        other.state, other._perms = copy.deepcopy(self.state), {}
+        return other
+
+    def permutation(self, k: int, epoch: int) -> np.ndarray:
+        """Source k's order of samples in its epoch `epoch`."""
+        if self._perms.get(k, (None,))[0] != epoch:
+            key = zlib.crc32(self.data.names[k].encode())  # by name: another source list keeps it
+            self._perms[k] = epoch, np.random.default_rng([self.seed, key, epoch]).permutation(self.data.sizes[k])
+        return self._perms[k][1]
+
+    def next_global(self) -> np.ndarray:
+        """All ranks' sample indices for the next optimizer step (advances the position)."""
+        st, names = self.state, self.data.names
+        counts = np.array([st.counts[n] for n in names], dtype=np.int64)
+        since = np.array([st.since_counts[n] for n in names], dtype=np.int64)
+        out = np.empty(self.global_batch, dtype=np.int64)
+        for i, k in enumerate(blend(self.weights, self.global_batch, counts - since)):
+            epoch, at = divmod(int(counts[k]), int(self.data.sizes[k]))
+            out[i] = self.data.offsets[k] + self.permutation(k, epoch)[at]
+            counts[k] += 1
+        st.samples += self.global_batch
+        st.counts = dict(zip(names, counts.tolist()))
+        return out
+
+    def share(self, step: np.ndarray) -> np.ndarray:
+        """This rank's contiguous slice of a step's indices."""
+        per_rank = self.global_batch // self.world_size
+        return step[self.rank * per_rank:(self.rank + 1) * per_rank]
+
+    def next_step(self) -> np.ndarray:
+        return self.share(self.next_global())
+
+    def source_tokens(self) -> dict[str, int]:
+        """The tokens each source gave so far (seq_len a sample, as the run counts its tokens)."""
+        return {name: n * self.data.seq_len for name, n in self.state.counts.items()}
+
+    def source_epochs(self) -> dict[str, float]:
+        """Each source's epochs so far, fractional: 2.5 is halfway through its third pass."""
+        return {name: round(self.state.counts[name] / int(size), 4)
+                for name, size in zip(self.data.names, self.data.sizes)}
+
+
+def open_mixture(cfg: Config, opened: list[tuple[str, Path, dict]], global_batch: int, rank: int,
+                 world_size: int) -> tuple[Mixture, dict, MixtureSampler]:
+    """The mixture's train data, its sources' validation splits ({name: reader}; a source without
+    one is left out) and its sampler."""
+    seq_len = cfg.data.seq_len
+    names = [name for name, _, _ in opened]
+    train = Mixture(names, [open_split(folder, manifest, "train", cfg) for _, folder, manifest in opened], seq_len)
+    validation = {name: open_split(folder, manifest, "validation", cfg) for name, folder, manifest in opened
+                  if "validation" in manifest["splits"]}
+    weights = [s.weight for s in cfg.data.sources]
+    return train, validation, MixtureSampler(train, weights, global_batch, cfg.train.seed, rank, world_size)
+
+
+def describe(cfg: Config, sampler: MixtureSampler) -> str:
+    """The start-up line: each source's samples, share and the epochs max_steps takes of it."""
+    total = (cfg.train.max_steps or 0) * sampler.global_batch
+    parts = [f"{name} {int(size):,} samples, {w:.1%}, ~{w * total / int(size):.2f} epochs"
+             for name, size, w in zip(sampler.data.names, sampler.data.sizes, sampler.weights)]
+    return f"data.mixture: {'; '.join(parts)} (weights count {'rows' if cfg.data.samples else 'tokens'})"
+
+
+
+def weights_changed(sampler: MixtureSampler) -> str:
+    """The log line of a resume with other weights than the checkpoint's."""
+    st = sampler.state
+    was = ", ".join(f"{name} {w:.1%}" for name, w in st.changed.items())
+    now = ", ".join(f"{name} {w:.1%}" for name, w in st.weights.items())
+    return (f"data.mixture: the weights changed since the checkpoint ({was} -> {now}); each source "
+            f"continues where it stopped, blended by the new weights from sample {st.since:,} on")
