@@ -39,10 +39,16 @@ NOT_SCALARS = ("kind", "step")
 
 
 def scalars(record: dict) -> dict[str, float]:
-    """A metrics.jsonl record as tagged scalars: train/loss, train/lr, ..., eval/loss."""
+    """A metrics.jsonl record as tagged scalars: train/loss, train/lr, ..., eval/loss; a mapping
+    (a mixture's source_tokens, eval_loss_by_source) as one per entry: train/source_tokens/wiki."""
     kind = record.get("kind", "train")
-    return {f"{kind}/{key.removeprefix(kind + '_')}": float(value) for key, value in record.items()
-            if key not in NOT_SCALARS and isinstance(value, (int, float)) and not isinstance(value, bool)}
+    flat = {}
+    for key, value in record.items():
+        tag = f"{kind}/{key.removeprefix(kind + '_')}"
+        if key not in NOT_SCALARS:
+            flat.update({f"{tag}/{name}": v for name, v in value.items()} if isinstance(value, dict) else {tag: value})
+    return {tag: float(value) for tag, value in flat.items()
+            if isinstance(value, (int, float)) and not isinstance(value, bool)}
 
 
 class TensorBoard:

@@ -2,7 +2,9 @@
 several runs' on the same axes to compare them.
 
 Eight panels, from metrics.jsonl: loss and eval loss against steps and against tokens (log
-scale), eval loss alone, learning rate, gradient norm (log scale), tokens/s, MFU and peak memory.
+scale), eval loss alone, learning rate, gradient norm (log scale), tokens/s, MFU and peak memory;
+a mixture's run (data.mixture) adds each source's eval loss to the eval panel and a ninth panel
+of each source's tokens.
 A sweep's point is labelled by its overrides (`lr=1e-3`), from the record of the sweep next to it
 (`<run.dir>/*-sweep/sweep.json`). A log axis labels only the minor ticks that fit (matplotlib's
 LogFormatter thresholds); the memory axis starts at 0 (0.411 -> 0.418 GiB is not a climb). A run
@@ -131,8 +133,9 @@ def figure(runs: list[Run]):
         def _num_to_string(self, x, vmin, vmax):
             return f"{x:g}"
 
-    fig = Figure(figsize=(20, 9), layout="constrained")
-    axes = fig.subplots(2, 4).flatten()
+    mixed = any("source_tokens" in r for run in runs for r in run.train)  # data.mixture: a ninth panel
+    fig = Figure(figsize=(18, 13) if mixed else (20, 9), layout="constrained")
+    axes = fig.subplots(3, 3).flatten() if mixed else fig.subplots(2, 4).flatten()
     colors = [f"C{i % 10}" for i in range(len(runs))]
     loss_step, loss_tokens, eval_ax = axes[0], axes[1], axes[2]
     for run, color in zip(runs, colors):
@@ -144,6 +147,8 @@ def figure(runs: list[Run]):
             e_steps, e_loss = [r["step"] for r in run.evals], [r["eval_loss"] for r in run.evals]
             for ax, xs in ((loss_step, e_steps), (loss_tokens, run.tokens_at(e_steps)), (eval_ax, e_steps)):
                 ax.plot(xs, e_loss, color=color, ls="--", marker="o", ms=3, label=f"{run.label} eval")
+            for (name, points), marker in zip(by_source(run.evals, "eval_loss_by_source").items(), MARKERS):
+                eval_ax.plot(*zip(*points), color=color, ls=":", marker=marker, ms=4, label=f"{run.label} {name}")
 
     def log_y(ax):
         ax.set_yscale("log")
@@ -158,6 +163,17 @@ def figure(runs: list[Run]):
     eval_ax.set(title="Eval loss", xlabel="step", ylabel="loss (nats/token)")
     if not any(run.evals for run in runs):
         _empty(eval_ax, "no evaluation yet (train.eval_every)")
+
+    if mixed:  # each source's tokens so far: its weight is the slope's share
+        ax = axes[8]
+        for run, color in zip(runs, colors):
+            for (name, points), style in zip(by_source(run.train, "source_tokens").items(), STYLES):
+                ax.plot(*zip(*points), color=color, ls=style, lw=1.2, label=f"{run.label} {name}")
+        ax.set(title="Tokens per source (data.mixture)", xlabel="step", ylabel="tokens")
+        ax.yaxis.set_major_formatter(EngFormatter())
+        ax.legend(fontsize=8)
+    if any(by_source(run.evals, "eval_loss_by_source") for run in runs):
+        eval_ax.legend(fontsize=8)
 
     for ax, (key, title, ylabel, log) in zip(axes[3:], SERIES):
         drawn, tallest = False, 0.0
@@ -183,6 +199,18 @@ def figure(runs: list[Run]):
     fig.suptitle(runs[0].summary() if len(runs) == 1 else f"{len(runs)} runs: " + "; ".join(
         r.summary() for r in runs), fontsize=11)
     return fig
+
+
+MARKERS, STYLES = "svd^<>p*", ["-", "--", ":", "-."] * 4  # a mixture's sources, told apart
+
+
+def by_source(records: list[dict], key: str) -> dict[str, list[tuple[int, float]]]:
+    """A mixture's per-source series ({source: [(step, value)]}) from the records that carry `key`."""
+    series: dict[str, list] = {}
+    for r in records:
+        for name, value in (r.get(key) or {}).items():
+            series.setdefault(name, []).append((r["step"], value))
+    return series
 
 
 def _empty(ax, text: str) -> None:
