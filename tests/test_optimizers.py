@@ -13,7 +13,8 @@ import yaml
 
 from conftest import assert_same_curve, losses, prepared_home, run_dir, tiny_config, torchrun
 from llmtrain.config import ConfigError, load_config
-from llmtrain.optimizers import _lion_class, lr_at
+from llmtrain.optimizers import lr_at
+from llmtrain.optimizers.lion import Lion
 
 
 def schedule(name: str, **t) -> list[float]:
@@ -32,7 +33,7 @@ def test_wsd_holds_the_peak_then_decays_linearly_to_min_lr_at_the_last_step():
 def test_lion_takes_the_sign_of_its_interpolated_momentum():
     """Two steps by hand: w <- w (1 - lr wd) - lr sign(b1 m + (1 - b1) g); m <- b2 m + (1 - b2) g."""
     w = torch.nn.Parameter(torch.tensor([1.0, -2.0, 3.0]))
-    opt = _lion_class()([{"params": [w], "weight_decay": 0.1}], lr=0.01, betas=(0.9, 0.99))
+    opt = Lion([{"params": [w], "weight_decay": 0.1}], lr=0.01, betas=(0.9, 0.99))
     m = torch.zeros(3)
     expected = w.detach().clone()
     for g in (torch.tensor([0.5, -0.1, 0.0]), torch.tensor([-0.2, -0.3, 0.4])):
@@ -44,6 +45,74 @@ def test_lion_takes_the_sign_of_its_interpolated_momentum():
     torch.testing.assert_close(opt.state[w]["exp_avg"], m, rtol=0, atol=1e-8)
 
 
+def test_schedule_free_adamw_follows_the_reference_package_and_evaluates_its_average():
+    """Ours against `schedulefree.AdamWScheduleFree` (the authors' package) over 6 steps with a
+    warmup and weight decay: the training weights (y) after every step, and inside eval_weights()
+    the average x that the package's eval() gives; after it, y again exactly."""
+    import schedulefree
+    from llmtrain.optimizers.schedule_free import AdamWScheduleFree
+    torch.manual_seed(0)
+    start = torch.randn(5, 3)
+    ours, theirs = torch.nn.Parameter(start.clone()), torch.nn.Parameter(start.clone())
+    opt = AdamWScheduleFree([{"params": [ours], "weight_decay": 0.1}], lr=0.01, betas=(0.9, 0.999))
+    ref = schedulefree.AdamWScheduleFree([theirs], lr=0.01, betas=(0.9, 0.999), weight_decay=0.1,
+                                         warmup_steps=0, foreach=False)
+    ref.train()
+    for step in range(6):
+        lr = 0.01 * min(1.0, (step + 1) / 3)  # our warmup, given to both as the group's lr
+        opt.param_groups[0]["lr"] = ref.param_groups[0]["lr"] = lr
+        g = torch.randn(5, 3)
+        ours.grad, theirs.grad = g.clone(), g.clone()
+        opt.step()
+        ref.step()
+        torch.testing.assert_close(ours.detach(), theirs.detach(), rtol=1e-5, atol=1e-6)
+    y = ours.detach().clone()
+    ref.eval()
+    with opt.eval_weights():
+        torch.testing.assert_close(ours.detach(), theirs.detach(), rtol=1e-5, atol=1e-6)
+        assert (ours.detach() - y).abs().max() > 1e-3  # x is not y: evaluating y would be wrong
+    assert torch.equal(ours.detach(), y)
+
+
+def test_muon_steps_the_hidden_matrices_along_torchs_muon_and_adamw_the_rest():
+    """build_optimizer's groups for Muon: the hidden matrices (q/k/v/o, gate/up/down) in the Muon
+    group; embeddings and head with AdamW's weight decay; norms without. One step of the Muon
+    group points where torch.optim.Muon's does (its Newton-Schulz runs in bf16, ours in fp32:
+    cosine > 0.99), with the same AdamW-matched size; the orthogonalised update's singular values
+    lie around 1."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+    from llmtrain.optimizers import build_optimizer
+    from llmtrain.optimizers.muon import newton_schulz
+    model = LlamaForCausalLM(LlamaConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                                         num_attention_heads=4, num_key_value_heads=2, vocab_size=64))
+    train = SimpleNamespace(optimizer="muon", optimizer_args={}, lr=0.02, min_lr=0.0, warmup_steps=0,
+                            max_steps=10, lr_schedule="constant", weight_decay=0.1, beta1=0.9, beta2=0.95, eps=1e-8)
+    opt = build_optimizer(model, train, torch.device("cpu"))
+    names = {id(p): n for n, p in model.named_parameters()}
+    hidden, ends, vectors = ([names[id(p)].split(".")[-2] for p in g["params"]] for g in opt.param_groups)
+    assert sorted(set(hidden)) == ["down_proj", "gate_proj", "k_proj", "o_proj", "q_proj", "up_proj", "v_proj"]
+    assert sorted(ends) == ["embed_tokens", "lm_head"] and set(vectors) == {"input_layernorm",
+                                                                           "post_attention_layernorm", "norm"}
+    assert [g["muon"] for g in opt.param_groups] == [True, False, False]
+    assert [g["weight_decay"] for g in opt.param_groups] == [0.1, 0.1, 0.0]
+
+    w = model.model.layers[0].mlp.gate_proj.weight  # 64 x 32
+    reference = torch.nn.Parameter(w.detach().clone())
+    torch_muon = torch.optim.Muon([reference], lr=0.02, weight_decay=0.1, adjust_lr_fn="match_rms_adamw")
+    g = torch.randn_like(w)
+    for p in model.parameters():
+        p.grad = torch.zeros_like(p)
+    w.grad, reference.grad = g.clone(), g.clone()
+    before = w.detach().clone()
+    opt.step()
+    torch_muon.step()
+    ours, theirs = w.detach() - before, reference.detach() - before
+    assert torch.nn.functional.cosine_similarity(ours.flatten(), theirs.flatten(), dim=0) > 0.99
+    assert ours.norm() == pytest.approx(float(theirs.norm()), rel=0.05)
+    singular = torch.linalg.svdvals(newton_schulz(torch.randn(1, 64, 32))[0])
+    assert 0.5 < float(singular.min()) and float(singular.max()) < 1.5
+
+
 @pytest.mark.parametrize("train,line", [
     ({"optimizer": "lion", "optimizer_args": {"momentum": 0.9}},
      "train.optimizer_args: lion takes no 'momentum' (takes: betas)"),
@@ -51,6 +120,11 @@ def test_lion_takes_the_sign_of_its_interpolated_momentum():
      "train.optimizer_args: adamw takes no 'betas' (takes: none)"),
     ({"optimizer": "lion", "optimizer_args": {"betas": [0.9, 1.5]}},
      "train.optimizer_args: betas must be two numbers in [0, 1) (got [0.9, 1.5])"),
+    ({"optimizer": "muon", "optimizer_args": {"momentum": 1.0, "ns_steps": 5}},
+     "train.optimizer_args: momentum must be a number in [0, 1) (got 1.0)"),
+    ({"optimizer": "adamw_schedulefree"},  # tiny_config's schedule is cosine
+     "train.lr_schedule: adamw_schedulefree needs no decay (its evaluated weights are an average of "
+     "the iterates): set constant, the warmup stays (got cosine)"),
     ({"lr_schedule": "wsd", "decay_fraction": 0}, "train.decay_fraction: must be in (0, 1] (got 0.0)"),
     ({"lr_schedule": "wsd", "decay_fraction": 0.6, "warmup_steps": 5},  # of tiny_config's 8 steps
      "train.decay_fraction: wsd's decay (5 of 8 steps) would start inside the warmup (5 steps); lower one of them"),

@@ -9,6 +9,21 @@ from ..optimizers import OPTIMIZERS
 from ..parallel.dims import ParallelDims
 from .schema import Config
 
+
+def _number(x) -> bool:
+    return isinstance(x, (int, float)) and not isinstance(x, bool)
+
+
+# train.optimizer_args' keys: (what a value must be, its check); which optimizer takes which: OPTIMIZERS
+OPTIMIZER_ARGS = {
+    "betas": ("two numbers in [0, 1)",
+              lambda v: isinstance(v, list) and len(v) == 2 and all(_number(b) and 0 <= b < 1 for b in v)),
+    "momentum": ("a number in [0, 1)", lambda v: _number(v) and 0 <= v < 1),
+    "ns_steps": ("a whole number >= 1", lambda v: isinstance(v, int) and not isinstance(v, bool) and v >= 1),
+    "adamw_lr_scale": ("a number > 0", lambda v: _number(v) and v > 0),
+}
+
+
 def validate(cfg: Config, world_size: int | None = None) -> list[str]:
     """Problems of values and of keys together; [] when the config's values are usable.
     world_size: the run's processes; None: the slurm section's (and its Slurm-only keys checked)."""
@@ -81,10 +96,12 @@ def validate(cfg: Config, world_size: int | None = None) -> list[str]:
     elif unknown := sorted(set(t.optimizer_args) - set(OPTIMIZERS[t.optimizer].args)):
         takes = ", ".join(OPTIMIZERS[t.optimizer].args) or "none"
         p.append(f"train.optimizer_args: {t.optimizer} takes no {unknown[0]!r} (takes: {takes})")
-    elif "betas" in t.optimizer_args and not (
-            isinstance(t.optimizer_args["betas"], list) and len(t.optimizer_args["betas"]) == 2
-            and all(isinstance(b, (int, float)) and 0 <= b < 1 for b in t.optimizer_args["betas"])):
-        p.append(f"train.optimizer_args: betas must be two numbers in [0, 1) (got {t.optimizer_args['betas']!r})")
+    else:
+        p += [f"train.optimizer_args: {key} must be {what} (got {t.optimizer_args[key]!r})"
+              for key, (what, ok) in OPTIMIZER_ARGS.items() if key in t.optimizer_args and not ok(t.optimizer_args[key])]
+    if t.optimizer == "adamw_schedulefree" and t.lr_schedule != "constant":
+        p.append(f"train.lr_schedule: adamw_schedulefree needs no decay (its evaluated weights are an "
+                 f"average of the iterates): set constant, the warmup stays (got {t.lr_schedule})")
     if t.keep_checkpoints < 2:
         p.append(f"train.keep_checkpoints: must be >= 2, so a damaged newest checkpoint has a "
                  f"fallback (got {t.keep_checkpoints})")

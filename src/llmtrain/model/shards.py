@@ -1,7 +1,7 @@
 """A checkpoint's weights as Hugging Face safetensors files, one decoder layer at a time.
 
     checkpoint = Checkpoint(ckpt)                    # its DCP metadata, read once
-    checkpoint.read(names)                           # those tensors alone, full
+    checkpoint.read(names)                           # those tensors alone, full, to evaluate
     write_weights(folder, checkpoint, skeleton, torch.bfloat16, lora=(spec, base) or None)
 
     writer = ShardWriter(folder, [(name, dtype, shape), ...])   # the whole layout, up front
@@ -33,7 +33,7 @@ import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
 from ..config import LoraSpec, UserError
-from ..rundir import BUFFERS
+from ..rundir import BUFFERS, META
 from .lora import is_adapter, merged_weight
 from .weight_files import open_weights, weight_files  # the base's files, read as training reads them
 
@@ -57,13 +57,18 @@ class Checkpoint(dcp.FileSystemReader):
     """A DCP checkpoint's model tensors by name (without the state's `model.` key): their shapes
     and dtypes from its metadata, any of them read alone (DCP reads only their bytes). The
     metadata is read once: dcp.load reads it at every call, here one a layer, and a large run's
-    lists every shard of every tensor and of its optimizer state."""
+    lists every shard of every tensor and of its optimizer state.
+
+    The weights read are the ones to evaluate: where the optimizer trains other weights than
+    those (schedule-free AdamW: meta.json's "eval_weights" says how, optimizers.OPTIMIZERS), each
+    is moved towards its optimizer state as the optimizer's eval_weights() does."""
 
     def __init__(self, path: Path):
         super().__init__(path)
         self.metadata = super().read_metadata()
         self.tensors = {k.removeprefix("model."): m for k, m in self.metadata.state_dict_metadata.items()
                         if k.startswith("model.") and isinstance(m, TensorStorageMetadata)}
+        self.eval_shift = json.loads((Path(path) / META).read_text()).get("eval_weights")
 
     def read_metadata(self, *args, **kwargs):
         return self.metadata
@@ -74,10 +79,28 @@ class Checkpoint(dcp.FileSystemReader):
             return {}
         state = {"model": {n: torch.empty(self.tensors[n].size, dtype=self.tensors[n].properties.dtype)
                            for n in names}}
+        self._load(state)
+        return self.to_eval_weights(state["model"])
+
+    def to_eval_weights(self, tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        """`tensors` (read from here; changed in place) as the weights to evaluate."""
+        if self.eval_shift is None:
+            return tensors
+        key = self.eval_shift["state"]
+        saved = self.metadata.state_dict_metadata
+        found = {n: saved[f"optim.state.{n}.{key}"] for n in tensors if f"optim.state.{n}.{key}" in saved}
+        state = {"optim": {"state": {n: {key: torch.empty(m.size, dtype=m.properties.dtype)}
+                                     for n, m in found.items()}}}
+        self._load(state)
+        with torch.no_grad():
+            for n, entry in state["optim"]["state"].items():
+                tensors[n].lerp_(entry[key].to(tensors[n].dtype), self.eval_shift["weight"])
+        return tensors
+
+    def _load(self, state: dict) -> None:
         with warnings.catch_warnings():  # "assuming the intent is to load in a single process": it is
             warnings.filterwarnings("ignore", message="torch.distributed is disabled")
             dcp.load(state, storage_reader=self, no_dist=True)
-        return state["model"]
 
 
 def write_weights(folder: Path, checkpoint: Checkpoint, skeleton: torch.nn.Module, dtype: torch.dtype,

@@ -137,6 +137,8 @@ class Checkpointer:
                 "compat": self.compat, "settings": _settings(self.cfg)}
         if self.options is not None:  # LoRA: where the frozen base comes from (export, generate)
             meta["base_model"] = str(pretrained_dir(self.cfg))
+        if (shift := OPTIMIZERS[self.cfg.train.optimizer].eval_weights) is not None:
+            meta["eval_weights"] = shift(self.cfg.train)  # export's weights (model/shards.py)
         state = {"model": model_sd, "optim": optim_sd}
         with self._failing_save(tmp, final):
             torch.save(_rng_state(), tmp / f"rng-rank-{self.world.rank}.pt")

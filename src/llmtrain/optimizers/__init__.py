@@ -14,6 +14,13 @@ torch.optim.Optimizer) and add one entry to OPTIMIZERS. The entry declares two t
   stops the run instead of applying a step it should have skipped.
 - state_bytes: the optimizer's state per trainable parameter (AdamW: two fp32 moments, 8),
   for llmtrain estimate and the checkpoint's size.
+It may declare two more: splits_embeddings (the hidden matrices get a group of their own, the
+input embedding and output head one with the other matrices' weight decay: Muon's split) and
+eval_weights (the parameters are not the weights to evaluate: how to make them from the state,
+for evaluation here and for exports from a checkpoint; schedule-free AdamW's).
+
+The optimizers themselves live beside this file (lion.py, muon.py, schedule_free.py), imported
+only when built: this module imports no torch, as the login node's commands need it.
 
 This module imports nothing else of llmtrain (config/rules.py checks names against the table); `t`
 below is a config's train section.
@@ -21,6 +28,7 @@ below is a config's train section.
 
 from __future__ import annotations
 
+import contextlib
 import math
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Callable
@@ -37,6 +45,8 @@ class OptimizerKind:
     state_bytes: int  # optimizer state per trainable parameter
     about: str = ""  # the state, in llmtrain estimate's breakdown
     args: tuple[str, ...] = ()  # the keys train.optimizer_args may set
+    splits_embeddings: bool = False  # param groups: hidden matrices, embeddings + head, vectors
+    eval_weights: Callable[[Any], dict] | None = None  # train section -> EVAL_WEIGHTS' entry
 
 
 def _adamw(groups: list, t, device: "torch.device") -> "torch.optim.Optimizer":
@@ -52,7 +62,8 @@ def _adamw_settings(optimizer: "torch.optim.Optimizer", t) -> None:
 
 
 def _lion(groups: list, t, device: "torch.device") -> "torch.optim.Optimizer":
-    return _lion_class()(groups, lr=lr_at(0, t))
+    from .lion import Lion
+    return Lion(groups, lr=lr_at(0, t))
 
 
 def _lion_settings(optimizer: "torch.optim.Optimizer", t) -> None:
@@ -61,79 +72,60 @@ def _lion_settings(optimizer: "torch.optim.Optimizer", t) -> None:
         group["betas"] = betas
 
 
+def _muon(groups: list, t, device: "torch.device") -> "torch.optim.Optimizer":
+    from .muon import Muon
+    return Muon(groups, lr=lr_at(0, t))
+
+
+def _muon_settings(optimizer: "torch.optim.Optimizer", t) -> None:
+    args = t.optimizer_args
+    for i, group in enumerate(optimizer.param_groups):
+        group["muon"] = i == 0  # build_optimizer's first group: the hidden matrices
+        group["lr_scale"] = 1.0 if group["muon"] else float(args.get("adamw_lr_scale", 1.0))
+        group["momentum"] = float(args.get("momentum", 0.95))
+        group["ns_steps"] = int(args.get("ns_steps", 5))
+        group["betas"], group["eps"] = (t.beta1, t.beta2), t.eps
+
+
+def _schedulefree(groups: list, t, device: "torch.device") -> "torch.optim.Optimizer":
+    from .schedule_free import AdamWScheduleFree
+    return AdamWScheduleFree(groups, lr=lr_at(0, t))
+
+
+def _schedulefree_eval(t) -> dict:
+    # x = lerp(y, z, 1 - 1/beta1): the parameters (y) towards the state's z
+    return {"state": "z", "weight": 1 - 1 / t.beta1}
+
+
 OPTIMIZERS: dict[str, OptimizerKind] = {
     "adamw": OptimizerKind(_adamw, _adamw_settings, skips_on_device=True, state_bytes=8,
                            about="AdamW: 2 fp32 moments per trainable parameter"),
     "lion": OptimizerKind(_lion, _lion_settings, skips_on_device=True, state_bytes=4,
                           about="Lion: 1 fp32 momentum per trainable parameter", args=("betas",)),
+    # 4: the hidden matrices' momentum; the embeddings, head and norms (AdamW's 8) not counted apart
+    "muon": OptimizerKind(_muon, _muon_settings, skips_on_device=True, state_bytes=4,
+                          about="Muon: 1 fp32 momentum per hidden-matrix parameter (AdamW's 2 "
+                                "moments on embeddings, head and norms: not counted)",
+                          args=("momentum", "ns_steps", "adamw_lr_scale"), splits_embeddings=True),
+    "adamw_schedulefree": OptimizerKind(
+        _schedulefree, _adamw_settings, skips_on_device=True, state_bytes=8,
+        about="schedule-free AdamW: z and the second moment, fp32, per trainable parameter",
+        eval_weights=_schedulefree_eval),
 }
-
-
-_LION = None
-
-
-def _lion_class():
-    """Lion (Chen et al. 2023, "Symbolic Discovery of Optimization Algorithms"): the update is
-    the sign of beta1 m + (1 - beta1) g, then m <- beta2 m + (1 - beta2) g; decoupled weight
-    decay lr x wd. Its updates are +-lr per element, so its lr is usually 3-10x below AdamW's and
-    its weight decay as much above. A step with `found_inf` (a 0-dim device tensor) set to 1
-    changes nothing, without reading it on the host: every change is scaled by (1 - found_inf).
-    Elementwise only, so FSDP2's and tensor parallel's sharded parameters (DTensors) update
-    shard by shard exactly as whole ones."""
-    global _LION
-    if _LION is not None:
-        return _LION
-    import torch
-
-    class Lion(torch.optim.Optimizer):
-        def __init__(self, params, lr: float, betas=(0.9, 0.99), weight_decay: float = 0.0):
-            super().__init__(params, {"lr": lr, "betas": betas, "weight_decay": weight_decay})
-
-        @torch.no_grad()
-        def step(self, closure=None):
-            found_inf = getattr(self, "found_inf", None)  # 1: skip, on the device
-            for group in self.param_groups:
-                lr, (beta1, beta2), wd = group["lr"], group["betas"], group["weight_decay"]
-                for p in group["params"]:
-                    if p.grad is None:
-                        continue
-                    state = self.state[p]
-                    if not state:
-                        state["exp_avg"] = torch.zeros_like(p, memory_format=torch.preserve_format)
-                    # elementwise: each rank's shard of a sharded parameter on its own; a
-                    # replicated parameter's gradient may still be a per-rank partial sum (tensor
-                    # parallel's norms, LoRA's A on a column-parallel layer): summed first
-                    grad = p.grad
-                    if hasattr(grad, "placements") and grad.placements != p.placements:
-                        grad = grad.redistribute(p.device_mesh, p.placements)
-                    w, g, m = (_local(x) for x in (p, grad, state["exp_avg"]))
-                    if found_inf is None:
-                        keep = 1.0
-                    else:  # a skipped step's gradient is NaN or inf: zeroed, and every change x 0
-                        keep = 1 - found_inf.to(w.dtype)
-                        g = torch.where(found_inf.bool(), 0.0, g)
-                    update = (m * beta1 + g * (1 - beta1)).sign_()
-                    w.mul_(1 - lr * wd * keep)
-                    w.add_(update * keep, alpha=-lr)
-                    m.lerp_(g, (1 - beta2) * keep)
-            return None
-
-    _LION = Lion
-    return Lion
-
-
-def _local(x: "torch.Tensor") -> "torch.Tensor":
-    return x.to_local() if hasattr(x, "to_local") else x
 
 
 def build_optimizer(model: "torch.nn.Module", t, device: "torch.device") -> "torch.optim.Optimizer":
     """train.optimizer over the model's trainable parameters: weight decay on matrices only."""
     kind = OPTIMIZERS[t.optimizer]
     params = [p for p in model.parameters() if p.requires_grad]
-    groups = [
-        {"params": [p for p in params if p.ndim >= 2], "weight_decay": t.weight_decay},
-        {"params": [p for p in params if p.ndim < 2], "weight_decay": 0.0},  # biases, norms
-    ]
+    matrices = [p for p in params if p.ndim >= 2]
+    groups = [{"params": matrices}, {"params": [p for p in params if p.ndim < 2]}]  # biases, norms
+    if kind.splits_embeddings:
+        inner = getattr(model, "module", model)  # DDP's wrapper has not the model's methods
+        ends = {id(m.weight) for m in (inner.get_input_embeddings(), inner.get_output_embeddings())
+                if m is not None}
+        groups[:1] = [{"params": [p for p in matrices if id(p) not in ends]},
+                      {"params": [p for p in matrices if id(p) in ends]}]
     if kind.skips_on_device:
         _check_skips(t, device)
     optimizer = kind.build(groups, t, device)
@@ -143,22 +135,34 @@ def build_optimizer(model: "torch.nn.Module", t, device: "torch.device") -> "tor
 
 def apply_settings(optimizer: "torch.optim.Optimizer", t) -> None:
     """The config's weight decay and the optimizer's own settings, on a new optimizer and after
-    a resume: loading a checkpoint restores the saved param_groups, and the config must win."""
-    matrices, vectors = optimizer.param_groups
-    matrices["weight_decay"], vectors["weight_decay"] = t.weight_decay, 0.0
+    a resume: loading a checkpoint restores the saved param_groups, and the config must win.
+    Matrices decay, vectors (biases, norms) do not."""
+    for group in optimizer.param_groups:
+        group["weight_decay"] = t.weight_decay if group["params"] and group["params"][0].ndim >= 2 else 0.0
     OPTIMIZERS[t.optimizer].settings(optimizer, t)
 
 
+@contextlib.contextmanager
+def eval_weights(optimizer: "torch.optim.Optimizer"):
+    """The weights to evaluate in the parameters inside (schedule-free's average); for the
+    others the parameters are those weights, and nothing changes."""
+    with getattr(optimizer, "eval_weights", contextlib.nullcontext)():
+        yield
+
+
 def _check_skips(t, device: "torch.device") -> None:
-    """One step of the optimizer over a scratch parameter with `found_inf` set: it must leave
-    the parameter as it was, as its entry declares."""
+    """One step of the optimizer over a scratch matrix and vector with `found_inf` set: it must
+    leave both as they were, as its entry declares (Muon: the matrix is its own part, the vector
+    its AdamW part)."""
     import torch
-    param = torch.nn.Parameter(torch.ones(4, 4, device=device))
-    param.grad = torch.ones_like(param)
-    probe = OPTIMIZERS[t.optimizer].build([{"params": [param], "weight_decay": 0.0}], t, device)
+    params = [torch.nn.Parameter(torch.ones(4, 4, device=device)), torch.nn.Parameter(torch.ones(4, device=device))]
+    for param in params:
+        param.grad = torch.ones_like(param)
+    probe = OPTIMIZERS[t.optimizer].build([{"params": [p]} for p in params], t, device)
+    apply_settings(probe, t)
     probe.found_inf = torch.ones((), device=device)
     probe.step()
-    if not torch.equal(param.detach(), torch.ones_like(param)):
+    if not all(torch.equal(p.detach(), torch.ones_like(p)) for p in params):
         raise RuntimeError(f"optimizer {t.optimizer!r} applied a step that found_inf marked to skip, on "
                            f"{device.type}; its OPTIMIZERS entry must declare skips_on_device=False")
 
@@ -184,4 +188,4 @@ def lr_at(step: int, t) -> float:
 
 def set_lr(optimizer: "torch.optim.Optimizer", lr: float) -> None:
     for group in optimizer.param_groups:
-        group["lr"] = lr
+        group["lr"] = lr * group.get("lr_scale", 1.0)
