@@ -1,0 +1,188 @@
+"""Weighted data mixtures (data/mixture.py): the blend's arithmetic, the sampler's global
+position under resumes and changed weights, check-config's lines, and one real run: a 3:1
+mixture trained on 2 processes, resumed on 1, against the same run uninterrupted."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import numpy as np
+import pytest
+import yaml
+
+from conftest import DEMO, assert_same_curve, cli, read_metrics, tiny_config, torchrun
+from llmtrain.config import load_config
+from llmtrain.data.mixture import MixtureSampler, blend, open_mixture, open_sources
+
+STORIES = (DEMO / "stories.txt").read_text().splitlines(keepends=True)
+
+
+def mixture_config(**train) -> dict:
+    """3 parts big (3,000 stories) to 1 part small (20 stories: its ~18 samples repeat within the
+    run), the small one with a validation file of its own; a constant lr, so that a run cut
+    short at max_steps 8 trains its steps as the 16-step run does."""
+    cfg = tiny_config(train={"max_steps": 16, "lr_schedule": "constant", "checkpoint_every": 8, **train})
+    del cfg["data"]["dataset"]
+    cfg["data"]["mixture"] = [{"dataset": "big.txt", "weight": 3},
+                              {"dataset": "small.txt", "weight": 1, "validation": "small-val.txt",
+                               "validation_fraction": 0}]
+    return cfg
+
+
+@pytest.fixture(scope="module")
+def setup(tmp_path_factory):
+    root = tmp_path_factory.mktemp("mixture")
+    mp = pytest.MonkeyPatch()
+    mp.setenv("LLMTRAIN_HOME", str(root / "home"))
+    (root / "big.txt").write_text("".join(STORIES[:3000]))
+    (root / "small.txt").write_text("".join(STORIES[3000:3020]))
+    (root / "small-val.txt").write_text("".join(STORIES[3020:3040]))
+    config = root / "config.yaml"
+    config.write_text(yaml.safe_dump(mixture_config()))
+    try:
+        cli("prepare", "--config", config, check=True)
+        yield root, config
+    finally:
+        mp.undo()
+
+
+# ---------------------------------------------------------------------------------------------
+# The blend (no data)
+
+
+@pytest.mark.parametrize("weights", [[3, 1], [5, 3, 2], [0.7, 0.2, 0.05, 0.05]])
+def test_every_prefix_of_the_blend_holds_each_source_within_one_sample_of_its_share(weights):
+    w = np.array(weights, dtype=float) / sum(weights)
+    sources = blend(w, 2000, np.zeros(len(w)))
+    counts = np.cumsum(np.eye(len(w), dtype=int)[sources], axis=0)  # after 1, 2, ... samples
+    expected = np.outer(np.arange(1, 2001), w)
+    assert np.abs(counts - expected).max() < 1
+    if list(weights) == [3, 1]:  # exact every 4 samples
+        assert (counts[3::4] == np.outer(np.arange(1, 501), [3, 1])).all()
+
+
+def test_the_blend_continues_from_what_was_drawn():
+    w = np.array([0.5, 0.3, 0.2])
+    whole = blend(w, 300, np.zeros(3))
+    drawn = np.bincount(whole[:137], minlength=3)
+    assert (blend(w, 163, drawn) == whole[137:]).all()
+
+
+# ---------------------------------------------------------------------------------------------
+# The sampler over real prepared sources
+
+
+def sampler_for(config, world_size: int = 1, rank: int = 0, **sets) -> MixtureSampler:
+    cfg = load_config(config, [f"{k}={v}" for k, v in sets.items()], world_size=1)
+    return open_mixture(cfg, open_sources(cfg), cfg.train.global_batch_size, rank, world_size)[2]
+
+
+def test_steps_are_the_same_on_any_world_size_and_each_source_runs_through_its_own_epochs(setup):
+    _, config = setup
+    one = sampler_for(config)
+    steps = [one.next_global() for _ in range(40)]
+    for rank in range(2):  # each rank of two reads its half of the same global batch
+        two = sampler_for(config, world_size=2, rank=rank)
+        assert all((two.next_step() == s[rank * 4:(rank + 1) * 4]).all() for s in steps)
+
+    data = one.data
+    drawn = np.concatenate(steps)
+    source = data.source_of(drawn)
+    assert np.bincount(source).tolist() == [240, 80]  # 3:1
+    small = drawn[source == 1] - data.offsets[1]
+    size = int(data.sizes[1])
+    assert size < 80  # the small source repeats: every epoch is all of its samples, in a new order
+    epochs = [small[i:i + size] for i in range(0, 80, size)]
+    assert all(sorted(e) == list(range(len(e))) or len(e) < size for e in epochs)
+    assert sorted(epochs[0]) == list(range(size)) and not (epochs[0] == epochs[1]).all()
+    assert one.source_epochs()["small"] == round(80 / size, 4)
+
+
+def test_a_resume_continues_the_same_samples_and_changed_weights_continue_each_source(setup):
+    _, config = setup
+    whole = sampler_for(config)
+    steps = [whole.next_global() for _ in range(20)]
+    cut = sampler_for(config)
+    for _ in range(7):
+        cut.next_global()
+    resumed = sampler_for(config, world_size=2)
+    resumed.state.load_state_dict(cut.state.state_dict())
+    assert resumed.state.changed is None
+    assert all((np.concatenate([resumed.share(s := resumed.next_global()), s[4:]]) == steps[i]).all()
+               for i in range(7, 20))
+
+    # Weights 1:1 from step 7: each source goes on with its next unread sample, and the new shares
+    # hold from there.
+    sets = {"data.mixture": '[{dataset: big.txt, weight: 1}, {dataset: small.txt, weight: 1, '
+                            'validation: small-val.txt, validation_fraction: 0}]'}
+    changed = sampler_for(config, **sets)
+    changed.state.load_state_dict(cut.state.state_dict())
+    assert changed.state.changed == {"big": 0.75, "small": 0.25}
+    after = np.concatenate([changed.next_global() for _ in range(10)])
+    source = changed.data.source_of(after)
+    assert np.bincount(source).tolist() == [40, 40]
+    before = np.concatenate(steps[:7])
+    for k, name in enumerate(["big", "small"]):  # the first samples after the change are the ones
+        ahead = sampler_for(config)                # the unchanged run would have read next from it
+        ahead.state.load_state_dict(cut.state.state_dict())
+        expected = np.concatenate([ahead.next_global() for _ in range(40)])
+        expected = expected[ahead.data.source_of(expected) == k][:5]
+        assert (after[source == k][:5] == expected).all(), name
+        assert cut.state.counts[name] == (ahead.data.source_of(before) == k).sum()
+
+
+# ---------------------------------------------------------------------------------------------
+# check-config
+
+
+def test_check_config_names_every_mixture_problem_on_its_own_line(setup, write_config):
+    root, _ = setup
+    cfg = mixture_config()
+    cfg["data"]["mixture"] = [{"dataset": str(root / "big.txt"), "weight": 3},
+                              {"dataset": str(root / "small.txt"), "weight": 0},
+                              {"dataset": str(root / "big.txt"), "weight": 1, "text_feild": "body"},
+                              {"dataset": str(root / "missing.txt"), "weight": 1, "name": "gone"}]
+    proc = cli("check-config", "--config", write_config(cfg))
+    assert proc.returncode == 2
+    assert proc.stderr.splitlines() == [
+        "data.mixture[2].text_feild: unknown key (did you mean 'text_field'?); a source takes name, weight, "
+        "dataset, split, text_field, messages_field, prompt_field, completion_field, text_unit, encoding_errors, "
+        "validation, validation_fraction, prepared (the other data keys are the data section's)",
+        "data.mixture[1].weight: must be > 0 (got 0)",
+        "data.mixture[2].name: 'big' is data.mixture[0]'s name too; names must be unique (a source "
+        "without name: is named after its dataset; set one)",
+        f"data.mixture[3].dataset: no such file or folder (got '{root / 'missing.txt'}')"]
+
+    cfg["data"]["dataset"] = str(root / "big.txt")
+    cfg["data"]["mixture"] = cfg["data"]["mixture"][:1]
+    proc = cli("check-config", "--config", write_config(cfg))
+    assert (proc.returncode, proc.stderr) == (2, "data.dataset: set exactly one of data.dataset and "
+                                                 "data.mixture (got both)\n")
+
+
+# ---------------------------------------------------------------------------------------------
+# A real run
+
+
+@pytest.mark.slow
+def test_a_3_to_1_mixture_trains_3_to_1_and_resumes_on_another_world_size_on_the_same_curve(setup):
+    root, config = setup
+    runs = root / "home" / "runs"
+    cli("train", "--config", config, "--set", "run.name=whole", check=True)
+    torchrun(2, "train", "--config", config, "--set", "run.name=cut", "--set", "train.max_steps=8")
+    resumed = cli("train", "--config", config, "--set", "run.name=cut", check=True)
+    assert "resumed" in resumed.stdout and "saved by 2 ranks" in resumed.stdout
+
+    assert_same_curve(runs / "whole", runs / "cut", tol=1e-4)
+    records = read_metrics(runs / "cut")
+    last = [r for r in records if r["kind"] == "train"][-1]
+    tokens = last["source_tokens"]
+    assert sum(tokens.values()) == last["tokens"] == 16 * 8 * 64
+    assert abs(tokens["big"] / tokens["small"] - 3) / 3 < 0.015
+    assert last["source_epochs"]["small"] > 1  # it repeated, as its own epochs
+    evals = [r for r in records if r["kind"] == "eval"]
+    assert [r["step"] for r in evals] == [4, 8, 12, 16]
+    for r in evals:
+        by_source = r["eval_loss_by_source"]
+        assert set(by_source) == {"big", "small"}
+        assert r["eval_loss"] == pytest.approx(0.75 * by_source["big"] + 0.25 * by_source["small"])
