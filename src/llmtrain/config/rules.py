@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import re
 
-from ..data.sources import source_name
+from ..data.sources import mixture_name
 from ..optimizers import OPTIMIZERS
 from ..parallel.dims import ParallelDims
 from .schema import Config
@@ -190,7 +190,7 @@ def _check_mixture(d, t) -> list[str]:
         if weight is not None and not 0 < weight < float("inf"):
             p.append(f"data.mixture[{i}].weight: must be > 0 (got {weight:g})")
         if "dataset" in entry:
-            name = entry.get("name") or source_name(entry["dataset"])
+            name = entry.get("name") or mixture_name(entry["dataset"])
             if name in names:
                 p.append(f"data.mixture[{i}].name: {name!r} is data.mixture[{names[name]}]'s name too; names "
                          f"must be unique (a source without name: is named after its dataset; set one)")

@@ -12,7 +12,7 @@ from typing import Any, Literal, Optional
 
 import yaml
 
-from ..data.sources import source_name
+from ..data.sources import mixture_name
 from ..errors import UserError
 
 
@@ -158,7 +158,7 @@ class DataConfig:
             if "dataset" not in entry or "weight" not in entry:  # reported by load.py
                 continue
             options = {k: v for k, v in entry.items() if k in MIXTURE_OPTIONS}
-            out.append(MixtureSource(entry.get("name") or source_name(entry["dataset"]), entry["weight"],
+            out.append(MixtureSource(entry.get("name") or mixture_name(entry["dataset"]), entry["weight"],
                                      dataclasses.replace(self, mixture=None, **{"prepared": None, **options}), index, entry))
         return tuple(out)
 

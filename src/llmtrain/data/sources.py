@@ -147,6 +147,13 @@ def source_name(dataset: str) -> str:
     return re.sub(r"[^\w.-]+", "_", name) or "data"
 
 
+def mixture_name(dataset: str) -> str:
+    """A mixture source's name where its entry gives none: its dataset's short name less a
+    format suffix (web.jsonl -> web)."""
+    name = source_name(dataset)
+    return name.removesuffix(file_suffix(Path(name))) or name
+
+
 def source_record(cfg) -> dict:
     """The data options a prepared folder was made with, as its manifest records them."""
     d = cfg.data
