@@ -25,6 +25,7 @@ def check_environment(cfg: Config, written: dict | None = None) -> list[str]:
     p += _check_tracking(cfg)
     p += _check_model(cfg, written)
     p += _check_attention(cfg)
+    p += _check_fp8(cfg)
     p += _check_resume(cfg)
     if not cfg.data.mixture:
         manifest = given_prepared(cfg)
@@ -159,6 +160,15 @@ def _check_attention(cfg: Config) -> list[str]:
                  f"when train.micro_batch_size > 1 (got {t.micro_batch_size}; it separates them only "
                  f"in batches of one row); set train.micro_batch_size: 1, or use sdpa")
     return p
+
+
+def _check_fp8(cfg: Config) -> list[str]:
+    """train.fp8 needs torchao (an optional extra): found missing here, not at the job's start."""
+    import importlib.util
+    if cfg.train.fp8 == "none" or importlib.util.find_spec("torchao") is not None:
+        return []
+    return ["train.fp8: needs torchao, which is not installed in this environment; install it with: "
+            "pip install 'llmtrain[fp8]' (or bash setup.sh --extras fp8), or set train.fp8: none"]
 
 
 def _check_tracking(cfg: Config) -> list[str]:

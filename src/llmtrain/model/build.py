@@ -7,6 +7,9 @@ fills each rank's shards (seeded init or the pretrained folder's safetensors).
 
 from __future__ import annotations
 
+import contextlib
+import logging
+
 import torch
 from transformers import AutoConfig, AutoModelForCausalLM, PretrainedConfig
 
@@ -54,10 +57,27 @@ def build_model(config: PretrainedConfig, cfg: Config, device: str | torch.devic
         context = init_empty_weights(include_buffers=False)
     else:
         context = torch.device(device)
-    with context:
+    with context, quiet_torchao():
         return AutoModelForCausalLM.from_config(
             config, attn_implementation=cfg.model.attn_implementation, dtype=torch.float32
         )
+
+
+@contextlib.contextmanager
+def quiet_torchao():
+    """Where torchao is installed (train.fp8), transformers imports it with its modeling code, and
+    on a CPU-only node torchao 0.18 warns that its CUDA kernels' libraries do not load (float8
+    training uses none: its matmul is torch._scaled_mm) and torch 2.13 that it registers enums
+    the old way: four lines of noise in every run's log. Errors still show."""
+    loggers = [logging.getLogger(name) for name in ("torchao", "torch.utils._pytree")]
+    levels = [log.level for log in loggers]
+    for log in loggers:
+        log.setLevel(logging.ERROR)
+    try:
+        yield
+    finally:
+        for log, level in zip(loggers, levels):
+            log.setLevel(level)
 
 
 def pretrained_dir(cfg: Config):

@@ -16,8 +16,10 @@ scattered over the sequence), the final norm sequence-parallel, and the output h
 split over the vocabulary too: model/loss.py computes the loss from the vocabulary slices (three
 all-reduces of one number per token), so no rank ever holds a token's full logits. A head tied to
 the embedding stays tied (the same sharded parameter). LoRA adapters are split with their layer
-(_attach_adapters). The model is called with explicit
-position ids: HF's model-level code would otherwise count a rank's seq/tp tokens.
+(_attach_adapters). FP8's tensorwise layers (parallel/float8.py, converted before this) take
+torchao's float8 styles: an activation is cast to float8 before its all-gather, once for all the
+layers it feeds, and the gradients' reduce-scatters stay in high precision. The model is called
+with explicit position ids: HF's model-level code would otherwise count a rank's seq/tp tokens.
 
 A family is one entry in PLANS: the names of its attention and MLP projections and of the norms
 that work on heads (Qwen3's q_norm, k_norm: each rank normalises its own heads). Another type is
@@ -56,15 +58,18 @@ PLANS = {
 }
 
 
-def apply_tensor_parallel(model: "torch.nn.Module", layers: "list[torch.nn.Module]", mesh) -> None:
+def apply_tensor_parallel(model: "torch.nn.Module", layers: "list[torch.nn.Module]", mesh,
+                          float8_styles: bool = False) -> None:
     """Split `model` (a HF causal LM; `layers`: its decoder layers) over the 1-D tensor-parallel
-    `mesh`, in place."""
+    `mesh`, in place. `float8_styles`: torchao's float8 styles on its Float8Linear layers
+    (tensorwise scaling only: a rowwise layer all-gathers in high precision)."""
     import torch
     from torch.distributed.tensor import Replicate, Shard, distribute_tensor
     from torch.distributed.tensor.parallel import (ColwiseParallel, PrepareModuleInput, RowwiseParallel,
                                                    SequenceParallel, parallelize_module)
 
     plan = PLANS[model.config.model_type]
+    style = _styles(float8_styles, {"column": ColwiseParallel, "row": RowwiseParallel, "input": PrepareModuleInput})
     # SequenceParallel makes its module's parameters trainable (torch 2.13): LoRA's frozen norms
     # would train. What was frozen stays frozen.
     frozen = {name for name, param in model.named_parameters() if not param.requires_grad}
@@ -83,17 +88,17 @@ def apply_tensor_parallel(model: "torch.nn.Module", layers: "list[torch.nn.Modul
     for layer in layers:
         styles = {name: SequenceParallel() for name in plan.norms}
         # attention and MLP take the whole sequence (an all-gather) and give back a slice of it
-        styles[plan.attention] = PrepareModuleInput(input_kwarg_layouts={"hidden_states": Shard(1)},
-                                                    desired_input_kwarg_layouts={"hidden_states": Replicate()})
-        styles[plan.mlp] = PrepareModuleInput(input_layouts=(Shard(1),), desired_input_layouts=(Replicate(),))
-        for name in plan.columns:
-            styles[f"{plan.attention}.{name}"] = ColwiseParallel()
+        attention = [f"{plan.attention}.{name}" for name in plan.columns]
+        mlp = [f"{plan.mlp}.{name}" for name in plan.mlp_columns]
+        styles[plan.attention] = style("input", layer, attention)(
+            input_kwarg_layouts={"hidden_states": Shard(1)}, desired_input_kwarg_layouts={"hidden_states": Replicate()})
+        styles[plan.mlp] = style("input", layer, mlp)(input_layouts=(Shard(1),), desired_input_layouts=(Replicate(),))
+        for name in attention + mlp:
+            styles[name] = style("column", layer, [name])()
         for name in plan.head_norms:  # [batch, seq, heads, head_dim]: each rank its heads
             styles[f"{plan.attention}.{name}"] = SequenceParallel(sequence_dim=2, use_local_output=True)
-        styles[f"{plan.attention}.{plan.rows}"] = RowwiseParallel(output_layouts=Shard(1))
-        for name in plan.mlp_columns:
-            styles[f"{plan.mlp}.{name}"] = ColwiseParallel()
-        styles[f"{plan.mlp}.{plan.mlp_rows}"] = RowwiseParallel(output_layouts=Shard(1))
+        for name in (f"{plan.attention}.{plan.rows}", f"{plan.mlp}.{plan.mlp_rows}"):
+            styles[name] = style("row", layer, [name])(output_layouts=Shard(1))
         parallelize_module(layer, mesh, styles)
     _attach_adapters(adapters, plan, mesh)
     # The head: its weight split over the vocabulary; model/loss.py applies it (chunk_head).
@@ -105,6 +110,24 @@ def apply_tensor_parallel(model: "torch.nn.Module", layers: "list[torch.nn.Modul
     for name, param in model.named_parameters():
         if name in frozen:
             param.requires_grad_(False)
+
+
+def _styles(float8: bool, plain: dict):
+    """style(kind, layer, names): the parallel style class of `kind` (a key of `plain`: column,
+    row, input) for the submodules `names` of `layer`: torchao's float8 variant where `float8`
+    and every one of them is a Float8Linear (an input cast to float8 must feed only float8
+    layers), else torch's."""
+    if not float8:
+        return lambda kind, layer, names: plain[kind]
+    from torchao.float8.float8_linear import Float8Linear
+    from torchao.float8.float8_tensor_parallel import (Float8ColwiseParallel, Float8RowwiseParallel,
+                                                       PrepareFloat8ModuleInput)
+    variants = {"column": Float8ColwiseParallel, "row": Float8RowwiseParallel, "input": PrepareFloat8ModuleInput}
+
+    def style(kind, layer, names):
+        converted = all(isinstance(layer.get_submodule(name), Float8Linear) for name in names)
+        return (variants if converted else plain)[kind]
+    return style
 
 
 def _detach_adapters(layers) -> list:

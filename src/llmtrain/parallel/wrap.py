@@ -1,7 +1,7 @@
 """Every wrapping of the model happens here, in one order (parallelize):
 
     build on the meta device -> LoRA adapters (frozen base stored in the run's precision)
-      -> [next: FP8 conversion] -> tensor + sequence parallel (parallel/tensor.py)
+      -> FP8 linear layers (parallel/float8.py) -> tensor + sequence parallel (parallel/tensor.py)
       -> [next: expert parallel] -> activation checkpointing -> torch.compile per layer
       -> FSDP2/HSDP (on world.dims' mesh) -> allocate this rank's shards
       -> weights (parallel/weights.py: seeded init or sliced load) -> DDP
@@ -45,6 +45,7 @@ from ..config import Config
 from ..model.attention import causal_attention, context_parallel_attention
 from ..model.build import build_model, decoder_layers, pretrained_dir
 from ..model.lora import apply_lora, frozen_weights, init_adapters
+from . import float8
 from .dims import SHARDED_STRATEGIES
 from .precision import DTYPES
 from .tensor import apply_tensor_parallel
@@ -71,8 +72,12 @@ def parallelize(cfg: Config, config, world: World, watch=None, resuming: bool = 
             apply_lora(model, lora)
             store_frozen_base(model, cfg)
         tied = _tied(model)  # decided on the skeleton, so every rank agrees
+        if cfg.train.fp8 != "none":  # before tensor parallel, which gives float8 layers float8 styles
+            float8.convert(model, cfg.train.fp8, world.device, fsdp=world.dims.sharded)
         if world.dims.tensor > 1:
-            apply_tensor_parallel(model, decoder_layers(model), world.dims.tp_mesh(world.device.type))
+            # float8 all-gathers need NCCL: gloo has no float8 ("Invalid scalar type", torch 2.13)
+            apply_tensor_parallel(model, decoder_layers(model), world.dims.tp_mesh(world.device.type),
+                                  float8_styles=cfg.train.fp8 == "tensorwise" and world.device.type == "cuda")
         if cfg.model.activation_checkpointing:
             checkpoint_layers(model, cfg.model.activation_checkpointing_every)
         if cfg.train.compile:

@@ -24,9 +24,10 @@ from ..data.loader import Prefetcher, SampleRows, StepSampler, TokenStream, open
 from ..data import mixture
 from ..data.tokenizer import load_tokenizer
 from ..metrics import peak_memory_gib, plural
-from ..model.build import (flops_per_token, model_config, num_params, pretrained_dir,
+from ..model.build import (flops_per_token, model_config, num_params, pretrained_dir, unwrap,
                            vocab_padding)
 from ..model.loss import chunk_head
+from ..parallel.float8 import describe as describe_fp8
 from ..parallel.precision import configure_matmul_precision, grad_scaler
 from ..parallel.wrap import parallelize
 from ..optimizers import apply_settings, build_optimizer, lr_at, set_lr
@@ -140,6 +141,8 @@ def run(cfg: Config, world: World, watch: Watchdog, run_lock: RunLock) -> None:
     n_params = num_params(model)
     log.info(f"model: {n_params:,} parameters, {world.dims.describe()} on "
              f"{world.device.type}, {t.precision}")
+    if t.fp8 != "none":
+        log.info(describe_fp8(unwrap(model), t.fp8, t.precision, world.device.type))
     if cfg.model.lora is not None:
         lora = cfg.model.lora_spec
         trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)
