@@ -171,6 +171,9 @@ def validate(cfg: Config, world_size: int | None = None) -> list[str]:
     if par.cp > 1 and t.compile:
         p.append("train.compile: not with context parallel yet (its attention gathers keys and values between "
                  "ranks); set train.compile: false with parallel.cp > 1")
+    if t.fp8 != "none" and m.lora is not None:
+        p.append(f"train.fp8: not with model.lora yet (FP8 trains whole models; an adapter's matmuls are too "
+                 f"small to gain); set train.fp8: none (got {t.fp8})")
     if par.tp > 1 and not t.chunked_loss:
         p.append("train.chunked_loss: tensor parallel computes the loss from each rank's slice of the "
                  "vocabulary, chunk by chunk; set train.chunked_loss: true (got false)")

@@ -216,6 +216,8 @@ class TrainConfig:
     chunked_loss: bool = True  # the loss over chunks of tokens, never all logits at once (model/loss.py)
     compile: bool = False  # torch.compile each decoder layer and the loss's chunks (compiled in the first step)
     precision: Literal["bf16", "fp16", "fp32"] = "bf16"
+    # the linear layers' matmuls in float8 (torchao): tensorwise or rowwise scales (parallel/float8.py)
+    fp8: Literal["none", "tensorwise", "rowwise"] = "none"
     tf32: bool = True  # fp32 matmuls on Ampere+ GPUs use TF32 tensor cores (about 1e-3 relative error)
     peak_tflops: Optional[float] = None  # one GPU's dense peak for MFU; None: metrics.PEAK_TFLOPS
     seed: int = 1234
