@@ -1,6 +1,8 @@
-"""optimizers.py: the schedules and Lion's update in one process (its skip on the device:
-tests/test_step.py), and under torchrun (gloo) Lion on FSDP2 giving DDP's curve and resuming bit
-for bit, and under tensor parallel one process's."""
+"""optimizers/ in one process: the schedules, Lion's update, Muon's groups and direction against
+torch.optim.Muon, schedule-free AdamW against its authors' package (the skip on the device:
+tests/test_step.py); under torchrun (gloo): Lion and Muon on FSDP2 giving DDP's curve, Lion under
+tensor parallel and Muon under FSDP2 x tp, bit-exact resumes, schedule-free's evaluated and
+exported weights."""
 
 from __future__ import annotations
 
@@ -177,3 +179,76 @@ def test_lion_under_tensor_parallel_sums_a_replicated_weights_gradient_first(pre
     torchrun(2, "train", "--config", config, "--set", "run.name=lion-tp2", "--set", "parallel.tp=2")
     assert_same_curve(run_dir(prepared, "lion-tp2"), run_dir(prepared, "lion-single"), tol=1e-4)
 
+
+
+def assert_resumes_bit_for_bit(prepared, whole: str, resumed: str, *sets: str, nproc: int = 2) -> None:
+    """A run resumed at step 4 from `whole`'s checkpoint repeats its losses of steps 5-8 exactly."""
+    _, config = prepared
+    ckpt = run_dir(prepared, whole) / "checkpoints" / "step-00000004"
+    torchrun(nproc, "train", "--config", config, "--set", f"run.name={resumed}", "--set", f"train.resume={ckpt}",
+             *(x for s in sets for x in ("--set", s)))
+    expected = {(k, s): v for k, s, v in losses(run_dir(prepared, whole))}
+    got = losses(run_dir(prepared, resumed))
+    assert [s for _, s, _ in got][0] == 5
+    assert all(v == expected[k, s] for k, s, v in got), (got, expected)
+
+
+@pytest.mark.slow
+def test_muon_gives_ddps_curve_under_fsdp2_and_fsdp_x_tp_and_resumes_bit_for_bit(prepared):
+    """Muon orthogonalises whole matrices: under FSDP2 each rank gets whole matrices of a stack of
+    shards (all-to-all) and under FSDP2 x tp 2 (4 ranks) each gathers them; both must give DDP's
+    curve (where every rank holds every matrix), and the loss falls. Resumed at step 4, FSDP2's
+    steps 5-8 repeat exactly."""
+    _, config = prepared
+    muon = ("train.optimizer=muon", "train.lr=3e-3", "train.weight_decay=0.1", "train.lr_schedule=constant")
+    sets = [x for s in muon for x in ("--set", s)]
+    torchrun(2, "train", "--config", config, "--set", "run.name=muon-ddp", *sets)
+    torchrun(2, "train", "--config", config, "--set", "run.name=muon-fsdp", "--set", "parallel.strategy=fsdp", *sets)
+    torchrun(4, "train", "--config", config, "--set", "run.name=muon-fsdp-tp2", "--set", "parallel.strategy=fsdp",
+             "--set", "parallel.tp=2", "--set", "slurm.procs_per_node=4", *sets)
+    for layout in ("muon-fsdp", "muon-fsdp-tp2"):
+        assert_same_curve(run_dir(prepared, layout), run_dir(prepared, "muon-ddp"), tol=1e-4)
+    train = [loss for kind, _, loss in losses(run_dir(prepared, "muon-ddp")) if kind == "train"]
+    assert train[-1] < train[0] - 1.0, train  # it learns (6.25 -> 4.88 measured)
+    assert_resumes_bit_for_bit(prepared, "muon-fsdp", "muon-resumed", "parallel.strategy=fsdp", *muon)
+
+
+@pytest.mark.slow
+def test_schedule_free_evaluates_and_exports_its_average_and_resumes_bit_for_bit(prepared):
+    """Schedule-free AdamW trains y and evaluates x, an average it keeps implicitly. The run's eval
+    loss at step 8 is the loss of the model `llmtrain generate` loads and `llmtrain export`
+    writes (x), computed here afresh over the same validation samples; the checkpoint's raw
+    weights (y) give another loss, which a run that forgot the switch would log. Resumed at step
+    4 under FSDP2, steps 5-8 repeat exactly (the evaluation at step 4 changed nothing)."""
+    import numpy as np
+    from transformers import AutoModelForCausalLM
+    from llmtrain.data.loader import open_prepared, open_split
+    from llmtrain.model.loss import lm_loss
+    from llmtrain.model.shards import Checkpoint
+    from llmtrain.training.export import export, load_checkpoint_model
+
+    root, config = prepared
+    sf = ("train.optimizer=adamw_schedulefree", "train.lr=3e-3", "train.lr_schedule=constant",
+          "parallel.strategy=fsdp")
+    torchrun(2, "train", "--config", config, "--set", "run.name=sf", *(x for s in sf for x in ("--set", s)))
+    assert_resumes_bit_for_bit(prepared, "sf", "sf-resumed", *sf)
+
+    cfg = load_config(config, world_size=2)
+    folder, manifest = open_prepared(cfg)
+    batch = open_split(folder, manifest, "validation", cfg).batch(np.arange(cfg.train.eval_samples), cfg.data.seq_len)
+    tensors = batch.pinned(torch.device("cpu"))
+
+    def loss_of(model) -> float:
+        with torch.no_grad():
+            return float(lm_loss(model, tensors, None, normaliser=1.0)) / batch.targets()
+
+    logged = {s: v for k, s, v in losses(run_dir(prepared, "sf")) if k == "eval"}
+    model, _ = load_checkpoint_model(run_dir(prepared, "sf"))
+    assert loss_of(model) == pytest.approx(logged[8], rel=1e-5)
+    out = export(run_dir(prepared, "sf"), root / "sf-export")
+    exported = AutoModelForCausalLM.from_pretrained(out)
+    assert loss_of(exported) == pytest.approx(logged[8], rel=1e-5)
+    raw = Checkpoint(run_dir(prepared, "sf") / "checkpoints" / "step-00000008")
+    raw.eval_shift = None  # the parameters as trained: y
+    model.load_state_dict(raw.read(list(raw.tensors)), strict=False)
+    assert abs(loss_of(model) - logged[8]) > 1e-3

@@ -1,4 +1,4 @@
-"""training/step.py and the optimizer table (optimizers.py), in one process: no torchrun, no
+"""training/step.py and the optimizer table (optimizers/), in one process: no torchrun, no
 process group. A tiny Llama, a real AdamW and real losses; a non-finite step is made by scaling
 the loss by NaN, as LLMTRAIN_INJECT_NAN_STEPS does in a run."""
 

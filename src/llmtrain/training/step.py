@@ -7,7 +7,7 @@
 
 A non-finite step is skipped on every rank without the host waiting for the device where it
 can be: the optimizer reads the step's agreed flag (`found_inf`, a 0-dim device tensor) in its
-own kernel (optimizers.py: skips_on_device). Where it cannot (an optimizer that ignores the flag;
+own kernel (optimizers/: skips_on_device). Where it cannot (an optimizer that ignores the flag;
 fp16, whose loss scaler decides on the host), the host reads the flag and skips step() itself.
 Runs in one process without torchrun (tests/test_step.py).
 """
