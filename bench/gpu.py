@@ -1,7 +1,7 @@
 """One GPU: llmtrain (eager and compiled) against a minimal PyTorch loop and the Hugging Face
 Trainer, interleaved in one run, printed as a markdown table.
 
-    python bench/gpu.py [--models llama-1b gpt2-124m] [--rounds 2] [--steps 30] [--out DIR]
+    python bench/gpu.py [--models llama-1b gpt2-124m] [--rounds 2] [--steps 30] [--out DIR] [--fp8 tensorwise]
 
 Models from config (no download): a Llama-3.2-1B-shaped model (1.24B parameters, bf16 autocast,
 seq 2048, micro batch 4) and GPT-2 124M (seq 1024, micro batch 16). Every side trains the same
@@ -79,16 +79,16 @@ def llmtrain_config(tmp: Path, name: str, spec: dict, steps: int) -> Path:
     return path
 
 
-def ours(config: Path, compiled: bool, log: Path) -> dict:
+def ours(config: Path, compiled: bool, log: Path, fp8: str = "none") -> dict:
     where = yaml.safe_load(config.read_text())["run"]
     run_dir = Path(where["dir"]) / where["name"]
     shutil.rmtree(run_dir, ignore_errors=True)
     run([sys.executable, "-m", "llmtrain", "train", "--config", str(config),
-         "--set", f"train.compile={str(compiled).lower()}"], log)
+         "--set", f"train.compile={str(compiled).lower()}", "--set", f"train.fp8={fp8}"], log)
     train = [json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().splitlines()]
     train = [x for x in train if x["kind"] == "train"]
     return {"tokens_per_sec": [x["tokens_per_sec"] for x in train][1:],
-            "peak_mem_gib": max(x["peak_mem_gib"] for x in train)}
+            "peak_mem_gib": max(x["peak_mem_gib"] for x in train), "loss": train[-1]["loss"]}
 
 
 def flops_per_token(spec: dict) -> float:
@@ -108,6 +108,8 @@ def main() -> None:
     ap.add_argument("--rounds", type=int, default=2)
     ap.add_argument("--steps", type=int, default=30)
     ap.add_argument("--out", type=Path, help="folder for the runs' logs (default: temporary)")
+    ap.add_argument("--fp8", choices=("tensorwise", "rowwise"),
+                    help="one more side: llmtrain compiled with train.fp8 (its MFU against the bf16 peak)")
     args = ap.parse_args()
     if not torch.cuda.is_available():
         sys.exit("bench/gpu.py: needs a CUDA device (torch.cuda.is_available() is false)")
@@ -129,16 +131,20 @@ def main() -> None:
                  "HF Trainer": lambda log: peer("hf_trainer.py", spec, args.steps, log),
                  "llmtrain eager": lambda log: ours(config, False, log),
                  "llmtrain compiled": lambda log: ours(config, True, log)}
-        windows = {side: [] for side in SIDES}
-        memory = {side: 0.0 for side in SIDES}
+        if args.fp8:
+            sides[f"llmtrain compiled fp8 {args.fp8}"] = lambda log: ours(config, True, log, args.fp8)
+        windows = {side: [] for side in sides}
+        memory = {side: 0.0 for side in sides}
         for r in range(args.rounds):  # interleaved: drift hits every side alike
             for side, fn in sides.items():
                 result = fn(logs / f"{name}-{side.replace(' ', '-')}-{r}.log")
                 windows[side] += result["tokens_per_sec"]
                 memory[side] = max(memory[side], result["peak_mem_gib"] or 0.0)
+                if "loss" in result:
+                    print(f"{name}, {side}, round {r}: loss {result['loss']:.4f} at step {args.steps}")
         per_token, n_params = flops_per_token(spec)
         speed = {side: statistics.median(w) for side, w in windows.items()}
-        for side in SIDES:
+        for side in sides:
             rows.append((name, n_params, side, speed[side], speed[side] * per_token / peak, memory[side],
                          speed[side] / speed["plain loop"], speed[side] / speed["HF Trainer"]))
     print("\n| model | side | tokens/s | MFU | peak memory GiB | vs plain loop | vs HF Trainer |")

@@ -7,7 +7,7 @@
 #
 # .whl/ is git-ignored (.git/info/exclude), so a call of the device tool names it in `carry`.
 # That machine's Python already has torch, transformers, pytest, pyarrow, xxhash and the rest;
-# it lacks `datasets` (llmtrain prepare) with dill and multiprocess. fsspec is
+# it lacks `datasets` (llmtrain prepare) with dill and multiprocess, and torchao (train.fp8). fsspec is
 # carried too, at the version datasets was tested with here (datasets caps it). setup.sh cannot
 # run there: no registry.
 set -euo pipefail
@@ -16,7 +16,7 @@ REPO="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 readonly REPO
 readonly WHEELS="$REPO/.whl"
 readonly SITE=/tmp/site
-readonly CARRIED=(datasets dill multiprocess fsspec)
+readonly CARRIED=(datasets dill multiprocess fsspec torchao)
 readonly MAX_MIB=30  # the device's working tree travels in 64 MiB together with the repo
 # The device README's recipe: CPython 3.12 wheels for x86-64 Linux, whatever runs here.
 readonly PLATFORMS=(manylinux_2_28_x86_64 manylinux_2_27_x86_64 manylinux_2_17_x86_64
@@ -66,7 +66,7 @@ versions() {
 import importlib.metadata as m, platform, torch
 gpu = torch.cuda.get_device_name(0) if torch.cuda.is_available() else "no CUDA device"
 print(f"python {platform.python_version()}, torch {torch.__version__}, {gpu}")
-names = ("transformers", "datasets", "dill", "multiprocess", "fsspec", "pyarrow", "xxhash",
+names = ("transformers", "datasets", "dill", "multiprocess", "fsspec", "torchao", "pyarrow", "xxhash",
          "huggingface_hub", "tqdm")
 def version(name):
     try:

@@ -19,7 +19,7 @@ import sys
 import pytest
 import torch
 import yaml
-from transformers import AutoTokenizer, LlamaConfig, LlamaForCausalLM
+from transformers import AutoModelForCausalLM, AutoTokenizer, LlamaConfig, LlamaForCausalLM
 
 from conftest import (DEMO, REPO, assert_same_curve, env_with, imported_first, llmtrain,
                       prepared_home, read_metrics, run_dir, tiny_config, torchrun)
@@ -346,3 +346,42 @@ def test_the_preflight_times_a_bf16_matmul_and_leaves_no_memory_behind(tmp_path,
     assert record["device"] == "cuda" and record["matmul"] == {"size": 8192, "dtype": "bfloat16", "seconds": 0.1}
     tflops = record["ranks"][0]["matmul_tflops"]
     assert 20 < tflops < 2000, tflops  # any data-centre GPU's bf16 tensor cores, not a CPU's
+
+
+# Wide enough that the size filter converts most projections on the GPU: q, o, gate, up and down
+# (2048 x 2048 and up) in float8; k and v (2048 -> 512) too small to gain; the head in bf16.
+FP8_ARCH = {"model_type": "llama", "hidden_size": 2048, "intermediate_size": 8192, "num_hidden_layers": 2,
+            "num_attention_heads": 16, "num_key_value_heads": 4, "max_position_embeddings": 128,
+            "tie_word_embeddings": False}
+
+
+@pytest.mark.skipif(not torch.cuda.is_available() or torch.cuda.get_device_capability() < (8, 9),
+                    reason="FP8 needs a GPU of compute capability 8.9 or newer")
+def test_fp8_compiled_under_fsdp_trains_like_bf16_resumes_exactly_and_exports(setup):
+    """train.fp8: tensorwise, compiled, FSDP2 on NCCL (weights all-gathered in float8): every
+    loss within 3% of the bf16 run's, the start-up line, a resume from step 6 that repeats steps
+    7-12 (eager attention: a deterministic backward), and an export plain transformers loads."""
+    root, config = setup
+    common = ["--set", "parallel.strategy=fsdp", "--set", "train.precision=bf16", "--set", "train.lr=1e-3",
+              "--set", "train.min_lr=1e-4", "--set", "model.attn_implementation=eager",
+              "--set", f"model.architecture={json.dumps(FP8_ARCH)}"]
+    fp8 = [*common, "--set", "train.fp8=tensorwise", "--set", "train.compile=true"]
+    torchrun(1, "train", "--config", config, *common, "--set", "run.name=wide-bf16")
+    torchrun(1, "train", "--config", config, *fp8, "--set", "run.name=wide-fp8")
+    bf16 = [r["loss"] for r in read_metrics(run_dir(setup, "wide-bf16")) if r["kind"] == "train"]
+    curve = [r["loss"] for r in read_metrics(run_dir(setup, "wide-fp8")) if r["kind"] == "train"]
+    assert len(curve) == STEPS and all(abs(a - b) < 0.03 * b for a, b in zip(curve, bf16)), (curve, bf16)
+    assert ("fp8: 10 of 15 linear layers in float8 (tensorwise); bf16: model.layers.*.self_attn.k_proj, "
+            "model.layers.*.self_attn.v_proj (too small to gain), lm_head (the output head)"
+            in rank0_log(run_dir(setup, "wide-fp8")))
+
+    step6 = run_dir(setup, "wide-fp8") / "checkpoints" / "step-00000006"
+    torchrun(1, "train", "--config", config, *fp8, "--set", "run.name=wide-fp8-resumed",
+             "--set", f"train.resume={step6}")
+    resumed = [r["loss"] for r in read_metrics(run_dir(setup, "wide-fp8-resumed")) if r["kind"] == "train"]
+    assert max(abs(a - b) for a, b in zip(resumed, curve[6:])) < 1e-6, (resumed, curve[6:])
+
+    out = root / "wide-fp8-export"
+    llmtrain("export", "--run-dir", run_dir(setup, "wide-fp8"), "--out", out, check=True)
+    model, info = AutoModelForCausalLM.from_pretrained(out, output_loading_info=True)
+    assert not any(info.values()) and type(model.model.layers[0].mlp.up_proj) is torch.nn.Linear
