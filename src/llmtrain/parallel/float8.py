@@ -1,7 +1,7 @@
 """FP8 training (`train.fp8: tensorwise | rowwise`): the linear layers' matmuls in float8
 through torchao's Float8Linear, on the meta skeleton, before tensor parallel and FSDP2.
 
-    convert(model, "tensorwise", device, fsdp=True)   # parallel/wrap.py, before apply_tensor_parallel
+    convert(model, "tensorwise", device, fsdp=True, compiled=True)   # parallel/wrap.py, before tensor parallel
     log.info(describe(model, "tensorwise", "bf16", device))   # which layers, and why the others not
 
 Each converted layer casts its input, its weight and (in backward) the output's gradient to
@@ -40,10 +40,11 @@ NOT_16 = "dims not multiples of 16"
 SMALL = "too small to gain"
 
 
-def convert(model: torch.nn.Module, recipe: str, device: torch.device, fsdp: bool) -> int:
+def convert(model: torch.nn.Module, recipe: str, device: torch.device, fsdp: bool,
+            compiled: bool = False) -> int:
     """Swap `model`'s eligible nn.Linear layers for torchao's Float8Linear, in place (the
-    parameters keep their names and tensors); `fsdp`: the model will be sharded by FSDP2.
-    Returns how many converted."""
+    parameters keep their names and tensors); `fsdp`: the model will be sharded by FSDP2;
+    `compiled`: its layers will be compiled. Returns how many converted."""
     if device.type == "cuda" and torch.cuda.get_device_capability(device) < (8, 9):
         major, minor = torch.cuda.get_device_capability(device)
         raise UserError(f"train.fp8: needs a GPU of compute capability 8.9 or newer (Ada, Hopper, "
@@ -57,7 +58,7 @@ def convert(model: torch.nn.Module, recipe: str, device: torch.device, fsdp: boo
     convert_to_float8_training(
         model, config=config,
         module_filter_fn=lambda module, name: why_not(module, recipe, device.type, head) is None)
-    if recipe == "rowwise":
+    if recipe == "rowwise" and compiled:
         # Inductor rounds rowwise scales unlike eager without it (pytorch #150859), as torchtitan sets.
         import torch._inductor.config
         torch._inductor.config.emulate_precision_casts = True

@@ -73,7 +73,7 @@ def parallelize(cfg: Config, config, world: World, watch=None, resuming: bool = 
             store_frozen_base(model, cfg)
         tied = _tied(model)  # decided on the skeleton, so every rank agrees
         if cfg.train.fp8 != "none":  # before tensor parallel, which gives float8 layers float8 styles
-            float8.convert(model, cfg.train.fp8, world.device, fsdp=world.dims.sharded)
+            float8.convert(model, cfg.train.fp8, world.device, fsdp=world.dims.sharded, compiled=cfg.train.compile)
         if world.dims.tensor > 1:
             # float8 all-gathers need NCCL: gloo has no float8 ("Invalid scalar type", torch 2.13)
             apply_tensor_parallel(model, decoder_layers(model), world.dims.tp_mesh(world.device.type),
