@@ -385,3 +385,85 @@ def test_fp8_compiled_under_fsdp_trains_like_bf16_resumes_exactly_and_exports(se
     llmtrain("export", "--run-dir", run_dir(setup, "wide-fp8"), "--out", out, check=True)
     model, info = AutoModelForCausalLM.from_pretrained(out, output_loading_info=True)
     assert not any(info.values()) and type(model.model.layers[0].mlp.up_proj) is torch.nn.Linear
+
+
+# A world of one (the GPU machine has one GPU) on the given backend, in a process of its own: context
+# parallel's attention (its keys and values gathered by DTensor over the group, SDPA under the
+# boolean [local, whole] mask) and the vocabulary-parallel chunked loss (its all-reduces) run their
+# kernels on the device; both are compared with the plain paths in the same precision.
+CP_AND_VOCAB_PARALLEL = """
+import functools, sys
+import torch, torch.distributed as dist
+import torch.nn.functional as F
+from transformers import AutoConfig, AutoModelForCausalLM
+from llmtrain.data.loader import Batch
+from llmtrain.model.attention import causal_attention, context_parallel_attention
+from llmtrain.model.loss import _vocab_parallel_chunk, chunked_cross_entropy, lm_loss
+
+device, backend = torch.device(sys.argv[1]), sys.argv[2]
+dist.init_process_group(backend, init_method="tcp://127.0.0.1:" + sys.argv[3], rank=0, world_size=1)
+group = dist.new_group([0])
+config = AutoConfig.for_model("llama", vocab_size=512, hidden_size=256, intermediate_size=512,
+                              num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+                              max_position_embeddings=512)
+torch.manual_seed(0)
+models = [AutoModelForCausalLM.from_config(config, attn_implementation="sdpa").to(device) for _ in range(2)]
+models[1].load_state_dict(models[0].state_dict())
+for model in models:
+    causal_attention(model)
+context_parallel_attention(models[1], group, device.type)
+tokens = torch.randint(1, 512, (2, 257), device=device)
+positions = torch.cat([torch.arange(100), torch.arange(157)]).repeat(2, 1).to(device)  # two documents a row
+batch = Batch(tokens, positions=positions)
+losses = []
+for model, cp in zip(models, (None, group)):
+    with torch.autocast(device.type, dtype=torch.bfloat16):
+        loss = lm_loss(model, batch, None, cp_group=cp)
+    loss.backward()
+    losses.append(loss.detach().float())
+grads = [torch.cat([p.grad.flatten().float() for p in m.parameters()]) for m in models]
+print("cp", float(losses[0]), float(losses[1]), float((grads[0] - grads[1]).abs().max() / grads[0].abs().max()))
+
+hidden = torch.randn(300, 256, device=device, dtype=torch.bfloat16, requires_grad=True)
+weight = torch.randn(512, 256, device=device, dtype=torch.bfloat16, requires_grad=True)
+targets = torch.randint(0, 512, (300,), device=device)
+targets[::7] = -100
+parallel = chunked_cross_entropy(hidden, weight, targets, chunk=64,
+                                 chunk_fn=functools.partial(_vocab_parallel_chunk, start=0, group=group))
+parallel.backward()
+got = (hidden.grad.float(), weight.grad.float())
+hidden.grad = weight.grad = None
+plain = F.cross_entropy((hidden @ weight.t()).float(), targets, ignore_index=-100)
+plain.backward()
+with torch.no_grad():
+    evaluated = chunked_cross_entropy(hidden, weight, targets, chunk=64,
+                                      chunk_fn=functools.partial(_vocab_parallel_chunk, start=0, group=group))
+print("vocab", float(plain), float(parallel), float(evaluated),
+      max(float((a - b.grad.float()).abs().max() / b.grad.float().abs().max()) for a, b in zip(got, (hidden, weight))))
+dist.destroy_process_group()
+"""
+
+
+def cp_and_vocab_parallel_figures(device: str, backend: str) -> dict[str, list[float]]:
+    import socket
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    proc = subprocess.run([sys.executable, "-c", CP_AND_VOCAB_PARALLEL, device, backend, str(port)],
+                          capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    return {line.split()[0]: [float(x) for x in line.split()[1:]] for line in proc.stdout.splitlines()}
+
+
+def test_context_parallel_attention_and_the_vocabulary_parallel_loss_on_cuda():
+    """Issue 28's kernels on the GPU (a world of one on NCCL: several ranks need several GPUs, and
+    stay proven on gloo): context parallel's attention (gathered keys and values, SDPA under the
+    boolean mask of two packed documents) gives the loss and gradients of the plain causal
+    attention (flex's block mask on CUDA) in bf16; the vocabulary-parallel chunked loss gives
+    F.cross_entropy's loss and gradients, in training and in evaluation."""
+    figures = cp_and_vocab_parallel_figures("cuda", "nccl")
+    plain, cp, grad_gap = figures["cp"]
+    assert cp == pytest.approx(plain, abs=2e-2) and grad_gap < 5e-2, figures
+    plain, parallel, evaluated, grad_gap = figures["vocab"]
+    assert parallel == pytest.approx(plain, rel=1e-3) and evaluated == pytest.approx(plain, rel=1e-3), figures
+    assert grad_gap < 2e-2, figures
