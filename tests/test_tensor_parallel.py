@@ -129,3 +129,20 @@ def test_lora_adapters_split_with_their_layers_under_fsdp_x_tp2(setup, tmp_path)
     assert not torch.equal(merged["model.layers.0.self_attn.q_proj.weight"],
                            start["model.layers.0.self_attn.q_proj.weight"])  # the adapter merged in
 
+
+
+@pytest.mark.parametrize("model_type,line", [
+    ("mistral", "parallel.tp: must divide the model's num_key_value_heads 8 (got 3); each rank holds "
+                "num_key_value_heads / tp of them"),
+    ("qwen3", "parallel.tp: must divide the model's num_key_value_heads 32 (got 3); each rank holds "
+              "num_key_value_heads / tp of them"),
+    ("llama", None),  # its kv heads default to its heads: 12
+])
+def test_the_tp_check_sees_the_sizes_an_inline_architecture_leaves_to_its_family(model_type, line):
+    """An inline architecture without num_key_value_heads gets its config class's default: a
+    Mistral has 8 kv heads, a Qwen3 32, a Llama one per head. tp 3 with 12 heads must be refused
+    where the model will have 8 or 32 kv heads (check-config passed it, and the start failed)."""
+    from llmtrain.parallel.tensor import problems
+    config = {"model_type": model_type, "hidden_size": 768, "num_attention_heads": 12, "intermediate_size": 3072,
+              "vocab_size": 480}
+    assert problems(model_type, config, 3) == ([line] if line else [])

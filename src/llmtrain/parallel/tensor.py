@@ -186,6 +186,17 @@ def _wait_function():
     return Wait
 
 
+# transformers' config classes' defaults (5.x) for the sizes an inline architecture may leave out:
+# a Mistral without num_key_value_heads has 8 of them, a Qwen2/Qwen3 32 whatever its heads, a Llama
+# its heads. The vocabulary is left out: an inline model's comes from its tokenizer (model/build.py).
+CONFIG_DEFAULTS = {
+    "llama": {"num_attention_heads": 32, "intermediate_size": 11008},
+    "mistral": {"num_attention_heads": 32, "num_key_value_heads": 8, "intermediate_size": 14336},
+    "qwen2": {"num_attention_heads": 32, "num_key_value_heads": 32, "intermediate_size": 22016},
+    "qwen3": {"num_attention_heads": 32, "num_key_value_heads": 32, "intermediate_size": 22016},
+}
+
+
 def problems(model_type: str, config: dict, tp: int) -> list[str]:
     """What keeps a model (its config.json as a dict) from splitting over `tp` ranks."""
     if tp == 1:
@@ -193,8 +204,11 @@ def problems(model_type: str, config: dict, tp: int) -> list[str]:
     if model_type not in PLANS:
         return [f"parallel.tp: no tensor-parallel plan for model type {model_type!r} (known: "
                 f"{', '.join(sorted(PLANS))}); set parallel.tp: 1"]
+    given = {**CONFIG_DEFAULTS[model_type], **config}  # what the model will have
+    if given.get("num_key_value_heads") is None:  # None or absent in a Llama: one per head
+        given["num_key_value_heads"] = given["num_attention_heads"]
     for key in ("num_attention_heads", "num_key_value_heads", "vocab_size", "intermediate_size"):
-        value = config.get(key, config.get("num_attention_heads") if key == "num_key_value_heads" else None)
+        value = given.get(key)
         if isinstance(value, int) and value % tp:
             return [f"parallel.tp: must divide the model's {key} {value} (got {tp}); each rank "
                     f"holds {key} / tp of them"]
