@@ -214,12 +214,13 @@ def test_muon_gives_ddps_curve_under_fsdp2_and_fsdp_x_tp_and_resumes_bit_for_bit
 
 
 @pytest.mark.slow
-def test_schedule_free_evaluates_and_exports_its_average_and_resumes_bit_for_bit(prepared):
+def test_schedule_free_evaluates_and_exports_its_average_and_resumes_bit_for_bit(prepared, monkeypatch):
     """Schedule-free AdamW trains y and evaluates x, an average it keeps implicitly. The run's eval
     loss at step 8 is the loss of the model `llmtrain generate` loads and `llmtrain export`
     writes (x), computed here afresh over the same validation samples; the checkpoint's raw
     weights (y) give another loss, which a run that forgot the switch would log. Resumed at step
-    4 under FSDP2, steps 5-8 repeat exactly (the evaluation at step 4 changed nothing)."""
+    4 under FSDP2, steps 5-8 repeat exactly (the evaluation at step 4 changed nothing); resumed
+    with another beta1 (which y's mix of z and x was made with), it is refused in one line."""
     import numpy as np
     from transformers import AutoModelForCausalLM
     from llmtrain.data.loader import open_prepared, open_split
@@ -249,6 +250,14 @@ def test_schedule_free_evaluates_and_exports_its_average_and_resumes_bit_for_bit
     exported = AutoModelForCausalLM.from_pretrained(out)
     assert loss_of(exported) == pytest.approx(logged[8], rel=1e-5)
     raw = Checkpoint(run_dir(prepared, "sf") / "checkpoints" / "step-00000008")
-    raw.eval_shift = None  # the parameters as trained: y
+    monkeypatch.setattr(raw, "eval_shift", None)  # the parameters as trained: y
     model.load_state_dict(raw.read(list(raw.tensors)), strict=False)
     assert abs(loss_of(model) - logged[8]) > 1e-3
+
+    from conftest import cli
+    ckpt = run_dir(prepared, "sf") / "checkpoints" / "step-00000004"
+    refused = cli("train", "--config", config, "--set", "run.name=sf-beta1", *(x for s in sf[:3] for x in ("--set", s)),
+                  "--set", "train.beta1=0.95", "--set", f"train.resume={ckpt}")
+    assert refused.returncode != 0 and "Traceback" not in refused.stderr
+    assert (f"checkpoint {ckpt} does not match this config: optimizer_settings differs (beta1: 0.9 -> 0.95)"
+            in refused.stderr), refused.stderr[-2000:]

@@ -14,6 +14,7 @@ from llmtrain import optimizers
 from llmtrain.config import load_config
 from llmtrain.data.loader import Batch
 from llmtrain.optimizers import OPTIMIZERS, OptimizerKind, build_optimizer
+from llmtrain.model.build import num_params
 from llmtrain.training.step import Step
 
 CPU = torch.device("cpu")
@@ -155,3 +156,17 @@ def test_the_estimator_counts_the_tables_optimizer_state(tmp_path, monkeypatch):
     path.write_text(yaml.safe_dump(tiny_config(train={"optimizer": "toy"})))
     assert estimate(load_config(path, world_size=1), world_size=1).optimizer == 0
     assert optimizers.OPTIMIZERS["adamw"].state_bytes == 8
+    # Muon: 4 bytes on the hidden matrices (the tiny Llama's 2 layers x (4 x 64 x 64 attention, less
+    # the kv heads' half, + 3 x 64 x 128 MLP)), AdamW's 8 on embeddings, head and norms; the
+    # optimizer the run builds holds exactly that state after a step
+    path.write_text(yaml.safe_dump(tiny_config(train={"optimizer": "muon"})))
+    cfg = load_config(path, world_size=1)
+    muon = estimate(cfg, world_size=1)
+    hidden = 2 * (2 * 64 * 64 + 2 * 32 * 64 + 3 * 64 * 128)
+    assert muon.optimizer == 4 * hidden + 8 * (muon.trainable - hidden)
+    step = setup(tmp_path, optimizer="muon", lr=1e-3)
+    train_step(step)
+    held = sum(v.numel() * v.element_size() for s in step.optimizer.state.values() for v in s.values() if v.ndim)
+    model = step.model
+    hidden = sum(p.numel() for n, p in model.named_parameters() if p.ndim == 2 and "embed" not in n and "lm_head" not in n)
+    assert held == 4 * hidden + 8 * (num_params(model) - hidden)

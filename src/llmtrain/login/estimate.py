@@ -75,7 +75,7 @@ import re
 from dataclasses import dataclass
 
 from ..config import Config, UserError
-from ..optimizers import OPTIMIZERS
+from ..optimizers import OPTIMIZERS, state_bytes
 from ..parallel.dims import ParallelDims, layout_name
 
 GIB = 2**30
@@ -278,7 +278,9 @@ def estimate(cfg: Config, world_size: int | None = None, micro_batch: int | None
         }
     phase, (gradients, copies, activations, loss_bytes, comm) = max(
         phases.items(), key=lambda item: sum(item[1]))
-    optimizer = OPTIMIZERS[t.optimizer].state_bytes * _sharded(whole, shard, trainable_only=True, tp=tp)
+    # each part's share of this rank's trainable parameters: the hidden matrices and the rest
+    hidden = whole.layers * whole.layer_matrix_params / max(1, whole.trainable)
+    optimizer = round(state_bytes(t.optimizer, 1, hidden) * _sharded(whole, shard, trainable_only=True, tp=tp))
     return Estimate(parameters=params, gradients=gradients + deferred, optimizer=optimizer,
                     param_copies=copies, activations=activations, loss=loss_bytes, comm=comm,
                     phase=phase, params=whole.params, trainable=whole.trainable, world_size=world,

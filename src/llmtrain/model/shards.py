@@ -60,7 +60,7 @@ class Checkpoint(dcp.FileSystemReader):
     lists every shard of every tensor and of its optimizer state.
 
     The weights read are the ones to evaluate: where the optimizer trains other weights than
-    those (schedule-free AdamW: meta.json's "eval_weights" says how, optimizers.OPTIMIZERS), each
+    those (schedule-free AdamW: meta.json's "eval_shift" says how, optimizers.OPTIMIZERS), each
     is moved towards its optimizer state as the optimizer's eval_weights() does."""
 
     def __init__(self, path: Path):
@@ -68,7 +68,7 @@ class Checkpoint(dcp.FileSystemReader):
         self.metadata = super().read_metadata()
         self.tensors = {k.removeprefix("model."): m for k, m in self.metadata.state_dict_metadata.items()
                         if k.startswith("model.") and isinstance(m, TensorStorageMetadata)}
-        self.eval_shift = json.loads((Path(path) / META).read_text()).get("eval_weights")
+        self.eval_shift = json.loads((Path(path) / META).read_text()).get("eval_shift")
 
     def read_metadata(self, *args, **kwargs):
         return self.metadata

@@ -14,10 +14,12 @@ torch.optim.Optimizer) and add one entry to OPTIMIZERS. The entry declares two t
   stops the run instead of applying a step it should have skipped.
 - state_bytes: the optimizer's state per trainable parameter (AdamW: two fp32 moments, 8),
   for llmtrain estimate and the checkpoint's size.
-It may declare two more: splits_embeddings (the hidden matrices get a group of their own, the
-input embedding and output head one with the other matrices' weight decay: Muon's split) and
-eval_weights (the parameters are not the weights to evaluate: how to make them from the state,
-for evaluation here and for exports from a checkpoint; schedule-free AdamW's).
+It may declare more: splits_embeddings (the hidden matrices get a group of their own, the
+embeddings and output head one with the other matrices' weight decay: Muon's split), with
+matrix_state_bytes their state where it differs, and eval_shift (the parameters are not the
+weights to evaluate: how to make those from the parameters and a state tensor, for exports from
+a checkpoint, recorded in its meta.json; schedule-free AdamW's, whose optimizer also has an
+eval_weights() context for evaluation in the run).
 
 The optimizers themselves live beside this file (lion.py, muon.py, schedule_free.py), imported
 only when built: this module imports no torch, as the login node's commands need it.
@@ -46,7 +48,9 @@ class OptimizerKind:
     about: str = ""  # the state, in llmtrain estimate's breakdown
     args: tuple[str, ...] = ()  # the keys train.optimizer_args may set
     splits_embeddings: bool = False  # param groups: hidden matrices, embeddings + head, vectors
-    eval_weights: Callable[[Any], dict] | None = None  # train section -> EVAL_WEIGHTS' entry
+    matrix_state_bytes: int | None = None  # with splits_embeddings: the hidden matrices' own
+    eval_shift: Callable[[Any], dict] | None = None  # train section -> {"state", "weight"}: see shards.py
+    must_match: tuple[str, ...] = ()  # train keys its state was made under, that a resume must keep
 
 
 def _adamw(groups: list, t, device: "torch.device") -> "torch.optim.Optimizer":
@@ -92,7 +96,7 @@ def _schedulefree(groups: list, t, device: "torch.device") -> "torch.optim.Optim
     return AdamWScheduleFree(groups, lr=lr_at(0, t))
 
 
-def _schedulefree_eval(t) -> dict:
+def _schedulefree_shift(t) -> dict:
     # x = lerp(y, z, 1 - 1/beta1): the parameters (y) towards the state's z
     return {"state": "z", "weight": 1 - 1 / t.beta1}
 
@@ -102,15 +106,14 @@ OPTIMIZERS: dict[str, OptimizerKind] = {
                            about="AdamW: 2 fp32 moments per trainable parameter"),
     "lion": OptimizerKind(_lion, _lion_settings, skips_on_device=True, state_bytes=4,
                           about="Lion: 1 fp32 momentum per trainable parameter", args=("betas",)),
-    # 4: the hidden matrices' momentum; the embeddings, head and norms (AdamW's 8) not counted apart
-    "muon": OptimizerKind(_muon, _muon_settings, skips_on_device=True, state_bytes=4,
-                          about="Muon: 1 fp32 momentum per hidden-matrix parameter (AdamW's 2 "
-                                "moments on embeddings, head and norms: not counted)",
+    "muon": OptimizerKind(_muon, _muon_settings, skips_on_device=True, state_bytes=8, matrix_state_bytes=4,
+                          about="Muon: 1 fp32 momentum per hidden-matrix parameter, AdamW's 2 moments "
+                                "on embeddings, head and norms",
                           args=("momentum", "ns_steps", "adamw_lr_scale"), splits_embeddings=True),
     "adamw_schedulefree": OptimizerKind(
         _schedulefree, _adamw_settings, skips_on_device=True, state_bytes=8,
         about="schedule-free AdamW: z and the second moment, fp32, per trainable parameter",
-        eval_weights=_schedulefree_eval),
+        eval_shift=_schedulefree_shift, must_match=("beta1",)),  # y mixes z and x by beta1
 }
 
 
@@ -121,9 +124,11 @@ def build_optimizer(model: "torch.nn.Module", t, device: "torch.device") -> "tor
     matrices = [p for p in params if p.ndim >= 2]
     groups = [{"params": matrices}, {"params": [p for p in params if p.ndim < 2]}]  # biases, norms
     if kind.splits_embeddings:
+        import torch
         inner = getattr(model, "module", model)  # DDP's wrapper has not the model's methods
-        ends = {id(m.weight) for m in (inner.get_input_embeddings(), inner.get_output_embeddings())
-                if m is not None}
+        head = inner.get_output_embeddings()
+        ends = {id(m.weight) for m in inner.modules() if isinstance(m, torch.nn.Embedding)}  # tokens, positions
+        ends |= {id(head.weight)} if head is not None else set()
         groups[:1] = [{"params": [p for p in matrices if id(p) not in ends]},
                       {"params": [p for p in matrices if id(p) in ends]}]
     if kind.skips_on_device:
@@ -131,6 +136,14 @@ def build_optimizer(model: "torch.nn.Module", t, device: "torch.device") -> "tor
     optimizer = kind.build(groups, t, device)
     apply_settings(optimizer, t)
     return optimizer
+
+
+def state_bytes(name: str, trainable: int, hidden_matrices: int) -> float:
+    """The optimizer state of `trainable` parameters, `hidden_matrices` of them in the hidden
+    matrices (what Muon orthogonalises; the rest: embeddings, head, norms, biases)."""
+    kind = OPTIMIZERS[name]
+    matrix = kind.matrix_state_bytes if kind.matrix_state_bytes is not None else kind.state_bytes
+    return matrix * hidden_matrices + kind.state_bytes * (trainable - hidden_matrices)
 
 
 def apply_settings(optimizer: "torch.optim.Optimizer", t) -> None:

@@ -35,7 +35,7 @@ from collections import defaultdict
 
 import torch
 
-from .lion import local, skip_factor, whole_grad
+from .inputs import keep_factor, local, whole_grad, zeroed_if_skipped
 
 NS_COEFFICIENTS = (3.4445, -4.7750, 2.0315)  # Keller Jordan's quintic, as torch.optim.Muon's
 
@@ -67,30 +67,25 @@ class Muon(torch.optim.Optimizer):
         found_inf = getattr(self, "found_inf", None)  # 1: skip, on the device
         for group in self.param_groups:
             params = [p for p in group["params"] if p.grad is not None]
-            if group["muon"]:
-                self._muon(group, params, found_inf)
-            else:
-                self._adamw(group, params, found_inf)
+            (self._muon if group["muon"] else self._adamw)(group, params, found_inf, keep_factor(found_inf))
         return None
 
-    def _muon(self, group: dict, params: list, found_inf) -> None:
+    def _muon(self, group: dict, params: list, found_inf, keep) -> None:
         lr, wd, mu = group["lr"], group["weight_decay"], group["momentum"]
         updates = []
         for p in params:
             state = self.state[p]
             if not state:
                 state["momentum_buffer"] = torch.zeros_like(p, memory_format=torch.preserve_format)
-            g, m = local(whole_grad(p)), local(state["momentum_buffer"])
-            keep, g = skip_factor(found_inf, g)
+            g, m = zeroed_if_skipped(found_inf, local(whole_grad(p))), local(state["momentum_buffer"])
             m.lerp_(g, (1 - mu) * keep)
             updates.append(g.lerp(m, mu) if group["nesterov"] else m.clone())
         for p, o in zip(params, orthogonalised(params, updates, group["ns_steps"])):
-            keep, _ = skip_factor(found_inf, o)
             w = local(p)
             w.mul_(1 - lr * wd * keep)
-            w.add_(o.to(w.dtype) * keep, alpha=-lr * 0.2 * math.sqrt(max(p.shape)))
+            w.add_(o.to(w.dtype) * keep, alpha=-lr * 0.2 * math.sqrt(max(p.shape[-2:])))
 
-    def _adamw(self, group: dict, params: list, found_inf) -> None:
+    def _adamw(self, group: dict, params: list, found_inf, keep) -> None:
         """AdamW, elementwise (so shard by shard), with its step count on the device."""
         lr, wd, (beta1, beta2), eps = group["lr"], group["weight_decay"], group["betas"], group["eps"]
         for p in params:
@@ -100,7 +95,7 @@ class Muon(torch.optim.Optimizer):
                 state["exp_avg"] = torch.zeros_like(p, memory_format=torch.preserve_format)
                 state["exp_avg_sq"] = torch.zeros_like(p, memory_format=torch.preserve_format)
             w, m, v = local(p), local(state["exp_avg"]), local(state["exp_avg_sq"])
-            keep, g = skip_factor(found_inf, local(whole_grad(p)))
+            g = zeroed_if_skipped(found_inf, local(whole_grad(p)))
             state["step"].add_(keep)
             step = state["step"].clamp(min=1)
             m.lerp_(g, (1 - beta1) * keep)

@@ -7,11 +7,11 @@ is the running average of z (weight c = lr_max^2 / sum of lr_max^2 so far), and 
 taken at y = (1 - beta1) z + beta1 x. The model's parameters hold y while training, the
 optimizer's state z and the second moment: x = lerp(y, z, 1 - 1/beta1), so no third copy is kept.
 
-    with eval_weights(optimizer):  # the parameters hold x inside (evaluation, generation)
+    with optimizer.eval_weights():  # the parameters hold x inside (evaluation)
         ...
 
-Exports read x the same way from a checkpoint (the checkpoint's meta.json says how:
-EVAL_WEIGHTS). Its arithmetic follows the `schedulefree` package's AdamWScheduleFree 1.4
+Exports read x the same way from a checkpoint (its meta.json's "eval_shift", from the
+optimizer table's entry: model/shards.py). Its arithmetic follows the `schedulefree` package's AdamWScheduleFree 1.4
 (weight_lr_power 2, r 0, warmup by our own schedule), checked against it in tests/test_optimizers.py;
 written here so that a skipped step (`found_inf`, 0-dim, on the device) changes nothing without a
 host read: the step count, the averaging weights and every tensor are scaled by (1 - found_inf).
@@ -23,7 +23,7 @@ import contextlib
 
 import torch
 
-from .lion import local, skip_factor, whole_grad
+from .inputs import keep_factor, local, whole_grad, zeroed_if_skipped
 
 
 class AdamWScheduleFree(torch.optim.Optimizer):
@@ -33,6 +33,7 @@ class AdamWScheduleFree(torch.optim.Optimizer):
     @torch.no_grad()
     def step(self, closure=None):
         found_inf = getattr(self, "found_inf", None)  # 1: skip, on the device
+        keep = keep_factor(found_inf)
         for group in self.param_groups:
             lr, wd, (beta1, beta2), eps = group["lr"], group["weight_decay"], group["betas"], group["eps"]
             for p in group["params"]:
@@ -47,13 +48,16 @@ class AdamWScheduleFree(torch.optim.Optimizer):
                     state["z"] = p.detach().clone(memory_format=torch.preserve_format)
                     state["exp_avg_sq"] = torch.zeros_like(p, memory_format=torch.preserve_format)
                 y, z, v = local(p), local(state["z"]), local(state["exp_avg_sq"])
-                keep, g = skip_factor(found_inf, local(whole_grad(p)))
+                g = zeroed_if_skipped(found_inf, local(whole_grad(p)))
                 k, lr_max, weight_sum = state["k"], state["lr_max"], state["weight_sum"]
                 k.add_(keep)
-                lr_max.copy_(torch.where(torch.as_tensor(keep, device=k.device) > 0, lr_max.clamp(min=lr), lr_max))
+                if found_inf is None:
+                    lr_max.clamp_(min=lr)
+                else:
+                    lr_max.copy_(torch.where(found_inf.bool(), lr_max, lr_max.clamp(min=lr)))
                 weight = lr_max * lr_max
                 weight_sum.add_(weight * keep)
-                ckp1 = torch.where(weight_sum > 0, weight / weight_sum.clamp(min=1e-38), 0.0)
+                ckp1 = torch.where(weight_sum > 0, weight / weight_sum, 0.0)  # 0 until a step is taken
                 v.lerp_(g * g, (1 - beta2) * keep)
                 normalised = g / (v / (1 - beta2 ** k.clamp(min=1))).sqrt_().add_(eps)
                 if wd != 0:
@@ -67,7 +71,9 @@ class AdamWScheduleFree(torch.optim.Optimizer):
     def eval_weights(self):
         """The parameters hold x (the average) inside, y again after, exactly: y is copied
         aside, not recomputed from x (the round trip would round, and a run that evaluates
-        would then train on other weights than one that does not)."""
+        would then train on other weights than one that does not). The copy is this rank's
+        parameters in fp32 while evaluating (under FSDP2 its shards), where the gradients were
+        during the step: they are freed by then."""
         kept = []
         with torch.no_grad():
             for group in self.param_groups:

@@ -38,7 +38,7 @@ from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_
 from ..config import Config, UserError
 from ..files import read_json
 from ..model.build import pretrained_dir, unwrap
-from ..optimizers import OPTIMIZERS
+from ..optimizers import OPTIMIZERS, state_bytes
 from ..rundir import (ASSUMED_WRITE_BYTES_PER_S_PER_NODE, BUFFERS, CHECKPOINT_FORMAT, CHECKPOINTS, LATEST,
                       META, Log, complete_checkpoints, latest_checkpoint, step_name)
 from ..files import write_atomic
@@ -46,7 +46,7 @@ from ..parallel.world import World
 
 # Keys that must be equal to continue a run, and keys whose change is only logged.
 MUST_MATCH = ("model", "lora", "tokenizer_vocab", "data_fingerprint", "seq_len", "global_batch_size",
-              "optimizer")  # another optimizer's state is not this one's
+              "optimizer", "optimizer_settings")  # another optimizer's state is not this one's
 MAY_CHANGE = ("lr", "min_lr", "warmup_steps", "max_steps", "eval_every", "checkpoint_every",
               "weight_decay", "grad_clip", "lr_schedule", "decay_fraction")
 
@@ -117,8 +117,9 @@ class Checkpointer:
         optimizer's state, optimizers.OPTIMIZERS' bytes each) at ASSUMED_WRITE_BYTES_PER_S_PER_NODE on every node."""
         trained = [p for p in model.parameters() if p.requires_grad or self.options is None]
         state = sum(p.numel() * p.element_size() for p in trained)
-        per_param = OPTIMIZERS[self.cfg.train.optimizer].state_bytes
-        state += sum(p.numel() * per_param for p in model.parameters() if p.requires_grad)
+        hidden = sum(p.numel() for g in optimizer.param_groups if g.get("muon") for p in g["params"])
+        state += state_bytes(self.cfg.train.optimizer, sum(p.numel() for p in model.parameters() if p.requires_grad),
+                             hidden)
         nodes = max(1, self.world.world_size // int(os.environ.get("LOCAL_WORLD_SIZE", 1)))
         self.estimated_s = state / (nodes * ASSUMED_WRITE_BYTES_PER_S_PER_NODE)
 
@@ -137,8 +138,8 @@ class Checkpointer:
                 "compat": self.compat, "settings": _settings(self.cfg)}
         if self.options is not None:  # LoRA: where the frozen base comes from (export, generate)
             meta["base_model"] = str(pretrained_dir(self.cfg))
-        if (shift := OPTIMIZERS[self.cfg.train.optimizer].eval_weights) is not None:
-            meta["eval_weights"] = shift(self.cfg.train)  # export's weights (model/shards.py)
+        if (shift := OPTIMIZERS[self.cfg.train.optimizer].eval_shift) is not None:
+            meta["eval_shift"] = shift(self.cfg.train)  # export's weights (model/shards.py)
         state = {"model": model_sd, "optim": optim_sd}
         with self._failing_save(tmp, final):
             torch.save(_rng_state(), tmp / f"rng-rank-{self.world.rank}.pt")
@@ -291,7 +292,7 @@ class Checkpointer:
                 f"({CHECKPOINT_FORMAT}); update llmtrain (git pull, then bash setup.sh)")
         saved = meta.get("compat", {})
         for key in MUST_MATCH:
-            if key in saved and saved[key] != self.compat[key]:
+            if key in saved and saved[key] != self.compat.get(key):
                 detail = _diff(saved[key], self.compat[key])
                 raise CheckpointMismatch(
                     f"checkpoint {ckpt} does not match this config: {key} differs ({detail}); "
@@ -308,7 +309,8 @@ def compat_info(cfg: Config, model_config, manifest: dict) -> dict:
                                                     "torch_dtype", "architectures")}
     return {"model": arch, "lora": cfg.model.lora, "tokenizer_vocab": manifest["tokenizer"]["vocab_size"],
             "data_fingerprint": manifest["fingerprint"], "seq_len": cfg.data.seq_len,
-            "global_batch_size": cfg.train.global_batch_size, "optimizer": cfg.train.optimizer}
+            "global_batch_size": cfg.train.global_batch_size, "optimizer": cfg.train.optimizer,
+            "optimizer_settings": {k: getattr(cfg.train, k) for k in OPTIMIZERS[cfg.train.optimizer].must_match}}
 
 
 def _settings(cfg: Config) -> dict:

@@ -73,7 +73,8 @@ def _load(ckpt: Path, spec: LoraSpec | None, base: Path | None):
     with warnings.catch_warnings():  # "assuming the intent is to load in a single process": it is
         warnings.filterwarnings("ignore", message="torch.distributed is disabled")
         dcp.load(state, checkpoint_id=ckpt, no_dist=True)  # in place, into the model's tensors
-    Checkpoint(ckpt).to_eval_weights(state["model"])  # schedule-free: its average, in place
+    if "eval_shift" in json.loads((ckpt / META).read_text()):  # schedule-free: its average, in place
+        Checkpoint(ckpt).to_eval_weights(state["model"])
     if spec is None:
         buffers = torch.load(ckpt / BUFFERS, weights_only=True)
         for name, buf in model.named_buffers():
