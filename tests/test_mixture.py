@@ -68,6 +68,11 @@ def test_the_blend_continues_from_what_was_drawn():
     assert (blend(w, 163, drawn) == whole[137:]).all()
 
 
+def test_a_tie_goes_to_the_first_source():
+    assert blend(np.full(3, 1 / 3), 7, np.zeros(3)).tolist() == [0, 1, 2, 0, 1, 2, 0]
+    assert blend(np.array([0.5, 0.5]), 3, [1, 0]).tolist() == [1, 0, 1]
+
+
 # ---------------------------------------------------------------------------------------------
 # The sampler over real prepared sources
 
