@@ -20,8 +20,8 @@ import torch
 import torch.distributed as dist
 
 from ..config import Config, ConfigError, UserError, dump_yaml
-from ..data.loader import Prefetcher, SampleRows, StepSampler, TokenStream, open_prepared, open_split
 from ..data import mixture
+from ..data.loader import Prefetcher, SampleRows, StepSampler, TokenStream, open_prepared, open_split
 from ..data.tokenizer import load_tokenizer
 from ..metrics import peak_memory_gib, plural
 from ..model.build import (flops_per_token, model_config, num_params, pretrained_dir, unwrap,
@@ -165,9 +165,11 @@ def run(cfg: Config, world: World, watch: Watchdog, run_lock: RunLock) -> None:
                               world.dims.dp_rank(world.rank), dp)
     accum = t.global_batch_size // (t.micro_batch_size * dp)
     unit = "samples"
-    if isinstance(train_data, SampleRows):  # fine-tuning: a training sample is a row of samples
-        info = manifest["splits"]["train"]
-        unit = f"rows ({info['samples']:,} {cfg.data.format} samples, {info['trained_tokens']:,} trained tokens)"
+    rows = train_data.readers[0] if cfg.data.mixture else train_data  # a mixture's sources are of one kind
+    if isinstance(rows, SampleRows):  # fine-tuning: a training sample is a row of samples
+        splits = [m["splits"]["train"] for _, _, m in sources] if cfg.data.mixture else [manifest["splits"]["train"]]
+        samples, trained = (sum(s[key] for s in splits) for key in ("samples", "trained_tokens"))
+        unit = f"rows ({samples:,} {cfg.data.format} samples, {trained:,} trained tokens)"
     log.info(f"data: {sampler.num_samples:,} {unit} of {seq_len} tokens; global batch "
              f"{t.global_batch_size} = {t.micro_batch_size} x {dp} ranks x {accum} "
              f"accumulation steps")

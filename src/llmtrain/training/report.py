@@ -116,7 +116,7 @@ class Reporter:
 
 
 def log_step(metrics: MetricsWriter, log: Log, speed: dict, state, loss, grad_norm,
-             lr: float, t, world: World, scaler, sampler: StepSampler) -> None:
+             lr: float, t, world: World, scaler, sampler: "StepSampler | MixtureSampler") -> None:
     """One metrics line and one progress line: the loss averaged over ranks, and the peak memory
     of the rank that uses the most (one collective for all of it). fp16 adds the loss scale: the
     scaler skips a step with inf/NaN gradients by itself and halves it, which shows there. The
