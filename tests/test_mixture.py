@@ -191,3 +191,24 @@ def test_a_3_to_1_mixture_trains_3_to_1_and_resumes_on_another_world_size_on_the
         by_source = r["eval_loss_by_source"]
         assert set(by_source) == {"big", "small"}
         assert r["eval_loss"] == pytest.approx(0.75 * by_source["big"] + 0.25 * by_source["small"])
+
+
+def test_a_source_prepared_with_another_tokenizer_is_named_with_its_own_fix(setup, write_config, tmp_path):
+    """A source's given prepared folder made by another tokenizer than the model's: one line that
+    names the source's key, in the problem and in its fix."""
+    from transformers import AutoTokenizer
+    root, _ = setup
+    [small] = [f for f in (root / "home" / "prepared").iterdir() if f.name.startswith("small")]
+    other = AutoTokenizer.from_pretrained(DEMO / "tokenizer")
+    other.add_tokens(["<extra>"])
+    other.save_pretrained(tmp_path / "other-tokenizer")
+    cfg = mixture_config()
+    cfg["model"]["tokenizer"] = str(tmp_path / "other-tokenizer")
+    cfg["data"]["mixture"][0]["dataset"] = str(root / "big.txt")
+    cfg["data"]["mixture"][1].update(dataset=str(root / "small.txt"), validation=str(root / "small-val.txt"),
+                                     prepared=str(small))
+    proc = cli("check-config", "--config", write_config(cfg))
+    assert proc.returncode == 2 and proc.stderr.splitlines() == [
+        f"data.mixture[1].prepared: {small} was tokenized by {DEMO / 'tokenizer'}, another tokenizer than "
+        f"this model's ({tmp_path / 'other-tokenizer'}); set data.mixture[1].prepared: null to prepare the "
+        f"data with this one"]

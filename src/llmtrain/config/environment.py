@@ -35,6 +35,7 @@ def check_environment(cfg: Config, written: dict | None = None) -> list[str]:
         manifest = given_prepared(one)
         for line in _check_prepared(one, manifest) if manifest else _check_data(one.data, Path(cfg.path).parent):
             key, _, rest = line.partition(":")
+            rest = rest.replace("data.prepared:", f"{source.key('prepared')}:")  # the fix names this source's
             line = f"{source.key(key.removeprefix('data.'))}:{rest}" if key.startswith("data.") else line
             p += [line] if line not in p else []
     return p
