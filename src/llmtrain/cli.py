@@ -483,9 +483,19 @@ def cmd_prepare(args) -> int:
     return 0
 
 
+def without_torchao() -> None:
+    """Keep torchao out of this process. transformers imports it with its modeling code wherever
+    it is installed (0.2 s of every start, and on a CPU node four lines of warnings about its CUDA
+    kernels), and only train.fp8 uses it: a None in sys.modules makes find_spec, which transformers
+    asks, answer None (and `import torchao` fail). Called before transformers' modeling imports."""
+    sys.modules.setdefault("torchao", None)
+
+
 def cmd_train(args) -> int:
     world_size = int(os.environ.get("WORLD_SIZE", 1))
     cfg = load_config(args.config, args.overrides, world_size=world_size)
+    if cfg.train.fp8 == "none":
+        without_torchao()
     from .training.loop import train
     try:
         train(cfg)
@@ -506,6 +516,7 @@ def cmd_train(args) -> int:
 
 
 def cmd_export(args) -> int:
+    without_torchao()  # plain weights, whatever the run trained with
     from .training.export import export
     out = export(args.run_dir, args.out, args.step, args.dtype, args.merge)
     what = "adapter" if os.path.exists(os.path.join(out, "adapter_config.json")) else "weights"
@@ -514,6 +525,7 @@ def cmd_export(args) -> int:
 
 
 def cmd_generate(args) -> int:
+    without_torchao()
     from .training.export import generate, load_checkpoint_model, load_folder
     if args.model:
         model, tokenizer = load_folder(args.model)
