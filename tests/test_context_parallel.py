@@ -9,7 +9,7 @@ import pytest
 import torch
 import yaml
 
-from conftest import assert_same_curve, cli, prepared_home, run_dir, tiny_config, torchrun
+from conftest import assert_same_curve, cli, losses, prepared_home, run_dir, tiny_config, torchrun
 from llmtrain.model.attention import _gathered_order, context_chunks, context_mask
 from test_finetune import sft_config
 
@@ -44,14 +44,22 @@ def setup(tmp_path_factory):
 @pytest.mark.slow
 def test_cp2_gives_one_process_curve_with_and_without_document_masking(setup):
     """2 ranks, each half of every sequence (with accumulation: 2 micro-batches a step), under DDP
-    (over the world: the context-parallel ranks hold the same weights)."""
+    (over the world: the context-parallel ranks hold the same weights). A checkpoint the cp 2 run
+    wrote at step 5 resumes in one process (cp 1): steps 6-10 are one process's."""
     _, config = setup
     for name, extra in (("plain", []), ("documents", ["--set", "data.document_masking=true"])):
         cli("train", "--config", config, "--set", f"run.name={name}-single", *extra, check=True)
-        torchrun(2, "train", "--config", config, "--set", f"run.name={name}-cp2", "--set", "parallel.cp=2", *extra)
+        torchrun(2, "train", "--config", config, "--set", f"run.name={name}-cp2", "--set", "parallel.cp=2",
+                 "--set", "train.checkpoint_every=5", *extra)
         assert_same_curve(run_dir(setup, f"{name}-cp2"), run_dir(setup, f"{name}-single"), tol=1e-4)
     log = (run_dir(setup, "plain-cp2") / "logs" / "rank-0.log").read_text()
     assert "ddp over 2 ranks (mesh: cp 2)" in log and "global batch 8 = 4 x 1 ranks x 2 accumulation steps" in log
+    ckpt = run_dir(setup, "plain-cp2") / "checkpoints" / "step-00000005"
+    cli("train", "--config", config, "--set", "run.name=cp2-then-single", "--set", f"train.resume={ckpt}", check=True)
+    single = {(k, s): v for k, s, v in losses(run_dir(setup, "plain-single"))}
+    resumed = losses(run_dir(setup, "cp2-then-single"))
+    assert [s for _, s, _ in resumed][0] == 6 and resumed[-1][1] == 10
+    assert max(abs(v - single[k, s]) for k, s, v in resumed) <= 1e-4, (resumed, single)
 
 
 @pytest.mark.slow
