@@ -196,9 +196,9 @@ def assert_resumes_bit_for_bit(prepared, whole: str, resumed: str, *sets: str, n
 @pytest.mark.slow
 def test_muon_gives_ddps_curve_under_fsdp2_and_fsdp_x_tp_and_resumes_bit_for_bit(prepared):
     """Muon orthogonalises whole matrices: under FSDP2 each rank gets whole matrices of a stack of
-    shards (all-to-all) and under FSDP2 x tp 2 (4 ranks) each gathers them; both must give DDP's
-    curve (where every rank holds every matrix), and the loss falls. Resumed at step 4, FSDP2's
-    steps 5-8 repeat exactly."""
+    shards (all-to-all), under FSDP2 x tp 2 (4 ranks) over both mesh dimensions (FSDP2's strided
+    split of the tp shards); both must give DDP's curve (where every rank holds every matrix), and
+    the loss falls. Resumed at step 4, FSDP2's steps 5-8 repeat exactly."""
     _, config = prepared
     muon = ("train.optimizer=muon", "train.lr=3e-3", "train.weight_decay=0.1", "train.lr_schedule=constant")
     sets = [x for s in muon for x in ("--set", s)]

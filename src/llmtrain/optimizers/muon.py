@@ -126,15 +126,6 @@ def _orthogonalise_stack(shape, mesh, placements, locals_: list[torch.Tensor], s
     from torch.distributed.tensor import DTensor, Replicate, Shard
 
     stride_of_one = torch.empty(shape, device="meta").stride()
-    if any(_strided(pl) for pl in placements):
-        # FSDP2 over a tensor-parallel shard splits it again (_StridedShard), which DTensor
-        # cannot move to a stack's split yet: every rank gathers every matrix of the stack
-        # and orthogonalises them all (torch.optim.Muon's way; correct, n x the work).
-        whole = [DTensor.from_local(u, mesh, placements, shape=torch.Size(shape), stride=stride_of_one).full_tensor()
-                 for u in locals_]
-        replicated = [Replicate()] * mesh.ndim
-        return [DTensor.from_local(o, mesh, replicated).redistribute(mesh, placements).to_local()
-                for o in newton_schulz(torch.stack(whole), steps).unbind(0)]
     stacked_placements = [_shifted(pl) for pl in placements]
     # whole matrices, the stack split over the mesh dimensions that sharded the matrix
     whole_placements = [Replicate() if pl.is_replicate() else Shard(0) for pl in placements]
@@ -148,9 +139,9 @@ def _orthogonalise_stack(shape, mesh, placements, locals_: list[torch.Tensor], s
 
 
 def _shifted(placement):
-    """A matrix's placement as its place in a stack of matrices (one more leading dimension)."""
+    """A matrix's placement as its place in a stack of matrices (one more leading dimension).
+    FSDP2's split of a tensor-parallel shard is a _StridedShard, which is_shard() does not claim:
+    it keeps its split factor."""
+    if type(placement).__name__ == "_StridedShard":
+        return type(placement)(placement.dim + 1, split_factor=placement.split_factor)
     return type(placement)(placement.dim + 1) if placement.is_shard() else placement
-
-
-def _strided(placement) -> bool:
-    return type(placement).__name__ == "_StridedShard"  # FSDP2's split of a tensor-parallel shard
