@@ -292,7 +292,7 @@ class Checkpointer:
                 f"({CHECKPOINT_FORMAT}); update llmtrain (git pull, then bash setup.sh)")
         saved = meta.get("compat", {})
         for key in MUST_MATCH:
-            if key in saved and saved[key] != self.compat.get(key):
+            if key in saved and saved[key] != self.compat[key]:
                 detail = _diff(saved[key], self.compat[key])
                 raise CheckpointMismatch(
                     f"checkpoint {ckpt} does not match this config: {key} differs ({detail}); "

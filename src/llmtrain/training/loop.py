@@ -186,7 +186,7 @@ def run(cfg: Config, world: World, watch: Watchdog, run_lock: RunLock) -> None:
         resumed = checkpointer.load(model, optimizer)  # a refused resume raises here
     if resumed:
         job.restore(resumed)
-        if getattr(sampler.state, "changed", None):
+        if cfg.data.mixture and sampler.state.changed:
             log.info(mixture.weights_changed(sampler))
         apply_settings(optimizer, t)  # the config's weight decay, betas and eps win
     job.provenance = record_start(written, world, hosts)  # only a start that goes ahead replaces them
