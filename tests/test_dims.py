@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 import yaml
 
-from conftest import tiny_config
+from conftest import cli, tiny_config
 from llmtrain.config import ConfigError, load_config
 from llmtrain.data.loader import StepSampler
 from llmtrain.login.estimate import shard_size
@@ -162,3 +162,63 @@ def test_a_local_run_takes_any_tp_dividing_its_processes(tmp_path):
     path.write_text(yaml.safe_dump(tiny_config(parallel={"tp": 2})))
     cfg = load_config(path, world_size=2)
     assert ParallelDims.from_config(cfg, 2).describe() == "ddp over 2 ranks (mesh: tp 2)"
+
+
+EIGHT_HEADS = {"architecture": {"model_type": "llama", "hidden_size": 64, "intermediate_size": 128,
+                                "num_hidden_layers": 2, "num_attention_heads": 8, "num_key_value_heads": 8,
+                                "max_position_embeddings": 128, "tie_word_embeddings": False}}  # tp 8 divides
+
+
+@pytest.mark.parametrize("sets,line", [
+    # 8 nodes x 8, tp 8: a node holds one data-parallel rank, its default group would shard nothing
+    (["parallel.tp=8"],
+     "parallel.shard_size: must be set for hsdp when a node holds fewer than 2 data-parallel ranks (its 8 "
+     "processes / (tp 8 x cp 1) = 1; not set); set a divisor of the 8 data-parallel ranks: 2, 4 or 8 shard "
+     "across nodes (8: as fsdp), 1 replicates the whole model on every GPU"),
+    # cp 2 x tp 8 spans two nodes: before, "must divide the 4 data-parallel ranks (...; got 0)"
+    (["parallel.tp=8", "parallel.cp=2"],
+     "parallel.shard_size: must be set for hsdp when a node holds fewer than 2 data-parallel ranks (its 8 "
+     "processes / (tp 8 x cp 2) = 0.5; not set); set a divisor of the 4 data-parallel ranks: 2 or 4 shard across "
+     "nodes (4: as fsdp), 1 replicates the whole model on every GPU"),
+    # no tp: nodes of one GPU each
+    (["slurm.procs_per_node=1", "slurm.nodes=4"],
+     "parallel.shard_size: must be set for hsdp when a node holds fewer than 2 data-parallel ranks (its 1 "
+     "process / (tp 1 x cp 1) = 1; not set); set a divisor of the 4 data-parallel ranks: 2 or 4 shard across "
+     "nodes (4: as fsdp), 1 replicates the whole model on every GPU"),
+])
+def test_hsdp_asks_for_a_shard_size_where_a_nodes_default_would_shard_nothing(tmp_path, sets, line):
+    """hsdp's default shard group is a node's data-parallel ranks; where tp x cp fill the node it
+    would be one rank (every GPU the whole optimizer state) or none, so check-config asks for the
+    key in one line, with the values that work, rather than replicate silently."""
+    with pytest.raises(ConfigError) as e:
+        tp_config(tmp_path, "parallel.strategy=hsdp", "train.global_batch_size=128", "train.eval_samples=64", *sets,
+                  nodes=8, procs=8, model=EIGHT_HEADS)
+    assert e.value.problems == [line]
+
+
+@pytest.mark.parametrize("sets,replicate,shard,text", [
+    ([], 8, 1, "hsdp over 64 ranks (mesh: dp_replicate 8 x dp_shard 1 x tp 8)"),  # replicas only: stated
+    (["parallel.shard_size=4"], 2, 4, "hsdp over 64 ranks (mesh: dp_replicate 2 x dp_shard 4 x tp 8)"),
+    (["parallel.shard_size=8"], 1, 8, "hsdp over 64 ranks (mesh: dp_replicate 1 x dp_shard 8 x tp 8)"),
+    (["parallel.shard_size=2", "parallel.cp=2"], 2, 2,
+     "hsdp over 64 ranks (mesh: dp_replicate 2 x dp_shard 2 x cp 2 x tp 8)"),
+])
+def test_the_start_up_line_states_hsdps_shard_group_under_tensor_parallel(tmp_path, sets, replicate, shard, text):
+    """The shard size the run uses, set by the user, in the start-up log line; 1 too."""
+    cfg = tp_config(tmp_path, "parallel.strategy=hsdp", "parallel.tp=8", "parallel.shard_size=1", *sets,
+                    nodes=8, procs=8, model=EIGHT_HEADS)
+    dims = ParallelDims.from_config(cfg, 64, procs_per_node=8)
+    assert (dims.replicate, dims.shard, dims.problems()) == (replicate, shard, [])
+    assert dims.describe() == text
+
+
+def test_hsdps_default_still_shards_over_a_nodes_data_parallel_ranks(tmp_path, home):
+    """tp 2 on nodes of 8: 4 data-parallel ranks a node, the default group; check-config says so.
+    One data-parallel rank in all (tp 2 on 2 ranks) has nothing to shard: a group of 1, no refusal."""
+    sets = ["parallel.strategy=hsdp", "parallel.tp=2", "train.global_batch_size=64", "train.eval_samples=32"]
+    cfg = tp_config(tmp_path, *sets, nodes=8, procs=8, model=EIGHT_HEADS)
+    dims = ParallelDims.from_config(cfg, 64)
+    assert dims.describe() == "hsdp over 64 ranks (mesh: dp_replicate 8 x dp_shard 4 x tp 2)"
+    proc = cli("check-config", "--config", tmp_path / "config.yaml", *(a for k in sets for a in ("--set", k)))
+    assert proc.returncode == 0 and ", hsdp x tp 2 (4-way shards), fp32; run_dir: " in proc.stdout, proc.stderr
+    assert (ParallelDims.from_config(cfg, 2, procs_per_node=2).shard, ParallelDims.from_config(cfg, 2).shard) == (1, 1)

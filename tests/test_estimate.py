@@ -209,6 +209,34 @@ def test_tensor_parallel_8_halves_what_70b_needs_per_gpu_and_tp_3_is_refused(hom
            "num_attention_heads / tp of them\n")
 
 
+def test_hsdp_x_tp_8_on_70b_states_its_shard_group_or_asks_for_one(home, write_config):
+    """Llama 3 70B, hsdp x tp 8 on 8 nodes of 8 H100s: a node holds one data-parallel rank, so the
+    default shard group (a node's) would replicate the whole optimizer state on every GPU, 135.6 GiB;
+    the estimate refuses in one line. A set shard_size is stated and its memory is the model's
+    share: 1/8 of it per tp rank at shard_size 1 (the replicated memory, shown as it is), half that at 2."""
+    config = write_config(llama(LLAMA_3_70B, 64, parallel={"strategy": "hsdp", "tp": 8}))
+    unset = cli("estimate", "--config", config)
+    assert (unset.returncode, unset.stdout, unset.stderr) == (2, "", (
+        "parallel.shard_size: must be set for hsdp when a node holds fewer than 2 data-parallel ranks (its 8 "
+        "processes / (tp 8 x cp 1) = 1; not set); set a divisor of the 8 data-parallel ranks: 2, 4 or 8 shard "
+        "across nodes (8: as fsdp), 1 replicates the whole model on every GPU\n"))
+
+    two = cli("estimate", "--config", config, "--set", "parallel.shard_size=2")
+    assert two.returncode == 0, two.stderr
+    assert "; hsdp x tp 8 (2-way shards) on 64 GPUs, bf16" in two.stdout.splitlines()[0]
+    rows = table(two.stdout)
+    assert "fp32, sharded over 2 GPUs after tp 8's split, 4 replicas" in two.stdout
+    assert rows["parameters"] == pytest.approx(70_553_706_496 * 4 / 8 / 2 / GIB, rel=0.01)
+    assert rows["optimizer state"] == pytest.approx(2 * rows["parameters"], abs=0.01)
+    assert rows["total"] < 72 < 135
+
+    cfg = load_config(config, ["parallel.shard_size=1"])
+    one = estimate(cfg, shape=model_shape(cfg))
+    assert one.parameters / GIB == pytest.approx(70_553_706_496 * 4 / 8 / GIB, rel=0.01)  # no sharding
+    assert one.optimizer / GIB == pytest.approx(2 * rows["optimizer state"], rel=0.01)
+    assert one.total / GIB > 130  # the replicated layout the default used to pick silently
+
+
 def test_context_parallel_2_on_top_of_tp_8_fits_32k_tokens_in_less(home, write_config):
     """70B at 32k tokens a sequence (rope scaled to 128k) on 64 H100s: fsdp alone does not fit
     even with checkpointing; x tp 8 does, and x cp 2 halves each rank's tokens again (a quarter

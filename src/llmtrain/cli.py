@@ -446,8 +446,10 @@ def cmd_check_config(args) -> int:
     from .metrics import plural
     t = cfg.train
     length = f"{t.max_steps} steps" if t.max_steps is not None else plural(t.epochs, "epoch")
-    from .parallel.dims import layout_name
-    layout = layout_name(cfg.parallel.strategy, cfg.parallel.tp, cfg.parallel.cp)
+    from .parallel.dims import ParallelDims, layout_name
+    par = cfg.parallel  # hsdp's shard group stated, the default's too (a node's data-parallel ranks)
+    shard = ParallelDims.from_config(cfg, args.world_size or cfg.world_size).shard if par.strategy == "hsdp" else 0
+    layout = layout_name(par.strategy, par.tp, par.cp, shard)
     print(f"{args.config}: OK — run {cfg.run.name!r}, {length} of "
           f"{t.global_batch_size} x {cfg.data.seq_len} tokens, {layout}, "
           f"{t.precision}; run_dir: {cfg.run_dir}")

@@ -227,7 +227,7 @@ def _check_parallel(cfg: Config, world: int, per_node: int | None) -> list[str]:
     if par.shard_size is not None and par.strategy != "hsdp":
         return [f"parallel.shard_size: only used with parallel.strategy: hsdp (got strategy "
                 f"{par.strategy})"]
-    if par.tp == 1 and par.cp == 1 and par.shard_size is None:  # the processes of one node, which always divide the world
+    if par.tp == 1 and par.cp == 1 and par.strategy != "hsdp":  # each rank a data-parallel rank: nothing to check
         return []
     return ParallelDims.from_config(cfg, world, per_node).problems()
 

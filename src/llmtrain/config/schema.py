@@ -237,7 +237,7 @@ class ParallelConfig:
     # ddp: a full replica per rank; fsdp: parameters, gradients and optimizer state sharded over
     # all ranks; hsdp: sharded within groups of shard_size ranks, replicated across groups
     strategy: Literal["ddp", "fsdp", "hsdp"] = "ddp"
-    shard_size: Optional[int] = None  # hsdp: ranks per shard group; None: one node's data-parallel ranks
+    shard_size: Optional[int] = None  # hsdp: ranks per shard group; None: one node's data-parallel ranks (>= 2)
     # tensor parallel: ranks (inside a node) that split each layer's matmuls by heads and features,
     # and hold a slice of the sequence between layers (sequence parallel); the data-parallel
     # degree is then world size / tp. Llama, Mistral, Qwen2, Qwen3; with fsdp or hsdp

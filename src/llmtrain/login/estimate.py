@@ -374,7 +374,8 @@ def report(cfg: Config, gpu_mem_gib: float | None = None, world_size: int | None
     checkpointing = ("off" if not mc.activation_checkpointing
                      else "every layer" if every == 1 else f"every {every} layers")
     lines = [f"{shape.model_type}: {shape.params:,} parameters ({shape.trainable:,} trainable); "
-             f"{layout_name(cfg.parallel.strategy, est.tp, cfg.parallel.cp)} on {est.world_size} "
+             f"{layout_name(cfg.parallel.strategy, est.tp, cfg.parallel.cp, shard_size(cfg, est.world_size))} on "
+             f"{est.world_size} "
              f"{'GPUs' if cfg.slurm.gpus_per_node else 'ranks'}, "
              f"{t.precision}, micro batch "
              f"{est.micro_batch} x {cfg.data.seq_len} tokens, activation checkpointing {checkpointing}",
@@ -448,7 +449,9 @@ def _descriptions(cfg: Config, est: Estimate, shape: ModelShape) -> dict[str, st
         comm = "none: NCCL reduces the buckets in place"
     else:
         replicas = est.world_size // (est.shard_size * est.tp)
-        where = (f"sharded over {est.shard_size} GPUs" + (f" after tp {est.tp}'s split" if est.tp > 1 else "")
+        split = f"tp {est.tp}'s split" if est.tp > 1 else ""
+        where = ((f"sharded over {est.shard_size} GPUs" + (f" after {split}" if split else "") if est.shard_size > 1
+                  else "not sharded" + (f" beyond {split}" if split else ""))  # hsdp's shard_size 1
                  + (f", {replicas} replicas" if replicas > 1 else ""))
         grads = "fp32 shards; unsharded ones in flight (the head's, a layer's)"
         copies = f"{precision}: the root (embeddings, head) and the layers gathered now"

@@ -13,7 +13,9 @@ outermost. Their product is the world size. Expert parallelism reuses data-paral
 ranks (its degree divides shard x context), so it is not a factor of the product. Today
 replicate, shard and tensor can exceed 1: over the world / tp data-parallel ranks, ddp
 replicates, fsdp shards, hsdp shards within groups of `parallel.shard_size` ranks (default: one
-node's data-parallel ranks) and replicates across groups.
+node's data-parallel ranks) and replicates across groups. Where tp x cp leave a node fewer than 2
+data-parallel ranks, that default would shard nothing (every GPU the whole optimizer state): hsdp
+then asks for parallel.shard_size rather than replicate silently or pick a group across nodes.
 
 The data-parallel ranks (replicate x shard) each read their own share of every batch (the ranks
 of one tensor-parallel group read the same samples); a step's loss is the sum over them, each
@@ -42,6 +44,9 @@ class ParallelDims:
     expert: int = 1
 
     per_node: int = 0  # the processes of one node, where known (0: not known)
+    # hsdp without parallel.shard_size: the node size its default shard group came from (0: the
+    # key was set, or not hsdp); problems() names it when that default cannot shard
+    default_node: int = 0
 
     @classmethod
     def from_config(cls, cfg, world_size: int, procs_per_node: int | None = None) -> "ParallelDims":
@@ -55,10 +60,14 @@ class ParallelDims:
             return cls(world_size, strategy, replicate=dp, context=cp, tensor=tp, per_node=known)
         if strategy == "fsdp":
             return cls(world_size, strategy, shard=dp, context=cp, tensor=tp, per_node=known)
+        if cfg.parallel.shard_size is not None:
+            shard = cfg.parallel.shard_size
+            return cls(world_size, strategy, replicate=dp // shard if shard >= 1 else 0, shard=shard, context=cp,
+                       tensor=tp, per_node=known)
         per_node = procs_per_node or min(world_size, cfg.world_size // cfg.slurm.nodes)
-        shard = cfg.parallel.shard_size or (per_node // (tp * cp) if tp >= 1 and cp >= 1 else 0)
-        return cls(world_size, strategy, replicate=dp // shard if shard >= 1 else 0, shard=shard, context=cp,
-                   tensor=tp, per_node=known)
+        shard = _default_shard(dp, per_node // (tp * cp) if dp else 0)
+        return cls(world_size, strategy, replicate=dp // shard if shard else 0, shard=shard, context=cp, tensor=tp,
+                   per_node=known, default_node=per_node)
 
     def problems(self) -> list[str]:
         """What is wrong, one line each, naming the key to change."""
@@ -75,6 +84,8 @@ class ParallelDims:
         cp = self.context
         if cp < 1 or (self.world_size // tp) % cp:
             return [f"parallel.cp: must divide the world size / parallel.tp = {self.world_size // tp} (got {cp})"]
+        if self.strategy == "hsdp" and self.shard == 0 and self.default_node:
+            return [_unset_shard_size(self.world_size // (tp * cp), self.default_node, tp, cp)]
         if self.strategy == "hsdp" and (self.shard < 1 or (self.world_size // (tp * cp)) % self.shard):
             if tp * cp > 1:
                 return [f"parallel.shard_size: must divide the {self.world_size // (tp * cp)} data-parallel ranks "
@@ -134,15 +145,40 @@ class ParallelDims:
 
     def describe(self) -> str:
         """For the start-up log line: 'ddp over 4 ranks', 'hsdp over 8 ranks (2 replicas x 4-way shards)',
-        'fsdp over 8 ranks (mesh: dp_shard 4 x tp 2)'."""
+        'fsdp over 8 ranks (mesh: dp_shard 4 x tp 2)'. hsdp always states both its sizes, a shard
+        group of 1 (every rank the whole model's state) included."""
         ranks = f"{self.world_size} rank{'s' if self.world_size != 1 else ''}"
         if self.tensor > 1 or self.context > 1:
             sizes = {"dp_replicate": self.replicate, "dp_shard": self.shard, "cp": self.context, "tp": self.tensor}
-            return (f"{self.strategy} over {ranks} (mesh: "
-                    f"{' x '.join(f'{name} {n}' for name, n in sizes.items() if n > 1)})")
+            shown = [name for name, n in sizes.items() if n > 1 or (self.strategy == "hsdp" and name[:3] == "dp_")]
+            return f"{self.strategy} over {ranks} (mesh: {' x '.join(f'{name} {sizes[name]}' for name in shown)})"
         if self.strategy == "hsdp":
             return f"hsdp over {ranks} ({self.replicate} replicas x {self.shard}-way shards)"
         return f"{self.strategy} over {ranks}"
+
+
+def _default_shard(dp: int, node_dp: int) -> int:
+    """hsdp's shard group without parallel.shard_size: a node's data-parallel ranks (its NVLink
+    domain: the per-layer all-gathers stay inside it, only the replicas' gradient all-reduce
+    crosses nodes). 0 where that shards nothing (tp x cp fill the node) or does not divide the
+    data-parallel ranks: any group then spans nodes, a trade of memory against inter-node traffic
+    that is the user's to make (problems() asks for the key). One data-parallel rank: 1, nothing
+    to shard or replicate."""
+    if dp <= 1:
+        return 1
+    return node_dp if node_dp >= 2 and dp % node_dp == 0 else 0
+
+
+def _unset_shard_size(dp: int, per_node: int, tp: int, cp: int) -> str:
+    """The one line for an hsdp run whose default shard group cannot shard, with the values that can."""
+    node_dp, processes = per_node / (tp * cp), f"{per_node} process{'es' if per_node != 1 else ''}"
+    why = (f"a node holds fewer than 2 data-parallel ranks (its {processes} / (tp {tp} x cp {cp}) = {node_dp:g}"
+           if node_dp < 2 else f"a node's data-parallel ranks do not divide the run's ({node_dp:g} of {dp}")
+    sizes = [str(n) for n in range(2, dp + 1) if dp % n == 0]
+    some = f"{', '.join(sizes[:-1])} or {sizes[-1]} shard across nodes ({dp}: as fsdp)" if len(sizes) > 1 else \
+        f"{dp} shards across nodes as fsdp"
+    return (f"parallel.shard_size: must be set for hsdp when {why}; not set); set a divisor of the {dp} "
+            f"data-parallel ranks: {some}, 1 replicates the whole model on every GPU")
 
 
 @functools.cache
@@ -163,7 +199,9 @@ def _cp_group(dims: ParallelDims):
     return group
 
 
-def layout_name(strategy: str, tp: int = 1, cp: int = 1) -> str:
-    """A layout as check-config and the estimator name it: 'fsdp', 'fsdp x cp 2 x tp 8'."""
-    return strategy + (f" x cp {cp}" if cp > 1 else "") + (f" x tp {tp}" if tp > 1 else "")
+def layout_name(strategy: str, tp: int = 1, cp: int = 1, shard: int = 0) -> str:
+    """A layout as check-config and the estimator name it: 'fsdp', 'fsdp x cp 2 x tp 8',
+    'hsdp x tp 8 (4-way shards)' (shard: hsdp's shard group, where known)."""
+    name = strategy + (f" x cp {cp}" if cp > 1 else "") + (f" x tp {tp}" if tp > 1 else "")
+    return name + (f" ({shard}-way shards)" if strategy == "hsdp" and shard else "")
 
