@@ -93,6 +93,11 @@ ROWS = [
     ("tokenizer-vocab", lambda r, g, t: ["check-config", cfg_with(t, model={"architecture": {
         **tiny_config()["model"]["architecture"], "vocab_size": 256}})], 2,
      r"model\.tokenizer: vocabulary of 479 tokens does not fit the model's vocab_size 256"),
+    ("layer-kind", lambda r, g, t: ["check-config", cfg_with(t, model={"architecture": {
+        **tiny_config()["model"]["architecture"], "model_type": "qwen2",
+        "layer_types": ["chunked_attention", "full_attention"]}})], 2,
+     r"model\.architecture\.layer_types: layers of kind chunked_attention, which llmtrain's attention cannot "
+     r"honour \(it attends as full_attention and sliding_attention layers do\); choose a model without them"),
     ("missing-dataset", lambda r, g, t: ["check-config", cfg_with(t, data={"dataset": "./gone.txt"})], 2,
      r"data\.dataset: no such file or folder \(got '\./gone\.txt', resolved to /.*/gone\.txt\)"),
     ("keep-one", lambda r, g, t: ["check-config", cfg_with(t, train={"keep_checkpoints": 1})], 2,

@@ -5,12 +5,20 @@ packed fine-tuning rows, and with tensor parallel and FSDP2 on top."""
 
 from __future__ import annotations
 
+import copy
+
 import pytest
 import torch
+import torch.distributed as dist
+import torch.nn.functional as F
 import yaml
+from transformers import AutoConfig, AutoModelForCausalLM
 
 from conftest import assert_same_curve, cli, losses, prepared_home, run_dir, tiny_config, torchrun
-from llmtrain.model.attention import _gathered_order, context_chunks, context_mask
+from llmtrain.data.loader import Batch
+from llmtrain.model.attention import (_gathered_order, causal_attention, causal_chunks, context_chunks, context_mask,
+                                      context_parallel_attention)
+from llmtrain.model.loss import lm_loss
 from test_finetune import sft_config
 
 
@@ -32,6 +40,80 @@ def test_the_mask_keeps_documents_apart_across_chunks():
     whole = torch.ones(8, 8, dtype=torch.bool).tril() & ((positions.T == 0).cumsum(0) == (positions == 0).cumsum(1))
     assert torch.equal(mask, whole[places])
     assert mask[1].tolist() == [False, False, False, True, False, False, False, False]  # token 3 starts one
+
+
+def test_a_window_and_documents_mask_each_ranks_queries_as_the_whole_sequences_mask():
+    """Rank r's rows of the [seq, seq] mask one process uses (causal, within documents, within 3
+    tokens back) are its context mask, for every rank of cp 2 and 4."""
+    positions = torch.tensor([[0, 1, 2, 3, 4, 5, 0, 1, 2, 3, 4, 5, 6, 7, 0, 1]])
+    document = (positions == 0).cumsum(dim=1)[0]
+    place = torch.arange(16)
+    whole = (place[:, None] >= place) & (place[:, None] - place < 3) & (document[:, None] == document)
+    for cp in (2, 4):
+        for rank in range(cp):
+            places = context_chunks(16, rank, cp)
+            assert torch.equal(context_mask(places, 16, positions, window=3)[0, 0], whole[places])
+
+
+@pytest.mark.parametrize("cp", [2, 4])
+def test_each_ranks_chunks_attend_causally_to_the_keys_before_them_with_no_mask(cp):
+    """causal_chunks (no document masking, no window): a rank's head and tail chunk, each over
+    the prefix of the whole sequence's keys up to its end, aligned bottom-right, with the
+    key/value heads as they are (GQA), give the rows and the gradients of whole-sequence causal
+    attention."""
+    seq = 8 * cp  # chunks of 4 tokens
+    g = torch.Generator().manual_seed(0)
+    q = torch.randn(2, 4, seq, 8, generator=g, requires_grad=True)
+    k, v = (torch.randn(2, 2, seq, 8, generator=g, requires_grad=True) for _ in range(2))
+    whole = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True).transpose(1, 2)
+    weights = torch.randn(whole.shape, generator=g)
+    expected = torch.autograd.grad((whole * weights).sum(), (q, k, v))
+    got = [torch.zeros_like(x) for x in (q, k, v)]
+    for rank in range(cp):
+        places = context_chunks(seq, rank, cp)
+        out = causal_chunks(q[:, :, places], k, v, rank, cp)
+        assert (out - whole[:, places]).abs().max() < 1e-6
+        for total, grad in zip(got, torch.autograd.grad((out * weights[:, places]).sum(), (q, k, v))):
+            total += grad  # k and v: each rank's share (reduce-scattered in a real run)
+    assert all((a - b).abs().max() < 1e-5 for a, b in zip(got, expected))
+
+
+def test_plain_causal_context_parallel_builds_no_mask_and_loses_what_one_process_loses(monkeypatch):
+    """Without documents or windows lm_loss passes context parallel's attention no mask at all:
+    context_mask (the [batch, 1, local, seq] boolean one) is never called and every layer attends
+    through causal_chunks, in one process with a context-parallel group of 1 (its two chunks are
+    the halves of each sequence): the loss and the gradients of plain causal attention."""
+    config = AutoConfig.for_model("llama", vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                                  num_attention_heads=4, num_key_value_heads=2)
+    torch.manual_seed(0)
+    plain = AutoModelForCausalLM.from_config(config, attn_implementation="sdpa", dtype=torch.float32)
+    chunked = AutoModelForCausalLM.from_config(copy.deepcopy(config), attn_implementation="sdpa", dtype=torch.float32)
+    chunked.load_state_dict(plain.state_dict())  # its own config: the attention is set there
+    causal_attention(plain)
+    batch = Batch(tokens=torch.randint(0, 64, (2, 65), generator=torch.Generator().manual_seed(1)))
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    try:
+        context_parallel_attention(chunked, dist.group.WORLD, "cpu")
+
+        def no_mask(*args, **kwargs):
+            raise AssertionError("context parallel built a mask for plain causal attention")
+        monkeypatch.setattr("llmtrain.model.attention.context_mask", no_mask)
+        calls = []
+
+        def counted(*args, **kwargs):
+            calls.append(args[0].shape)
+            return causal_chunks(*args, **kwargs)
+        monkeypatch.setattr("llmtrain.model.attention.causal_chunks", counted)
+        loss = lm_loss(chunked, batch, cp_group=dist.group.WORLD)
+        loss.backward()
+    finally:
+        dist.destroy_process_group()
+    expected = lm_loss(plain, batch)
+    expected.backward()
+    assert abs(loss.item() - expected.item()) < 1e-6
+    assert max((a.grad - b.grad).abs().max().item() for a, b in zip(chunked.parameters(), plain.parameters())) < 1e-6
+    assert calls == [(2, 4, 64, 8)] * 2  # each layer: [batch, heads, 2 chunks of 32, head dim]
+    assert plain.config._attn_implementation == "llmtrain_causal_sdpa"
 
 
 @pytest.fixture(scope="module")

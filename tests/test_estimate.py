@@ -311,3 +311,28 @@ def test_the_estimate_is_within_15_percent_of_the_measured_peak(probed, case):
     ratio = est.total / peaks[case]
     assert 0.85 <= ratio <= 1.15, (f"{case}: estimated {est.total / 2**20:.1f} MiB, measured "
                                    f"{peaks[case] / 2**20:.1f} MiB ({ratio:.2f}x); {est}")
+
+
+@pytest.mark.parametrize("checkpointing", [False, True])
+def test_context_parallel_counts_the_mask_its_attention_keeps_only_where_it_needs_one(home, write_config,
+                                                                                       checkpointing):
+    """70B at 32k tokens on fsdp x cp 2 x tp 8 (64 H100s). Plain causal attention takes no mask
+    (model/attention.causal_chunks): each layer keeps the gathered keys and values at the 8 / 8
+    key/value heads a rank holds. With documents, SDPA attends under the boolean mask of the
+    rank's 16k queries by the 32k keys (512 MiB, held by the step), and each layer keeps the keys
+    and values repeated to its 64 / 8 query heads and the mask made a bf16 bias (1 GiB) for its
+    backward: every layer without checkpointing, the recomputed one with it."""
+    seq, layers = 32768, 80
+
+    def config(documents):
+        return load_config(write_config(llama(
+            {**LLAMA_3_70B, "max_position_embeddings": 131072}, 64, data={"seq_len": seq, "document_masking": documents},
+            model={"activation_checkpointing": checkpointing}, parallel={"strategy": "fsdp", "tp": 8, "cp": 2})))
+    shape = model_shape(config(False))
+    plain, masked = (estimate(config(documents), shape=shape) for documents in (False, True))
+    per_layer = seq * 2 * (64 - 8) // 8 * 128 * 2 + 2 * seq * seq // 2  # repeated heads + the bias
+    mask = seq * seq // 2
+    kept = per_layer if checkpointing else layers * per_layer
+    assert masked.activations - plain.activations == kept + mask
+    if not checkpointing:
+        assert (masked.total - plain.total) / GIB > 80  # what the estimate used to leave out

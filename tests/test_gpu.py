@@ -414,15 +414,16 @@ for model in models:
 context_parallel_attention(models[1], group, device.type)
 tokens = torch.randint(1, 512, (2, 257), device=device)
 positions = torch.cat([torch.arange(100), torch.arange(157)]).repeat(2, 1).to(device)  # two documents a row
-batch = Batch(tokens, positions=positions)
-losses = []
-for model, cp in zip(models, (None, group)):
-    with torch.autocast(device.type, dtype=torch.bfloat16):
-        loss = lm_loss(model, batch, None, cp_group=cp)
-    loss.backward()
-    losses.append(loss.detach().float())
-grads = [torch.cat([p.grad.flatten().float() for p in m.parameters()]) for m in models]
-print("cp", float(losses[0]), float(losses[1]), float((grads[0] - grads[1]).abs().max() / grads[0].abs().max()))
+for name, batch in (("cp", Batch(tokens, positions=positions)), ("cp_plain", Batch(tokens))):  # mask; none
+    losses = []
+    for model, cp in zip(models, (None, group)):
+        model.zero_grad(set_to_none=True)
+        with torch.autocast(device.type, dtype=torch.bfloat16):
+            loss = lm_loss(model, batch, None, cp_group=cp)
+        loss.backward()
+        losses.append(loss.detach().float())
+    grads = [torch.cat([p.grad.flatten().float() for p in m.parameters()]) for m in models]
+    print(name, float(losses[0]), float(losses[1]), float((grads[0] - grads[1]).abs().max() / grads[0].abs().max()))
 
 hidden = torch.randn(300, 256, device=device, dtype=torch.bfloat16, requires_grad=True)
 weight = torch.randn(512, 256, device=device, dtype=torch.bfloat16, requires_grad=True)
@@ -458,12 +459,14 @@ def cp_and_vocab_parallel_figures(device: str, backend: str) -> dict[str, list[f
 def test_context_parallel_attention_and_the_vocabulary_parallel_loss_on_cuda():
     """Issue 28's kernels on the GPU (a world of one on NCCL: several ranks need several GPUs, and
     stay proven on gloo): context parallel's attention (gathered keys and values, SDPA under the
-    boolean mask of two packed documents) gives the loss and gradients of the plain causal
-    attention (flex's block mask on CUDA) in bf16; the vocabulary-parallel chunked loss gives
+    boolean mask of two packed documents; and with no documents, no mask: each chunk over its
+    keys' prefix, bottom-right causal, on SDPA's fast kernels) gives the loss and gradients of
+    the plain causal attention (flex's block mask on CUDA) in bf16; the vocabulary-parallel chunked loss gives
     F.cross_entropy's loss and gradients, in training and in evaluation."""
     figures = cp_and_vocab_parallel_figures("cuda", "nccl")
-    plain, cp, grad_gap = figures["cp"]
-    assert cp == pytest.approx(plain, abs=2e-2) and grad_gap < 5e-2, figures
+    for name in ("cp", "cp_plain"):  # documents: SDPA under the mask; none: causal_chunks, no mask
+        plain, cp, grad_gap = figures[name]
+        assert cp == pytest.approx(plain, abs=2e-2) and grad_gap < 5e-2, figures
     plain, parallel, evaluated, grad_gap = figures["vocab"]
     assert parallel == pytest.approx(plain, rel=1e-3) and evaluated == pytest.approx(plain, rel=1e-3), figures
     assert grad_gap < 2e-2, figures

@@ -271,6 +271,8 @@ def _check_model(cfg: Config, written: dict | None = None) -> list[str]:
 
     if model_cfg:
         p += tensor_problems(model_cfg.get("model_type"), model_cfg, cfg.parallel.tp)
+        p += _check_layer_kinds(model_cfg, "model.architecture.layer_types" if m.architecture is not None
+                                else "model.name_or_path")
         max_pos = model_cfg.get("max_position_embeddings")
         if isinstance(max_pos, int) and cfg.data.seq_len > max_pos:
             p.append(f"data.seq_len: must be <= the model's max_position_embeddings "
@@ -280,6 +282,18 @@ def _check_model(cfg: Config, written: dict | None = None) -> list[str]:
             p.append(f"model.tokenizer: vocabulary of {tokenizer_vocab_size(tok)} tokens does not fit "
                      f"the model's vocab_size {vocab}")
     return p
+
+
+def _check_layer_kinds(model_cfg: dict, key: str) -> list[str]:
+    """Training attends as transformers does for causal layers, whole or within a sliding window
+    (model/attention.layer_windows); a layer of another kind (Llama 4's chunked_attention) would
+    silently attend over the whole window."""
+    kinds = model_cfg.get("layer_types") or []
+    unknown = sorted({str(kind) for kind in kinds} - {"full_attention", "sliding_attention"})
+    if not unknown:
+        return []
+    return [f"{key}: layers of kind {', '.join(unknown)}, which llmtrain's attention cannot honour (it attends "
+            f"as full_attention and sliding_attention layers do); choose a model without them"]
 
 
 def tokenizer_vocab_size(tokenizer_json: dict) -> int:

@@ -29,11 +29,12 @@ layers, vocabulary; Pl, Pr, H: one layer's, the root's (embeddings, final norm, 
   log-sum-exp, never the T x T scores; eager attention does: + a T (4 + p)) + 4 p i (gated MLP:
   gate, its activation, up, their product; 2 p i ungated). A checkpointed layer keeps its input,
   r h, and one layer is recomputed at a time; backward holds T (p i + 8 h) of gradients
-- the document mask, where rows hold several documents (fine-tuning samples,
-  data.document_masking), from forward to the first layer's backward (flex attention saves it
-  for backward, as activation checkpointing does eager's): flex attention's BlockMask (sdpa on
-  GPUs; model/attention.block_mask_bytes: 16 n (n + 1) + 8 seq_len per row, n = seq_len / 128
-  tiles, rounded up), eager's fp32 additive mask, 4 seq_len^2 per row; flash attention: none
+- the attention masks, one per kind of layer whose rows hold several documents (fine-tuning
+  samples, data.document_masking) or whose sliding window is shorter than seq_len, from forward
+  to the first layer's backward (flex attention saves it for backward, as activation
+  checkpointing does eager's): flex attention's BlockMask (sdpa on GPUs;
+  model/attention.block_mask_bytes: 16 n (n + 1) + 8 seq_len per row, n = seq_len / 128 tiles,
+  rounded up), eager's fp32 additive mask, 4 seq_len^2 per row; flash attention: none
 - loss (train.chunked_loss): T r h (the hidden states' gradient) + 4 H (the head's fp32
   gradient) + C V (4 + p) (a chunk's fp32 logits and their cast, C = 256 MiB / 4 V tokens) +
   p H (a chunk's head-gradient product); a frozen head (LoRA) has neither gradient nor product;
@@ -52,10 +53,13 @@ projection keeps (2 p h per token, the attention's and the MLP's) is whole on ev
 loss holds the gathered hidden states and a chunk of V / t logits.
 
 Context parallel (parallel.cp = c): a rank computes seq_len / c tokens of each sequence, so every
-per-token term above is for T / c tokens; each layer also keeps the whole sequence's keys and values, gathered
-from the group and repeated to every query head, for its attention's backward, p 2 a d seq_len
-per row (DDP there holds a second gradient copy: its buckets are not the gradients), and the
-step holds the boolean mask of its queries over the whole sequence, seq_len^2 / c bytes a row.
+per-token term above is for T / c tokens; each layer also keeps the whole sequence's keys and
+values, gathered from the group, for its attention's backward (DDP there holds a second gradient
+copy: its buckets are not the gradients). Plain causal layers take no mask (attention.causal_chunks):
+p 2 k d seq_len per row. Documents or a window take a boolean mask of the rank's queries over the
+whole sequence, seq_len^2 / c bytes a row, held by the step (one per kind of layer that needs
+one); each layer attending under it keeps the keys and values repeated to every query head, p 2 a
+d seq_len, and the mask made a bias in p that SDPA saves for backward, p seq_len^2 / c a row.
 
 The peak is the largest total of four moments: the loss at the end of forward (every activation
 kept), the backward of the last layer and of the first (the other layers' gradients reduced),
@@ -118,6 +122,7 @@ class ModelShape:
     vocab: int
     gated: bool  # a gated MLP (SwiGLU), as Llama's
     chunked: bool  # the loss runs in chunks (train.chunked_loss and a plain linear head)
+    windows: tuple = (None,)  # each kind of layer's sliding window (model/attention.layer_windows), None: none
 
 
 @dataclass(frozen=True)
@@ -185,7 +190,18 @@ def model_shape(cfg: Config) -> ModelShape:
         head_dim=getattr(config, "head_dim", None) or hidden // heads, vocab=config.vocab_size,
         gated=any("gate" in name for name in largest),
         chunked=cfg.train.chunked_loss and chunk_head(model, config) is not None,
+        windows=_windows(config),
     )
+
+
+def _windows(config) -> tuple:
+    """Each kind of layer's sliding window, at any sequence length; UserError for a kind that
+    training cannot attend as (check-config names it too)."""
+    from ..model.attention import layer_windows
+    try:
+        return tuple(layer_windows(config, 2**62).values())
+    except ValueError as e:
+        raise UserError(f"model: {e}, which llmtrain's attention cannot honour; choose a model without them") from None
 
 
 def shard_size(cfg: Config, world: int) -> int:
@@ -239,15 +255,20 @@ def estimate(cfg: Config, world_size: int | None = None, micro_batch: int | None
     if not sharded and cp > 1:  # DDP without gradients as bucket views (parallel/wrap.py): buckets too
         held += grads
     layer_acts = tokens * _layer_bytes(m, p, res, autocast, cfg, tp)
-    if cp > 1:  # the whole sequence's keys and values, gathered, repeated to every query head (SDPA
-        # with a mask takes transformers' repeat_kv path) and kept for attention's backward
-        layer_acts += micro * cfg.data.seq_len * 2 * m.heads * m.head_dim * p
+    masks = _masks(cfg, m)
+    if cp > 1 and masks:  # the whole sequence's keys and values, gathered, repeated to every query head
+        # (SDPA with a mask takes transformers' repeat_kv path) and kept for attention's backward; and
+        # the boolean mask made a bias in p (SDPA's efficient kernel saves it for backward): each layer
+        layer_acts += micro * cfg.data.seq_len * (2 * m.heads * m.head_dim * p + p * cfg.data.seq_len // cp)
+    elif cp > 1:  # no mask (model/attention.causal_chunks): the gathered keys and values as they are
+        layer_acts += micro * cfg.data.seq_len * 2 * m.kv_heads * m.head_dim * p
     every = cfg.model.activation_checkpointing_every
     checkpointed = -(-L // every) if cfg.model.activation_checkpointing else 0
     kept = (L - checkpointed) * layer_acts + (checkpointed * tokens * res * h + tokens * (4 + res) * h) // tp
     recompute = layer_acts if checkpointed else 0
     backward = tokens * (p * m.intermediate + 8 * h)
-    mask = _mask_bytes(cfg, micro) if cp == 1 else micro * cfg.data.seq_len ** 2 // cp  # cp: a bool mask
+    # cp: a boolean mask of this rank's queries by the whole sequence, each kind of layer's
+    mask = _mask_bytes(cfg, micro, masks) if cp == 1 else masks * micro * cfg.data.seq_len ** 2 // cp
     kept += mask
     loss = _loss_bytes(m, tokens, p, res, autocast and (m.head_trainable > 0 or not m.head_linear))
 
@@ -315,15 +336,19 @@ def _layer_bytes(m: ModelShape, p: int, res: int, autocast: bool, cfg: Config, t
     return norms + norm_outputs + attention + mlp
 
 
-def _mask_bytes(cfg: Config, micro: int) -> int:
-    """The document mask of a micro-batch (model/attention.py), where its rows hold several."""
+def _masks(cfg: Config, m: ModelShape) -> int:
+    """How many attention masks a micro-batch takes (model/attention.attention_mask): one per kind
+    of layer whose rows hold several documents or whose window is shorter than the sequence."""
+    documents = cfg.data.samples or cfg.data.document_masking
+    return sum(documents or (window is not None and window < cfg.data.seq_len) for window in m.windows)
+
+
+def _mask_bytes(cfg: Config, micro: int, masks: int) -> int:
+    """The attention masks of a micro-batch (model/attention.py) without context parallel."""
     from ..model.attention import block_mask_bytes
-    d = cfg.data
-    if not (d.samples or d.document_masking):
-        return 0
     if cfg.model.attn_implementation == "eager":  # an fp32 [micro, 1, seq, seq] added to the scores
-        return 4 * micro * d.seq_len ** 2
-    return block_mask_bytes(micro, d.seq_len) if cfg.model.attn_implementation == "sdpa" else 0
+        return masks * 4 * micro * cfg.data.seq_len ** 2
+    return masks * block_mask_bytes(micro, cfg.data.seq_len) if cfg.model.attn_implementation == "sdpa" else 0
 
 
 def _loss_bytes(m: ModelShape, tokens: int, p: int, res: int, cast_head: bool) -> int:

@@ -17,6 +17,13 @@ what a full window costs), elsewhere SDPA's boolean mask; with eager attention a
 flash attention finds the documents from the position ids itself (its varlen kernel), but only
 in a batch of one row: config/environment.py refuses it with packed rows and micro batches over 1.
 
+A layer may also attend within a sliding window (Mistral's `sliding_window`; Qwen2/3's
+`use_sliding_window`, where the layers of each kind are named by the config's `layer_types`): a
+query sees itself and the window - 1 tokens before it, as transformers' sliding_window_overlay
+has it. A window at least as long as the sequence is no window. Where a layer has one, its mask
+carries it (the BlockMask skips the tiles outside the window); layers of two kinds get one mask
+each, by HF's layer kind (the models that mix them take a {kind: mask} mapping).
+
 The BlockMask is built from each tile's first and last document (BLOCK tokens a tile): O(B S^2 /
 BLOCK^2) bytes, never the B x S x S mask that create_block_mask evaluates when not compiled (64
 MiB of bools a row at 8k tokens, ~0.7 GiB of peak memory with its intermediates).
@@ -25,6 +32,7 @@ MiB of bools a row at 8k tokens, ~0.7 GiB of peak memory with its intermediates)
 from __future__ import annotations
 
 import torch
+import torch.nn.functional as F
 
 CAUSAL_SDPA = "llmtrain_causal_sdpa"
 
@@ -39,7 +47,9 @@ def causal_attention(model: torch.nn.Module) -> None:
     from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
     def attend(module, query, key, value, attention_mask, **kwargs):
-        if attention_mask is not None and not isinstance(attention_mask, torch.Tensor):  # a BlockMask
+        if attention_mask is None:
+            _no_window(kwargs, key.shape[2])
+        elif not isinstance(attention_mask, torch.Tensor):  # a BlockMask
             from transformers.integrations.flex_attention import flex_attention_forward
             return flex_attention_forward(module, query, key, value, attention_mask, **kwargs)
         return sdpa_attention_forward(module, query, key, value, attention_mask, **kwargs)
@@ -50,38 +60,107 @@ def causal_attention(model: torch.nn.Module) -> None:
         model.config._attn_implementation = CAUSAL_SDPA
 
 
-def document_mask(model: torch.nn.Module, positions: torch.Tensor, flex: bool | None = None):
+FULL, SLIDING = "full_attention", "sliding_attention"  # HF's layer kinds (config.layer_types)
+
+
+def layer_windows(config, seq: int) -> dict[str, int | None]:
+    """The window of each kind of the model's layers, {kind: tokens a query sees, or None for the
+    whole causal prefix}, at `seq` tokens: {FULL: None} for Llama; {FULL: 4096} for a Mistral
+    (one window for every layer, config.sliding_window) below 4096 tokens; {FULL: None,
+    SLIDING: 16} for a Qwen2 whose later layers slide. Raises ValueError for a kind of layer
+    no path here attends as transformers does (e.g. Llama 4's chunked_attention)."""
+    window = getattr(config, "sliding_window", None)
+    window = window if isinstance(window, int) and window < seq else None
+    kinds = getattr(config, "layer_types", None)
+    if not kinds:
+        return {FULL: window}
+    unknown = sorted(set(kinds) - {FULL, SLIDING})
+    if unknown:
+        raise ValueError(f"layers of kind {', '.join(unknown)}")
+    return {kind: window if kind == SLIDING else None for kind in dict.fromkeys(kinds)}
+
+
+def attention_mask(model: torch.nn.Module, positions: torch.Tensor | None, seq: int, device,
+                   flex: bool | None = None):
+    """What lm_loss passes the model as attention_mask for `seq` tokens: None where every layer
+    attends plainly causally (SDPA's is_causal, no mask), else a mask (document_mask's kinds) for
+    the documents `positions` mark ([batch, seq], restarting at 0; None: one sequence) and the
+    layers' windows: one, or {kind: mask} where the model mixes windowed and full layers.
+    Eager attention without documents and flash attention get None: transformers builds eager's
+    masks, windows included, and flash attention takes the window and the documents (from the
+    position ids) itself."""
+    implementation = model.config._attn_implementation
+    if implementation.startswith("flash_attention") or (implementation == "eager" and positions is None):
+        return None
+    masks = {kind: document_mask(model, positions, flex, window, seq, device) if positions is not None
+             or window is not None else None for kind, window in layer_windows(model.config, seq).items()}
+    return _one_or_by_kind(masks)
+
+
+def _no_window(kwargs: dict, seq: int) -> None:
+    """A layer attending with no mask must have no window shorter than its `seq` keys: lm_loss
+    builds a mask for every kind of layer layer_windows finds with one; a family that passes
+    transformers' attention a window its config does not show would otherwise attend wholly."""
+    window = kwargs.get("sliding_window")
+    if window is not None and window < seq:
+        raise RuntimeError(f"a layer attends within {window} tokens, which its config's sliding_window and "
+                           f"layer_types do not show: llmtrain's attention cannot honour it")
+
+
+def _one_or_by_kind(masks: dict):
+    """{kind: mask} as the model takes it: the one mask when every layer takes the same."""
+    first = next(iter(masks.values()))
+    return first if all(mask is first for mask in masks.values()) else masks
+
+
+def document_mask(model: torch.nn.Module, positions: torch.Tensor | None, flex: bool | None = None,
+                  window: int | None = None, seq: int | None = None, device=None):
     """The [batch, 1, seq, seq] mask that keeps attention causal within each document, for the
     model's attention implementation (None for flash attention: the position ids suffice in a
-    batch of one row, which config/environment.py requires of it with packed rows).
-    `flex`: a BlockMask for flex attention (sdpa only); None: on GPUs."""
+    batch of one row, which config/environment.py requires of it with packed rows), and within
+    `window` tokens back. `positions` None: one document of `seq` tokens on `device` ([1, 1, seq,
+    seq]). `flex`: a BlockMask for flex attention (sdpa only); None: on GPUs."""
     implementation = model.config._attn_implementation
     if implementation.startswith("flash_attention"):
         return None
-    document = (positions == 0).cumsum(dim=1)
-    batch, seq = positions.shape
-    if implementation == CAUSAL_SDPA and (positions.is_cuda if flex is None else flex):
-        return block_mask(document)
-    causal = torch.ones(seq, seq, dtype=torch.bool, device=positions.device).tril()
-    allowed = (document[:, :, None] == document[:, None, :]) & causal
-    allowed = allowed[:, None]
+    if positions is None:
+        document = torch.zeros(1, seq, dtype=torch.long, device=device)
+    else:
+        document = (positions == 0).cumsum(dim=1)
+    batch, seq = document.shape
+    if implementation == CAUSAL_SDPA and (document.is_cuda if flex is None else flex):
+        return block_mask(document, window)
+    places = torch.arange(seq, device=document.device)
+    allowed = _causal(places, places, window)
+    if positions is not None:
+        allowed = (document[:, :, None] == document[:, None, :]) & allowed
+    allowed = allowed.expand(batch, seq, seq)[:, None]
     if implementation == "eager":  # added to the attention scores
-        return torch.zeros(allowed.shape, device=positions.device).masked_fill_(
+        return torch.zeros(allowed.shape, device=document.device).masked_fill_(
             ~allowed, torch.finfo(torch.float32).min)
     return allowed
+
+
+def _causal(queries: torch.Tensor, keys: torch.Tensor, window: int | None) -> torch.Tensor:
+    """[len(queries), len(keys)]: which keys each query (by their places in the sequence) sees,
+    causally and within `window` tokens (itself and window - 1 before it; None: all before it)."""
+    behind = queries[:, None] - keys[None, :]
+    return (behind >= 0) & (behind < window) if window is not None else behind >= 0
 
 
 BLOCK = 128  # tokens per tile of flex attention's BlockMask (create_block_mask's default)
 
 
-def block_mask(document: torch.Tensor):
+def block_mask(document: torch.Tensor, window: int | None = None):
     """The flex-attention BlockMask of the causal mask within documents, `document`: [batch, seq]
-    ids that never decrease along a row. The same mask as create_block_mask(same_document, ...)
-    gives, built from the tiles' ends: a query tile i and an earlier key tile j (both within a
-    row) share a document iff j's last document is i's first, since ids never decrease. The pair
-    is full (every token may attend: the kernel skips mask_mod) when one document covers both
-    tiles and j < i; partial (mask_mod decides per token) on the diagonal and where a document
-    boundary crosses them; empty otherwise."""
+    ids that never decrease along a row, and within `window` tokens back (None: no window). The
+    same mask as create_block_mask(same_document, ...) gives, built from the tiles' ends: a query
+    tile i and an earlier key tile j (both within a row) share a document iff j's last document
+    is i's first, since ids never decrease. The pair is full (every token may attend: the kernel
+    skips mask_mod) when one document covers both tiles, j < i and the window reaches from i's
+    last token back to j's first; partial (mask_mod decides per token) on the diagonal, where a
+    document boundary crosses them and where the window's edge does; empty otherwise (among them
+    every pair wholly behind the window: a windowed row costs seq x window, not seq^2 / 2)."""
     from torch.nn.attention.flex_attention import BlockMask
 
     batch, seq = document.shape
@@ -93,6 +172,9 @@ def block_mask(document: torch.Tensor):
     shared = (kv <= q) & (last[:, None, :] >= first[:, :, None])  # [batch, q tile, kv tile]
     # create_block_mask pads the last tile's missing rows as masked: a short tile is never full
     whole = (start[:, None] + BLOCK <= seq) & (kv < q) & (first[:, None, :] == last[:, :, None])
+    if window is not None:  # tokens apart: at least (q - kv - 1) BLOCK + 1, at most (q - kv + 1) BLOCK - 1
+        shared = shared & ((q - kv - 1) * BLOCK + 1 < window)
+        whole = whole & ((q - kv + 1) * BLOCK - 1 < window)
     full, partial = shared & whole, shared & ~whole
 
     def ordered(blocks):  # as create_block_mask orders them: each row's blocks, ascending, first
@@ -101,9 +183,11 @@ def block_mask(document: torch.Tensor):
         return blocks.sum(dim=-1, dtype=torch.int32), indices.to(torch.int32)
 
     def same_document(b, h, q, kv):
-        return (document[b, q] == document[b, kv]) & (kv <= q)
-    return BlockMask.from_kv_blocks(*ordered(partial), *ordered(full), BLOCK_SIZE=BLOCK,
-                                    mask_mod=same_document, seq_lengths=(seq, seq))
+        row = 0 if batch == 1 else b  # a mask of one row (no documents) serves every row
+        allowed = (document[row, q] == document[row, kv]) & (kv <= q)
+        return allowed if window is None else allowed & (q - kv < window)
+    return BlockMask.from_kv_blocks(*ordered(partial), *ordered(full), BLOCK_SIZE=BLOCK, mask_mod=same_document,
+                                    seq_lengths=(seq, seq))
 
 
 def block_mask_bytes(batch: int, seq: int) -> int:
@@ -117,27 +201,61 @@ def context_parallel_attention(model: torch.nn.Module, group, device_type: str) 
     """Attention where each rank of `group` (parallel.cp ranks) holds 2 of the 2 x cp chunks of
     every sequence, rank r chunks r and 2 cp - 1 - r (context_chunks): its queries attend over the
     whole sequence's keys and values, gathered from the group (their gradients go back
-    reduce-scattered), under the [batch, 1, local, whole] boolean mask lm_loss passes (causal by
-    the tokens' places in the whole sequence, and within documents). Exact: the same sums as one
-    rank attending over the whole sequence."""
+    reduce-scattered). Exact: the same sums as one rank attending over the whole sequence.
+
+    Plain causal layers get no mask (lm_loss passes None): each chunk attends causally to the
+    keys before its end, aligned bottom-right (causal_chunks), which SDPA's flash and efficient
+    kernels run with GQA and without a seq^2 mask. Documents and windows come as lm_loss's
+    [batch, 1, local, whole] boolean mask (context_masks): SDPA over every gathered key under it."""
     from torch.distributed.device_mesh import DeviceMesh
     from torch.distributed.tensor import DTensor, Partial, Shard
     from transformers import AttentionInterface
     from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
     mesh = DeviceMesh.from_group(group, device_type)
-    cp = group.size()
+    cp, rank = group.size(), group.rank()
 
     def whole(x: torch.Tensor) -> torch.Tensor:  # [batch, heads, 2 chunks, dim] -> in sequence order
         gathered = DTensor.from_local(x, mesh, [Shard(2)]).full_tensor(grad_placements=[Partial()])
         return gathered.index_select(2, _gathered_order(cp, x.shape[2] // 2, x.device))
 
     def attend(module, query, key, value, attention_mask, **kwargs):
+        if attention_mask is None:
+            _no_window(kwargs, 2 * cp * key.shape[2])
+            return causal_chunks(query, whole(key), whole(value), rank, cp, **kwargs), None
         if not isinstance(attention_mask, torch.Tensor):
-            raise RuntimeError("context parallel attention needs lm_loss's mask over the whole sequence")
+            raise RuntimeError("context parallel attention takes lm_loss's mask over the whole sequence")
         return sdpa_attention_forward(module, query, whole(key), whole(value), attention_mask, **kwargs)
     AttentionInterface.register(CP_SDPA, attend)
     model.set_attn_implementation(CP_SDPA)
+
+
+def causal_chunks(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, rank: int, cp: int,
+                  dropout: float = 0.0, scaling: float | None = None, **_) -> torch.Tensor:
+    """Causal attention of context-parallel rank `rank`'s queries ([batch, heads, 2 chunks of c,
+    dim]: chunks rank and 2 cp - 1 - rank) over the whole sequence's keys and values ([batch, kv
+    heads, 2 cp c, dim]), as transformers' attention returns it: [batch, 2 c, heads, dim]. Each
+    chunk sees the keys up to its own end, its i-th query the first (its chunk's start + i + 1):
+    causal aligned bottom-right (torch's causal_lower_right), with no mask and the key/value heads
+    as they are (enable_gqa), so SDPA's fast kernels run it."""
+    from torch.nn.attention.bias import causal_lower_right
+
+    c = query.shape[2] // 2
+    gqa = query.shape[1] != key.shape[1]
+    # as SDPA would under autocast (torch's causal bias checks the dtypes before autocast casts them)
+    dtype = torch.get_autocast_dtype(query.device.type) if torch.is_autocast_enabled(query.device.type) else query.dtype
+    query, key, value = query.to(dtype), key.to(dtype), value.to(dtype)
+    out = []
+    for chunk, end in ((query[:, :, :c], (rank + 1) * c), (query[:, :, c:], (2 * cp - rank) * c)):
+        keys, values = key[:, :, :end], value[:, :, :end]
+        if end == c:  # the first chunk: square, plain causal
+            o = F.scaled_dot_product_attention(chunk, keys, values, dropout_p=dropout, is_causal=True,
+                                               scale=scaling, enable_gqa=gqa)
+        else:
+            o = F.scaled_dot_product_attention(chunk, keys, values, attn_mask=causal_lower_right(c, end),
+                                               dropout_p=dropout, scale=scaling, enable_gqa=gqa)
+        out.append(o)
+    return torch.cat(out, dim=2).transpose(1, 2).contiguous()
 
 
 CP_SDPA = "llmtrain_context_parallel_sdpa"
@@ -160,12 +278,22 @@ def _gathered_order(cp: int, c: int, device) -> torch.Tensor:
     return torch.cat([torch.arange(start, start + c, device=device) for start in order])
 
 
-def context_mask(places: torch.Tensor, seq: int, positions: torch.Tensor | None = None) -> torch.Tensor:
+def context_masks(config, places: torch.Tensor, seq: int, positions: torch.Tensor | None = None):
+    """What lm_loss passes a context-parallel model as attention_mask (attention_mask's forms):
+    None where every layer is plainly causal (causal_chunks needs no mask), else context_mask by
+    the layers' windows, one or {kind: mask}."""
+    masks = {kind: context_mask(places, seq, positions, window) if positions is not None or window is not None
+             else None for kind, window in layer_windows(config, seq).items()}
+    return _one_or_by_kind(masks)
+
+
+def context_mask(places: torch.Tensor, seq: int, positions: torch.Tensor | None = None,
+                 window: int | None = None) -> torch.Tensor:
     """The [batch or 1, 1, len(places), seq] mask of a context-parallel rank's queries (at
-    `places` of the sequence) over the whole sequence's keys: causal, and within documents where
-    `positions` (the whole sequence's, [batch, seq]) mark them."""
+    `places` of the sequence) over the whole sequence's keys: causal, within `window` tokens back,
+    and within documents where `positions` (the whole sequence's, [batch, seq]) mark them."""
     keys = torch.arange(seq, device=places.device)
-    allowed = places[:, None] >= keys[None, :]  # [local, seq]
+    allowed = _causal(places, keys, window)  # [local, seq]
     if positions is None:
         return allowed[None, None]
     document = (positions == 0).cumsum(dim=1)  # [batch, seq]

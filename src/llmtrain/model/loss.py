@@ -35,7 +35,7 @@ from typing import Callable
 import torch
 import torch.nn.functional as F
 
-from .attention import context_chunks, context_mask, document_mask
+from .attention import attention_mask, context_chunks, context_masks
 from .build import unwrap
 
 CHUNK_LOGIT_BYTES = 256 * 2**20  # one chunk's fp32 logits, at most
@@ -84,7 +84,8 @@ def lm_loss(model: torch.nn.Module, batch, head: ChunkedHead | None = None,
     """Next-token cross-entropy summed over the batch's trained targets and divided by
     `normaliser` (None: by their count, the mean). batch: a data.loader.Batch on the device:
     windows of seq_len + 1 tokens, with trained flags (others are not targets) and positions
-    within each document (attention then stays within one: attention.document_mask). With
+    within each document (attention then stays within one, and within the layers' windows:
+    attention.attention_mask). With
     `head` (chunk_head's), the model returns hidden states and the loss is chunked. With
     `cp_group` (context parallel), this rank's 2 of the 2 x cp chunks of every sequence
     (attention.context_chunks) and their targets only."""
@@ -93,17 +94,18 @@ def lm_loss(model: torch.nn.Module, batch, head: ChunkedHead | None = None,
     if batch.trained is not None:
         targets = targets.masked_fill(~batch.trained[:, 1:], IGNORE)
     positions = batch.positions[:, :-1] if batch.positions is not None else None
-    extra = {}
+    seq, config = inputs.shape[1], unwrap(model).config
     if cp_group is not None:
-        seq = inputs.shape[1]
         places = context_chunks(seq, cp_group.rank(), cp_group.size(), tokens.device)
         inputs, targets = inputs[:, places], targets[:, places]
         extra = {"position_ids": positions[:, places] if positions is not None else places[None],
-                 "attention_mask": context_mask(places, seq, positions)}
-    elif positions is not None:
-        extra = {"position_ids": positions, "attention_mask": document_mask(unwrap(model), positions)}
-    elif head is not None and head.tp_mesh is not None:  # HF would count this rank's slice of the sequence
-        extra = {"position_ids": torch.arange(targets.shape[1], device=tokens.device)[None]}
+                 "attention_mask": context_masks(config, places, seq, positions)}
+    else:
+        extra = {"attention_mask": attention_mask(unwrap(model), positions, seq, tokens.device)}
+        if positions is not None:
+            extra["position_ids"] = positions
+        elif head is not None and head.tp_mesh is not None:  # HF would count this rank's slice of the sequence
+            extra["position_ids"] = torch.arange(seq, device=tokens.device)[None]
     out = model(input_ids=inputs, **extra).logits
     targets = targets.flatten()
     if head is None:
