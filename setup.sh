@@ -2,7 +2,7 @@
 # Provision llmtrain on the login node: a Python venv with the package and its dependencies, and
 # the directory layout on the shared filesystem. Idempotent: a second run changes nothing.
 #
-#   bash setup.sh [--shared-dir DIR] [--project-name NAME] [--extras wandb,tensorboard]
+#   bash setup.sh [--shared-dir DIR] [--project-name NAME] [--extras wandb,tensorboard,fp8]
 #   then:  source "$SHARED_DIR/$PROJECT_NAME/env.sh"
 set -euo pipefail
 
@@ -27,8 +27,9 @@ Options (each also read from the environment variable in brackets):
                         pin gets the CUDA build on GPU clusters)
   --torch-index-url URL extra index for torch wheels [TORCH_INDEX_URL], e.g. a CUDA wheel index
   --python PY           interpreter for the venv [PYTHON] (default: python3)
-  --extras LIST         optional parts [LLMTRAIN_EXTRAS]: tensorboard, wandb (metrics.*), test (the
-                        suite's needs, both included), comma-separated; "" for none (default: test)
+  --extras LIST         optional parts [LLMTRAIN_EXTRAS]: tensorboard, wandb (metrics.*), fp8
+                        (train.fp8: torchao), test (the suite's needs, all three included),
+                        comma-separated; "" for none (default: test)
 EOF
 }
 
@@ -52,7 +53,7 @@ main() {
   done
   [[ "$project" =~ ^[A-Za-z0-9._-]+$ ]] || die "--project-name: letters, digits, . _ - only (got '$project')"
   command -v "$python" >/dev/null || die "--python: '$python' not found; pass --python /path/to/python3"
-  [[ "$extras" =~ ^((test|tensorboard|wandb)(,|$))*$ ]] || die "--extras: test, tensorboard, wandb, comma-separated (got '$extras')"
+  [[ "$extras" =~ ^((test|tensorboard|wandb|fp8)(,|$))*$ ]] || die "--extras: test, tensorboard, wandb, fp8, comma-separated (got '$extras')"
 
   mkdir -p "$shared_dir"
   local home

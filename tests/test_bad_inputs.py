@@ -93,6 +93,15 @@ ROWS = [
     ("tokenizer-vocab", lambda r, g, t: ["check-config", cfg_with(t, model={"architecture": {
         **tiny_config()["model"]["architecture"], "vocab_size": 256}})], 2,
      r"model\.tokenizer: vocabulary of 479 tokens does not fit the model's vocab_size 256"),
+    ("tp-zero", lambda r, g, t: ["check-config", cfg_with(t, parallel={"strategy": "fsdp", "tp": 0})], 2,
+     r"parallel\.tp: must divide the world size 2 \(got 0\)"),
+    ("heads-split-hidden", lambda r, g, t: ["check-config", cfg_with(t, model={"architecture": {
+        **tiny_config()["model"]["architecture"], "num_attention_heads": 3, "num_key_value_heads": 1}})], 2,
+     r"model\.architecture: hidden_size must be a multiple of num_attention_heads \(got 64 and 3\); each head "
+     r"takes hidden_size / num_attention_heads features, or set head_dim"),
+    ("no-heads", lambda r, g, t: ["check-config", cfg_with(t, model={"architecture": {
+        **tiny_config()["model"]["architecture"], "num_attention_heads": 0}})], 2,
+     r"model\.architecture: num_attention_heads must be >= 1 \(got 0\)"),
     ("layer-kind", lambda r, g, t: ["check-config", cfg_with(t, model={"architecture": {
         **tiny_config()["model"]["architecture"], "model_type": "qwen2",
         "layer_types": ["chunked_attention", "full_attention"]}})], 2,

@@ -461,3 +461,17 @@ def test_one_local_process_runs_alone_even_inside_another_launcher(tmp_path):
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert "one process (no torchrun needed)" in proc.stdout and "done: 2 steps" in proc.stdout
     assert [r["step"] for r in read_metrics(tmp_path / "runs" / "alone") if r["kind"] == "train"] == [1, 2]
+
+
+def test_setup_takes_every_extra_the_package_defines_and_its_help_names_them():
+    """Each optional part of pyproject.toml (tensorboard, wandb, fp8, test) is an --extras value
+    setup.sh accepts and lists; a wrong one is refused in one line naming them all."""
+    import tomllib
+    extras = tomllib.loads((REPO / "pyproject.toml").read_text())["project"]["optional-dependencies"]
+    usage = bash(REPO / "setup.sh", "--help").stderr
+    listed = usage[usage.index("--extras LIST"):]
+    wrong = bash(REPO / "setup.sh", "--extras", "fp16")
+    assert wrong.returncode == 1 and wrong.stdout == ""
+    for extra in extras:
+        assert re.search(rf"\b{extra}\b", listed), extra
+        assert re.search(rf"\b{extra}\b", wrong.stderr.splitlines()[0]), wrong.stderr

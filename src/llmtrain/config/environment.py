@@ -10,6 +10,7 @@ from ..data.sources import (file_suffix, fingerprint, given_prepared, is_glob, i
                             on_disk, source_files, source_record, tokenizer_sha256, tokenizer_source)
 from ..errors import UserError
 from ..files import read_json
+from ..parallel.tensor import CONFIG_DEFAULTS
 from ..parallel.tensor import problems as tensor_problems
 from ..rundir import CHECKPOINTS, META, latest_checkpoint
 from .schema import NOT_PATHS, Config, DataConfig, LoraSpec
@@ -270,7 +271,9 @@ def _check_model(cfg: Config, written: dict | None = None) -> list[str]:
                  f"({_got(key, tok_src, written)})")
 
     if model_cfg:
-        p += tensor_problems(model_cfg.get("model_type"), model_cfg, cfg.parallel.tp)
+        p += _check_heads(model_cfg, "model.architecture" if m.architecture is not None else "model.name_or_path")
+        if cfg.parallel.tp >= 1:  # below 1: config/rules.py names it
+            p += tensor_problems(model_cfg.get("model_type"), model_cfg, cfg.parallel.tp)
         p += _check_layer_kinds(model_cfg, "model.architecture.layer_types" if m.architecture is not None
                                 else "model.name_or_path")
         max_pos = model_cfg.get("max_position_embeddings")
@@ -282,6 +285,24 @@ def _check_model(cfg: Config, written: dict | None = None) -> list[str]:
             p.append(f"model.tokenizer: vocabulary of {tokenizer_vocab_size(tok)} tokens does not fit "
                      f"the model's vocab_size {vocab}")
     return p
+
+
+def _check_heads(model_cfg: dict, key: str) -> list[str]:
+    """Attention's heads must split the hidden size (unless head_dim says their width) and be
+    grouped evenly over the key/value heads: transformers builds such a model and fails on its
+    first forward, an hour into the queue, with 86 lines of traceback."""
+    given = {**CONFIG_DEFAULTS.get(model_cfg.get("model_type"), {}), **model_cfg}
+    heads, kv, hidden = (given.get(k) for k in ("num_attention_heads", "num_key_value_heads", "hidden_size"))
+    if not isinstance(heads, int) or isinstance(heads, bool):
+        return []
+    if heads < 1:
+        return [f"{key}: num_attention_heads must be >= 1 (got {heads})"]
+    if isinstance(hidden, int) and given.get("head_dim") is None and hidden % heads:
+        return [f"{key}: hidden_size must be a multiple of num_attention_heads (got {hidden} and {heads}); "
+                f"each head takes hidden_size / num_attention_heads features, or set head_dim"]
+    if isinstance(kv, int) and (kv < 1 or heads % kv):
+        return [f"{key}: num_key_value_heads must divide num_attention_heads (got {kv} and {heads})"]
+    return []
 
 
 def _check_layer_kinds(model_cfg: dict, key: str) -> list[str]:
