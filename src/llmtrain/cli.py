@@ -553,7 +553,7 @@ def cmd_submit(args) -> int:
         from .login.slurm import with_extra_args
         try:
             cfg = with_extra_args(load_config(args.config, args.overrides), args.sbatch_args)
-            print("memory estimate (llmtrain estimate):\n" + "\n".join(f"  {line}" for line in report(cfg)))
+            print("memory estimate (llmtrain estimate):\n" + "\n".join(f"  {line}" for line in report(cfg)[0]))
         except Exception as e:  # noqa: BLE001 -- the dry run's answer stands without it
             print(f"memory estimate: not available ({e})")
     return 0
@@ -684,8 +684,9 @@ def cmd_estimate(args) -> int:
         raise UserError(f"--world-size: must be >= 1 (got {args.world_size})")
     cfg = load_config(args.config, args.overrides, world_size=args.world_size)
     from .login.estimate import report
-    print("\n".join(report(cfg, args.gpu_mem, args.world_size)))
-    return 0
+    lines, fits = report(cfg, args.gpu_mem, args.world_size)
+    print("\n".join(lines))
+    return 1 if fits is False else 0  # `llmtrain estimate && bash submit.sh` stops at a run that cannot fit
 
 
 def cmd_plot(args) -> int:

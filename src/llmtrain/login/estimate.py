@@ -1,7 +1,7 @@
 """The memory one GPU needs for a run, before it is queued: `llmtrain estimate`.
 
     llmtrain estimate --config FILE [--set K=V ...] [--world-size N] [--gpu-mem GIB]
-    lines = report(cfg, gpu_mem_gib=None, world_size=None)   # the table submit.sh --dry-run prints
+    lines, fits = report(cfg, gpu_mem_gib=None, world_size=None)  # the table submit.sh --dry-run prints
     est = estimate(cfg)                                        # the figures: bytes per rank
 
 Parameters are counted exactly on the model's meta skeleton, built as the trainer builds it
@@ -388,7 +388,8 @@ def largest_micro_batch(cfg: Config, usable: float, world: int, shape: ModelShap
     return fitting[-1] if fitting else None
 
 
-def report(cfg: Config, gpu_mem_gib: float | None = None, world_size: int | None = None) -> list[str]:
+def report(cfg: Config, gpu_mem_gib: float | None = None,
+           world_size: int | None = None) -> tuple[list[str], bool | None]:
     """The estimate as printable lines: the run, a table of GiB per GPU, the verdict. Raises
     UserError (a bad --gpu-mem, a model not on disk)."""
     gpu = gpu_memory(cfg, gpu_mem_gib)
@@ -411,23 +412,27 @@ def report(cfg: Config, gpu_mem_gib: float | None = None, world_size: int | None
     lines += alternatives(cfg, est.world_size, shape, gpu[1] * (1 - HEADROOM) if gpu else None)
     if gpu is None:
         return lines + ["no GPU memory to compare with: pass --gpu-mem GIB, or name the GPU in "
-                        "slurm.extra_args (--gres=gpu:h100:4)"]
+                        "slurm.extra_args (--gres=gpu:h100:4)"], None
     source, gib = gpu
     usable = gib * (1 - HEADROOM)
     room = (f"{usable:.1f} GiB usable of {gib:g} GiB ({source}; {HEADROOM:.0%} kept for the CUDA "
             f"context, NCCL and fragmentation)")
     best = largest_micro_batch(cfg, usable * GIB, est.world_size, shape)
     if best is None:
+        fixes = ([] if cfg.parallel.strategy == "fsdp" else ["shard over more GPUs (parallel.strategy: fsdp)"]) + \
+            ([] if cfg.model.activation_checkpointing and cfg.model.activation_checkpointing_every == 1 else
+             ["checkpoint every layer (model.activation_checkpointing: true, activation_checkpointing_every: 1)"]) + \
+            ["split the layers over more GPUs (parallel.tp)", "or shorten data.seq_len"]
         return lines + [f"does not fit: {est.total / GIB:.2f} GiB > {room}, even at micro batch 1; "
-                        f"shard over more GPUs (parallel.strategy: fsdp), turn on "
-                        f"model.activation_checkpointing or shorten data.seq_len"]
-    verdict = "fits: {:.2f} GiB <=" if est.total <= usable * GIB else "does NOT fit: {:.2f} GiB >"
+                        f"{', '.join(fixes)}"], False
+    fits = est.total <= usable * GIB
+    verdict = "fits: {:.2f} GiB <=" if fits else "does NOT fit: {:.2f} GiB >"
     dp = est.world_size // (est.tp * cfg.parallel.cp)
     share = (f"the global batch per GPU, {t.global_batch_size} / {est.world_size}" if dp == est.world_size else
              f"the global batch per data-parallel rank, {t.global_batch_size} / {dp}")
     return lines + [f"{verdict.format(est.total / GIB)} {room}",
                     f"largest micro batch that fits: {best} (train.micro_batch_size is {t.micro_batch_size}; "
-                    f"it must divide {share} = {t.global_batch_size // dp})"]
+                    f"it must divide {share} = {t.global_batch_size // dp})"], fits
 
 
 
