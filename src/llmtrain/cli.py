@@ -184,7 +184,7 @@ class _Version(argparse.Action):
 
 def parser() -> argparse.ArgumentParser:
     ap = _Parser(prog="llmtrain", description="Train Hugging Face causal LMs with DDP, FSDP2 or "
-                 "HSDP, on a laptop or a Slurm cluster.", epilog="`llmtrain COMMAND --help` shows "
+                 "HSDP, times tensor and context parallel, on a laptop or a Slurm cluster.", epilog="`llmtrain COMMAND --help` shows "
                  "a command's options and their defaults.")
     ap.add_argument("--version", action=_Version, help="print the versions of llmtrain, torch, "
                     "transformers and python, and exit")
