@@ -261,3 +261,25 @@ def test_schedule_free_evaluates_and_exports_its_average_and_resumes_bit_for_bit
     assert refused.returncode != 0 and "Traceback" not in refused.stderr
     assert (f"checkpoint {ckpt} does not match this config: optimizer_settings differs (beta1: 0.9 -> 0.95)"
             in refused.stderr), refused.stderr[-2000:]
+
+
+def test_the_start_up_line_names_the_optimizer_its_parts_and_the_schedule():
+    """What a run's log says of its optimizer: Muon's two parts (hidden matrices; AdamW on the
+    rest, at its lr scale), the lr, the weight decay and the schedule, by step."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+    from llmtrain.optimizers import build_optimizer, describe
+    model = LlamaForCausalLM(LlamaConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                                         num_attention_heads=4, num_key_value_heads=2, vocab_size=64))
+    train = dict(optimizer="muon", optimizer_args={"adamw_lr_scale": 0.5}, lr=0.02, min_lr=0.002, warmup_steps=10,
+                 max_steps=100, lr_schedule="wsd", decay_fraction=0.2, weight_decay=0.1, beta1=0.9, beta2=0.95,
+                 eps=1e-8)
+    hidden = 2 * (4 * 32 * 32 - 2 * 32 * 16 + 3 * 32 * 64)  # q, o 32 x 32; k, v 16 x 32; gate, up, down
+    rest = sum(p.numel() for p in model.parameters()) - hidden
+    assert describe(build_optimizer(model, SimpleNamespace(**train), torch.device("cpu")), SimpleNamespace(**train)) \
+        == (f"optimizer: Muon on the hidden matrices ({hidden:,} parameters), AdamW at lr x 0.5 on the embeddings, "
+            f"head, norms and biases ({rest:,}); lr 0.02, weight decay 0.1; schedule: 10 warmup steps, then wsd: "
+            f"0.02 until step 80, linear to 0.002 at step 100")
+    train.update(optimizer="lion", optimizer_args={}, lr_schedule="cosine", warmup_steps=0)
+    assert describe(build_optimizer(model, SimpleNamespace(**train), torch.device("cpu")), SimpleNamespace(**train)) \
+        == (f"optimizer: Lion on {hidden + rest:,} trainable parameters; lr 0.02, weight decay 0.1; schedule: cosine "
+            f"to 0.002 at step 100")

@@ -199,6 +199,38 @@ def lr_at(step: int, t) -> float:
     return t.min_lr + 0.5 * (t.lr - t.min_lr) * (1 + math.cos(math.pi * min(1.0, progress)))
 
 
+NAMES = {"adamw": "AdamW", "lion": "Lion", "muon": "Muon", "adamw_schedulefree": "schedule-free AdamW"}
+
+
+def describe(optimizer: "torch.optim.Optimizer", t) -> str:
+    """The start-up log line: the optimizer, which parameters each of its parts takes, the lr and
+    the schedule, e.g. 'optimizer: Muon on the hidden matrices (12,582,912 parameters), AdamW at
+    lr x 1 on the embeddings, head, norms and biases (1,050,624); lr 0.003, weight decay 0.1;
+    schedule: 100 warmup steps, then wsd: 0.003 until step 800, linear to 0.0003 at step 1000'."""
+    groups = optimizer.param_groups
+    count = lambda some: f"{sum(p.numel() for g in some for p in g['params']):,}"  # noqa: E731
+    if OPTIMIZERS[t.optimizer].splits_embeddings:  # build_optimizer's first group: the hidden matrices
+        parts = (f"{NAMES[t.optimizer]} on the hidden matrices ({count(groups[:1])} parameters), AdamW at lr x "
+                 f"{groups[-1].get('lr_scale', 1.0):g} on the embeddings, head, norms and biases "
+                 f"({count(groups[1:])})")
+    else:
+        parts = f"{NAMES.get(t.optimizer, t.optimizer)} on {count(groups)} trainable parameters"
+    return f"optimizer: {parts}; lr {t.lr:g}, weight decay {t.weight_decay:g}; schedule: {describe_schedule(t)}"
+
+
+def describe_schedule(t) -> str:
+    """lr_at's schedule in words, by optimizer step (1-based: as the log counts them)."""
+    warmup = f"{t.warmup_steps} warmup steps, then " if t.warmup_steps else ""
+    schedule = getattr(t, "lr_schedule", "cosine")
+    if schedule == "constant":
+        return f"{warmup}constant"
+    if schedule == "wsd":
+        decay = max(1, round(t.decay_fraction * t.max_steps))
+        return (f"{warmup}wsd: {t.lr:g} until step {t.max_steps - decay}, linear to {t.min_lr:g} at step "
+                f"{t.max_steps}")
+    return f"{warmup}cosine to {t.min_lr:g} at step {t.max_steps}"
+
+
 def set_lr(optimizer: "torch.optim.Optimizer", lr: float) -> None:
     for group in optimizer.param_groups:
         group["lr"] = lr * group.get("lr_scale", 1.0)

@@ -31,6 +31,7 @@ from ..parallel.float8 import describe as describe_fp8
 from ..parallel.precision import configure_matmul_precision, grad_scaler
 from ..parallel.wrap import parallelize
 from ..optimizers import apply_settings, build_optimizer, lr_at, set_lr
+from ..optimizers import describe as describe_optimizer
 from ..rundir import Log, RunLock, RunPaths, hostname, provenance
 from ..files import write_atomic
 from . import distributed, preflight
@@ -148,6 +149,7 @@ def run(cfg: Config, world: World, watch: Watchdog, run_lock: RunLock) -> None:
         trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)
         log.info(f"LoRA: {trainable:,} trainable parameters ({trainable / n_params:.2%}), rank {lora.rank}, "
                  f"alpha {lora.alpha:g} on {', '.join(lora.target_modules)}; the base is frozen")
+    log.info(describe_optimizer(optimizer, t))
 
     dp = world.dims.dp  # the data-parallel ranks share every batch
     if cfg.data.mixture:  # the sources blended under the global sampler; evaluated one by one
