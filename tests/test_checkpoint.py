@@ -321,3 +321,23 @@ def test_generate_from_a_run_and_from_an_exported_folder(setup, tmp_path):
     corpus = set(re.findall(r"[A-Za-z]+", (DEMO / "stories.txt").read_text()))
     words = re.findall(r"[A-Za-z]+", a[len(prompt):])
     assert len(words) >= 5 and sum(w in corpus for w in words) >= 0.8 * len(words), a
+
+
+def test_a_resume_that_moves_the_learning_rate_says_so_and_points_to_wsd():
+    """A cosine run of 300 steps resumed at step 300 with max_steps 400: its lr climbs from the
+    floor back to 7.1e-4 (cosine at 290 of 390 steps), which the log says in one line with the
+    way out; a wsd run extended in its stable phase, or a resume that changes nothing of the
+    schedule, says nothing."""
+    from llmtrain.training.checkpoint import lr_jump
+    cosine = {"lr": 3e-3, "min_lr": 3e-4, "warmup_steps": 10, "max_steps": 300, "lr_schedule": "cosine",
+              "decay_fraction": 0.2, "eval_every": 100}
+    assert lr_jump(300, cosine, {**cosine, "max_steps": 400}) == (
+        "warning: the learning rate of step 301 jumps from 0.0003 (the checkpoint's schedule) to 0.000715 "
+        "(max_steps 300 -> 400); a cosine schedule decays over max_steps, so extending it raises the lr again: for "
+        "a run you may extend, use train.lr_schedule: wsd (it decays only at the end), or keep max_steps")
+    assert lr_jump(120, cosine, {**cosine, "eval_every": 50}) is None
+    wsd = {**cosine, "lr_schedule": "wsd"}
+    assert lr_jump(200, wsd, {**wsd, "max_steps": 400}) is None  # still at its peak lr either way
+    assert lr_jump(200, wsd, {**wsd, "lr": 1e-3}).startswith(
+        "warning: the learning rate of step 201 jumps from 0.003 (the checkpoint's schedule) to 0.001 (lr 0.003 -> "
+        "0.001)")

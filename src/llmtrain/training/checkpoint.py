@@ -38,7 +38,7 @@ from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_
 from ..config import Config, UserError
 from ..files import read_json
 from ..model.build import pretrained_dir, unwrap
-from ..optimizers import OPTIMIZERS, state_bytes
+from ..optimizers import OPTIMIZERS, lr_at, state_bytes
 from ..rundir import (ASSUMED_WRITE_BYTES_PER_S_PER_NODE, BUFFERS, CHECKPOINT_FORMAT, CHECKPOINTS, LATEST,
                       META, Log, complete_checkpoints, latest_checkpoint, step_name)
 from ..files import write_atomic
@@ -301,6 +301,8 @@ class Checkpointer:
         for key, before in meta.get("settings", {}).items():
             if now.get(key) != before:
                 self.log.info(f"changed since the checkpoint: train.{key} {before} -> {now.get(key)}")
+        if (jump := lr_jump(meta.get("step"), meta.get("settings", {}), now)) is not None:
+            self.log.info(jump)
 
 
 def compat_info(cfg: Config, model_config, manifest: dict) -> dict:
@@ -311,6 +313,25 @@ def compat_info(cfg: Config, model_config, manifest: dict) -> dict:
             "data_fingerprint": manifest["fingerprint"], "seq_len": cfg.data.seq_len,
             "global_batch_size": cfg.train.global_batch_size, "optimizer": cfg.train.optimizer,
             "optimizer_settings": {k: getattr(cfg.train, k) for k in OPTIMIZERS[cfg.train.optimizer].must_match}}
+
+
+def lr_jump(step: int | None, saved: dict, now: dict) -> str | None:
+    """A warning where the changed settings move the learning rate of the step after `step`
+    (the resumed one) by more than 1%: a cosine run extended (max_steps 300 -> 400) climbs back
+    from its tail, its decay undone; None where the lr goes on as it was."""
+    if step is None or not saved or any(k not in saved for k in ("lr", "max_steps")):
+        return None
+    from types import SimpleNamespace
+    was, will = (lr_at(step, SimpleNamespace(**{**saved, **over})) for over in ({}, now))
+    if abs(will - was) <= 0.01 * max(abs(was), 1e-30):
+        return None
+    changed = ", ".join(f"{k} {saved.get(k)} -> {v}" for k, v in now.items() if saved.get(k, v) != v)
+    advice = ("; a cosine schedule decays over max_steps, so extending it raises the lr again: for a run you "
+              "may extend, use train.lr_schedule: wsd (it decays only at the end), or keep max_steps"
+              if now.get("lr_schedule", "cosine") == "cosine" and saved.get("max_steps") != now.get("max_steps")
+              else "")
+    return (f"warning: the learning rate of step {step + 1} jumps from {was:.3g} (the checkpoint's schedule) to "
+            f"{will:.3g} ({changed}){advice}")
 
 
 def _settings(cfg: Config) -> dict:
