@@ -93,6 +93,9 @@ ROWS = [
     ("tokenizer-vocab", lambda r, g, t: ["check-config", cfg_with(t, model={"architecture": {
         **tiny_config()["model"]["architecture"], "vocab_size": 256}})], 2,
      r"model\.tokenizer: vocabulary of 479 tokens does not fit the model's vocab_size 256"),
+    ("unknown-optimizer-of-a-run", lambda r, g, t: ["check-config", "--config", g, "--set", "run.name=done",
+                                                    "--set", "train.optimizer=adam"], 2,
+     r"train\.optimizer: unknown 'adam'; one of: adamw, lion, muon, adamw_schedulefree"),  # no resume mismatch
     ("tp-zero", lambda r, g, t: ["check-config", cfg_with(t, parallel={"strategy": "fsdp", "tp": 0})], 2,
      r"parallel\.tp: must divide the world size 2 \(got 0\)"),
     ("heads-split-hidden", lambda r, g, t: ["check-config", cfg_with(t, model={"architecture": {

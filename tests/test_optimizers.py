@@ -118,8 +118,12 @@ def test_muon_steps_the_hidden_matrices_along_torchs_muon_and_adamw_the_rest():
 @pytest.mark.parametrize("train,line", [
     ({"optimizer": "lion", "optimizer_args": {"momentum": 0.9}},
      "train.optimizer_args: lion takes no 'momentum' (takes: betas)"),
-    ({"optimizer": "adamw", "optimizer_args": {"betas": [0.9, 0.99]}},
-     "train.optimizer_args: adamw takes no 'betas' (takes: none)"),
+    ({"optimizer": "adamw", "optimizer_args": {"momentum": 0.9}},
+     "train.optimizer_args: adamw takes no 'momentum' (it takes no optimizer_args: its settings are the train keys "
+     "beta1 (the momentum), beta2, eps and weight_decay)"),
+    ({"decay_fraction": 0.3},  # tiny_config's schedule is cosine
+     "train.decay_fraction: only used with train.lr_schedule: wsd (got 0.3 with cosine); remove it, or set "
+     "train.lr_schedule: wsd"),
     ({"optimizer": "lion", "optimizer_args": {"betas": [0.9, 1.5]}},
      "train.optimizer_args: betas must be two numbers in [0, 1) (got [0.9, 1.5])"),
     ({"optimizer": "muon", "optimizer_args": {"momentum": 1.0, "ns_steps": 5}},

@@ -10,6 +10,7 @@ from ..data.sources import (file_suffix, fingerprint, given_prepared, is_glob, i
                             on_disk, source_files, source_record, tokenizer_sha256, tokenizer_source)
 from ..errors import UserError
 from ..files import read_json
+from ..optimizers import OPTIMIZERS
 from ..parallel.tensor import CONFIG_DEFAULTS
 from ..parallel.tensor import problems as tensor_problems
 from ..rundir import CHECKPOINTS, META, latest_checkpoint
@@ -214,6 +215,8 @@ def _check_resume(cfg: Config) -> list[str]:
     saved = meta.get("compat", {})
     now = {"seq_len": cfg.data.seq_len, "global_batch_size": cfg.train.global_batch_size,
            "lora": cfg.model.lora, "optimizer": cfg.train.optimizer}
+    if cfg.train.optimizer not in OPTIMIZERS:  # config/rules.py names it; a mismatch would be noise
+        del now["optimizer"]
     fix = "use a new run.name, or set train.resume: none to start over"
     p = [f"train.resume: checkpoint {folder / pointer} does not match this config: {key} differs "
          f"({saved[key]!r} -> {value!r}); {fix}" for key, value in now.items()

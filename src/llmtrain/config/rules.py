@@ -94,11 +94,17 @@ def validate(cfg: Config, world_size: int | None = None) -> list[str]:
     if t.optimizer not in OPTIMIZERS:
         p.append(f"train.optimizer: unknown {t.optimizer!r}; one of: {', '.join(OPTIMIZERS)}")
     elif unknown := sorted(set(t.optimizer_args) - set(OPTIMIZERS[t.optimizer].args)):
-        takes = ", ".join(OPTIMIZERS[t.optimizer].args) or "none"
-        p.append(f"train.optimizer_args: {t.optimizer} takes no {unknown[0]!r} (takes: {takes})")
+        takes = ", ".join(OPTIMIZERS[t.optimizer].args)
+        # AdamW's own settings are train keys (every optimizer's AdamW part reads them)
+        p.append(f"train.optimizer_args: {t.optimizer} takes no {unknown[0]!r} " + (
+            f"(takes: {takes})" if takes else "(it takes no optimizer_args: its settings are the train keys beta1 "
+                                              "(the momentum), beta2, eps and weight_decay)"))
     else:
         p += [f"train.optimizer_args: {key} must be {what} (got {t.optimizer_args[key]!r})"
               for key, (what, ok) in OPTIMIZER_ARGS.items() if key in t.optimizer_args and not ok(t.optimizer_args[key])]
+    if t.lr_schedule != "wsd" and t.decay_fraction != type(t).decay_fraction:  # the dataclass's default
+        p.append(f"train.decay_fraction: only used with train.lr_schedule: wsd (got {t.decay_fraction} with "
+                 f"{t.lr_schedule}); remove it, or set train.lr_schedule: wsd")
     if t.optimizer == "adamw_schedulefree" and t.lr_schedule != "constant":
         p.append(f"train.lr_schedule: adamw_schedulefree needs no decay (its evaluated weights are an "
                  f"average of the iterates): set constant, the warmup stays (got {t.lr_schedule})")
