@@ -55,6 +55,14 @@ def text_cfg(tmp_path, text: str) -> Path:
     return path
 
 
+def adapter_dir(tmp_path) -> Path:
+    """What a LoRA run's export writes (peft's adapter files), without the base's config.json."""
+    folder = tmp_path / "adapters"
+    folder.mkdir(parents=True)
+    (folder / "adapter_config.json").write_text(json.dumps({"peft_type": "LORA", "r": 8}))
+    return folder
+
+
 def nonempty_dir(tmp_path) -> Path:
     """A folder of the user's that already holds a file: export must not write into it."""
     taken = tmp_path / "taken"
@@ -161,6 +169,9 @@ ROWS = [
      r"error: no step 7 in .*/checkpoints"),
     ("generate-not-a-model", lambda r, g, t: ["generate", "--model", t, "--prompt", "hi"], 1,
      r"error: --model: .* is not a Hugging Face model folder \(no config\.json\)"),
+    ("generate-an-adapter", lambda r, g, t: ["generate", "--model", adapter_dir(t), "--prompt", "hi"], 1,
+     r"error: --model: .* holds LoRA adapters, not a model; generate from the run \(--run-dir RUN_DIR\), or pass "
+     r"a merged export \(llmtrain export --run-dir RUN_DIR --merge\)"),
     ("status-no-such-run", lambda r, g, t: ["status", t / "nope"], 1,
      r"error: .*/nope: no such run directory, not a job id; give the run directory, "
      r"<run.dir>/<run.name>, or --config FILE for its run.dir"),

@@ -217,6 +217,9 @@ def turn_end_ids(tokenizer) -> list[int]:
 
 def load_folder(folder: Path):
     folder = Path(folder)
+    if not (folder / "config.json").is_file() and (folder / "adapter_config.json").is_file():
+        raise UserError(f"--model: {folder} holds LoRA adapters, not a model; generate from the run "
+                        f"(--run-dir RUN_DIR), or pass a merged export (llmtrain export --run-dir RUN_DIR --merge)")
     if not (folder / "config.json").is_file():
         raise UserError(f"--model: {folder} is not a Hugging Face model folder (no config.json)")
     model = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32)
