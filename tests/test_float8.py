@@ -6,9 +6,11 @@ from __future__ import annotations
 
 import pytest
 import torch
+import torch.distributed as dist
 from safetensors.torch import load_file
 from transformers import AutoModelForCausalLM, LlamaConfig, LlamaForCausalLM
 
+import float8_probe
 from conftest import assert_same_curve, cli, llmtrain, losses, prepared_home, run_dir, tiny_config, torchrun
 from llmtrain.parallel import float8
 
@@ -50,6 +52,62 @@ def test_on_gpus_matmuls_too_small_to_gain_stay_in_high_precision():
     assert float8.why_not(small, "tensorwise", "cpu") is None  # CPU runs convert it, for the numbers
     assert float8.why_not(large, "tensorwise", "cuda") is None
     assert float8.why_not(large, "rowwise", "cuda") is None
+
+
+@pytest.mark.parametrize("arch, kept", [
+    # q_proj 2048 x 2048, column-parallel: 1024 x 2048 per rank (k and v are too small whole)
+    ({"hidden_size": 2048, "intermediate_size": 8192, "num_attention_heads": 16, "num_key_value_heads": 4},
+     ["model.layers.0.self_attn.q_proj"]),
+    # down_proj 8192 -> 1024, row-parallel: 4096 -> 1024 per rank (gate and up: 1024 -> 4096 per rank, gain)
+    ({"hidden_size": 1024, "intermediate_size": 8192, "num_attention_heads": 8, "num_key_value_heads": 8},
+     ["model.layers.0.mlp.down_proj"])])
+def test_under_tensor_parallel_the_size_filter_judges_each_rank_s_matmul(arch, kept):
+    """tp 2 halves a column-parallel layer's output features and a row-parallel one's input
+    features: a layer that gains in float8 whole can be too small on each rank, and stays."""
+    with torch.device("meta"):
+        model = LlamaForCausalLM(LlamaConfig(vocab_size=512, num_hidden_layers=1, **arch))
+    names = {m: name for name, m in model.named_modules()}
+
+    def too_small(tp):
+        return sorted(names[m] for m, why in float8.high_precision(model, "tensorwise", "cuda", tp).items()
+                      if why == "too small to gain")
+
+    assert set(too_small(2)) - set(too_small(1)) == set(kept)
+    assert float8.high_precision(model, "tensorwise", "cpu", 2) == {model.lm_head: "the output head"}
+
+
+def test_only_tensorwise_weights_under_fsdp2_on_cuda_gather_in_float8():
+    """FSDP2's float8 all-gathers, and so the precomputed scales: tensorwise scaling (torchao
+    gathers rowwise weights in high precision), a sharded model, NCCL (CUDA)."""
+    cases = [(recipe, fsdp, device) for recipe in float8.RECIPES for fsdp in (True, False)
+             for device in ("cuda", "cpu")]
+    assert [case for case in cases if float8.gathers_in_float8(*case)] == [("tensorwise", True, "cuda")]
+
+
+@pytest.fixture
+def group():
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    yield
+    dist.destroy_process_group()
+
+
+def test_float8_gathered_weights_with_precomputed_scales_train_as_scales_per_gather(group, tmp_path):
+    """Weights FSDP2 gathers in float8 (as on CUDA) through the trainer's Step, against the same
+    model gathered in fp32 and cast in the layer: the same losses bit for bit through an update,
+    a step skipped on the device, a reload of earlier weights, a schedule-free evaluation and
+    the steps after each (a scale left from other weights rounds them otherwise: 5.7104 for
+    5.7141 with no precompute after an update). The first forward, before any update,
+    all-reduces each weight's amax at each gather (2 micro-batches x (14 layers forward + the 7
+    of the first decoder layer again in backward) = 42); after an update, with the scales
+    precomputed, none (tests/float8_probe.py)."""
+    figures = float8_probe.curves(torch.device("cpu"), tmp_path)
+    gathered, plain = figures["gathered"], figures["plain"]
+    assert gathered["precomputes"] and not plain["precomputes"]  # what the trainer's Step decided
+    finite = [x for x in gathered["losses"] if x == x]
+    assert finite == [x for x in plain["losses"] if x == x] and len(finite) == 6, figures
+    assert gathered["losses"][1] != gathered["losses"][1]  # the injected NaN
+    assert gathered["losses"][2] == gathered["losses"][3]  # the reloaded step repeats itself
+    assert gathered["all_reduces"] == [42, 0, 0, 0, 0, 0] and plain["all_reduces"] == [0] * 6, figures
 
 
 def test_fp8_with_lora_is_refused_before_the_queue(home, write_config, tmp_path):

@@ -358,9 +358,10 @@ FP8_ARCH = {"model_type": "llama", "hidden_size": 2048, "intermediate_size": 819
 @pytest.mark.skipif(not torch.cuda.is_available() or torch.cuda.get_device_capability() < (8, 9),
                     reason="FP8 needs a GPU of compute capability 8.9 or newer")
 def test_fp8_compiled_under_fsdp_trains_like_bf16_resumes_exactly_and_exports(setup):
-    """train.fp8: tensorwise, compiled, FSDP2 on NCCL (weights all-gathered in float8): every
-    loss within 3% of the bf16 run's, the start-up line, a resume from step 6 that repeats steps
-    7-12 (eager attention: a deterministic backward), and an export plain transformers loads."""
+    """train.fp8: tensorwise, compiled, FSDP2 on NCCL (weights all-gathered in float8, their
+    scales precomputed after each update and after the resume's load): every loss within 3% of
+    the bf16 run's, the start-up line, a resume from step 6 that repeats steps 7-12 (eager
+    attention: a deterministic backward), and an export plain transformers loads."""
     root, config = setup
     common = ["--set", "parallel.strategy=fsdp", "--set", "train.precision=bf16", "--set", "train.lr=1e-3",
               "--set", "train.min_lr=1e-4", "--set", "model.attn_implementation=eager",
@@ -371,9 +372,9 @@ def test_fp8_compiled_under_fsdp_trains_like_bf16_resumes_exactly_and_exports(se
     bf16 = [r["loss"] for r in read_metrics(run_dir(setup, "wide-bf16")) if r["kind"] == "train"]
     curve = [r["loss"] for r in read_metrics(run_dir(setup, "wide-fp8")) if r["kind"] == "train"]
     assert len(curve) == STEPS and all(abs(a - b) < 0.03 * b for a, b in zip(curve, bf16)), (curve, bf16)
-    assert ("fp8: 10 of 15 linear layers in float8 (tensorwise); bf16: model.layers.*.self_attn.k_proj, "
-            "model.layers.*.self_attn.v_proj (too small to gain), lm_head (the output head)"
-            in rank0_log(run_dir(setup, "wide-fp8")))
+    assert ("fp8: 10 of 15 linear layers in float8 (tensorwise, weights all-gathered in float8); bf16: "
+            "model.layers.*.self_attn.k_proj, model.layers.*.self_attn.v_proj (too small to gain), "
+            "lm_head (the output head)" in rank0_log(run_dir(setup, "wide-fp8")))
 
     step6 = run_dir(setup, "wide-fp8") / "checkpoints" / "step-00000006"
     torchrun(1, "train", "--config", config, *fp8, "--set", "run.name=wide-fp8-resumed",
@@ -385,6 +386,32 @@ def test_fp8_compiled_under_fsdp_trains_like_bf16_resumes_exactly_and_exports(se
     llmtrain("export", "--run-dir", run_dir(setup, "wide-fp8"), "--out", out, check=True)
     model, info = AutoModelForCausalLM.from_pretrained(out, output_loading_info=True)
     assert not any(info.values()) and type(model.model.layers[0].mlp.up_proj) is torch.nn.Linear
+
+
+@pytest.mark.skipif(not torch.cuda.is_available() or torch.cuda.get_device_capability() < (8, 9),
+                    reason="FP8 needs a GPU of compute capability 8.9 or newer")
+def test_fp8_precomputed_scales_on_cuda_train_as_scales_computed_at_each_gather(tmp_path):
+    """tests/float8_probe.py on the GPU (a world of one on NCCL): weights FSDP2 gathers in
+    float8 with their scales precomputed by the trainer's Step, against the model gathered in
+    fp32 and cast in the layer, through an update, a skipped step, a reload, a schedule-free
+    evaluation and the steps after: the same losses; the amax all-reduces of each gather in the
+    first forward only, none once the scales are precomputed; precomputing them makes the host
+    wait for nothing."""
+    import socket
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    proc = subprocess.run([sys.executable, str(REPO / "tests" / "float8_probe.py"), "cuda", "nccl", str(port),
+                           str(tmp_path)], capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    figures = json.loads(proc.stdout.splitlines()[-1])
+    gathered, plain = figures["gathered"], figures["plain"]
+    assert gathered["precomputes"] and not plain["precomputes"], figures
+    finite = [(a, b) for a, b in zip(gathered["losses"], plain["losses"]) if math.isfinite(b)]
+    assert len(finite) == 6 and all(a == pytest.approx(b, rel=1e-6) for a, b in finite), figures
+    assert gathered["all_reduces"][0] > 0 and gathered["all_reduces"][1:] == [0] * 5, figures
+    assert plain["all_reduces"] == [0] * 6, figures
+    assert gathered["host_syncs"] == 0, figures  # the precompute: no wait for the GPU
 
 
 # A world of one (the GPU machine has one GPU) on the given backend, in a process of its own: context

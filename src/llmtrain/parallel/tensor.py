@@ -112,6 +112,17 @@ def apply_tensor_parallel(model: "torch.nn.Module", layers: "list[torch.nn.Modul
             param.requires_grad_(False)
 
 
+def split_dims(model: "torch.nn.Module", layers: "list[torch.nn.Module]") -> dict:
+    """{projection of `layers`: the dim of its weight that apply_tensor_parallel splits}: 0 for
+    the column-parallel ones (each rank its output features), 1 for the row-parallel ones (its
+    input features). FP8 judges each rank's matmul by it (parallel/float8.py)."""
+    plan = PLANS[model.config.model_type]
+    names = {**{f"{plan.attention}.{name}": 0 for name in plan.columns},
+             **{f"{plan.mlp}.{name}": 0 for name in plan.mlp_columns},
+             f"{plan.attention}.{plan.rows}": 1, f"{plan.mlp}.{plan.mlp_rows}": 1}
+    return {layer.get_submodule(name): dim for layer in layers for name, dim in names.items()}
+
+
 def _styles(float8: bool, plain: dict):
     """style(kind, layer, names): the parallel style class of `kind` (a key of `plain`: column,
     row, input) for the submodules `names` of `layer`: torchao's float8 variant where `float8`

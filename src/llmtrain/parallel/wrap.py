@@ -73,7 +73,8 @@ def parallelize(cfg: Config, config, world: World, watch=None, resuming: bool = 
             store_frozen_base(model, cfg)
         tied = _tied(model)  # decided on the skeleton, so every rank agrees
         if cfg.train.fp8 != "none":  # before tensor parallel, which gives float8 layers float8 styles
-            float8.convert(model, cfg.train.fp8, world.device, fsdp=world.dims.sharded, compiled=cfg.train.compile)
+            float8.convert(model, cfg.train.fp8, world.device, fsdp=world.dims.sharded, compiled=cfg.train.compile,
+                           tp=world.dims.tensor)
         if world.dims.tensor > 1:
             # float8 all-gathers need NCCL: gloo has no float8 ("Invalid scalar type", torch 2.13)
             apply_tensor_parallel(model, decoder_layers(model), world.dims.tp_mesh(world.device.type),
@@ -214,6 +215,16 @@ def apply_fsdp(model: torch.nn.Module, cfg: Config, mesh=None) -> None:
                     reshard_after_forward=reshard and i < len(layers) - 1)
     fully_shard(model, mesh=mesh, mp_policy=mp, reshard_after_forward=False)
     prefetch_layers(layers, cfg.parallel.prefetch_layers)
+
+
+def reshard(model: torch.nn.Module) -> None:
+    """Free what FSDP2 holds gathered: after a forward without gradients (an evaluation) the
+    root and the last layer stay gathered (reshard_after_forward=False, no backward to free
+    them), and the next forward would compute with those copies even though the weights have
+    changed since (schedule-free's evaluation weights are swapped back): it gathers anew."""
+    for module in model.modules():
+        if isinstance(module, FSDPModule):
+            module.reshard()
 
 
 def prefetch_layers(layers: list, ahead: int) -> None:

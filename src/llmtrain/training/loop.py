@@ -143,7 +143,7 @@ def run(cfg: Config, world: World, watch: Watchdog, run_lock: RunLock) -> None:
     log.info(f"model: {n_params:,} parameters, {world.dims.describe()} on "
              f"{world.device.type}, {t.precision}")
     if t.fp8 != "none":
-        log.info(describe_fp8(unwrap(model), t.fp8, t.precision, world.device.type))
+        log.info(describe_fp8(unwrap(model), t.fp8, t.precision, world.device.type, world.dims.tensor))
     if cfg.model.lora is not None:
         lora = cfg.model.lora_spec
         trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)
@@ -191,6 +191,7 @@ def run(cfg: Config, world: World, watch: Watchdog, run_lock: RunLock) -> None:
         if cfg.data.mixture and sampler.state.changed:
             log.info(mixture.weights_changed(sampler))
         apply_settings(optimizer, t)  # the config's weight decay, betas and eps win
+    job.step.weights_changed()  # FP8's float8-gathered weights: their scales, before the first forward
     job.provenance = record_start(written, world, hosts)  # only a start that goes ahead replaces them
     log.info(f"model ready: peak memory {peak_memory_gib(world.device):.2f} GiB on this rank "
              f"({before_model:.2f} GiB before the model)")

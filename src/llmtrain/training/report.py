@@ -18,7 +18,6 @@ from ..data.mixture import MixtureSampler
 from ..metrics import (MetricsWriter, SampleLog, Throughput, peak_flops, peak_memory_gib,
                        progress_line)
 from ..model.loss import lm_loss
-from ..optimizers import eval_weights
 from ..parallel.precision import autocast
 from ..parallel.wrap import compile_seconds
 from ..rundir import Log, RunPaths
@@ -92,7 +91,7 @@ class Reporter:
                 log_step(self.metrics, log, self.meter.read(state.step), state, loss, grad_norm, lr,
                          cfg.train, self.world, job.step.scaler, job.sampler)
         if due.evals:
-            with self.meter.paused(), self.control.paused("eval"), self.phase("eval"), eval_weights(job.optimizer):
+            with self.meter.paused(), self.control.paused("eval"), self.phase("eval"), job.step.eval_weights():
                 record = evaluation(job, cfg, self.world)
             self.metrics.write({"kind": "eval", "step": state.step, **record})
             by_source = "".join(f", {name} {v:.4f}" for name, v in record.get("eval_loss_by_source", {}).items())
