@@ -341,3 +341,21 @@ def test_a_run_directory_has_one_writer_and_a_dead_ones_lock_does_not_block(setu
     cli("train", "--config", config, "--set", "run.name=locked", "--set", "train.max_steps=6",
              "--set", "train.eval_every=0", check=True)
     assert not (d / "run.lock").exists()
+
+
+def test_too_few_validation_samples_name_the_mixture_source_they_are_short_in(tmp_path, write_config):
+    """A mixture evaluates each source on train.eval_samples of its own: the warning for a short
+    validation split names the source and says the count applies to each; the refusal too."""
+    from types import SimpleNamespace
+    from llmtrain.config import UserError
+    from llmtrain.rundir import Log
+    from llmtrain.training.loop import check_eval_split
+    cfg = load_config(write_config(tiny_config(train={"eval_samples": 16})), world_size=2)
+    world = SimpleNamespace(dims=SimpleNamespace(dp=2), is_main=True)
+    short = SimpleNamespace(num_samples=lambda seq_len: 5)  # what a TokenStream answers
+    check_eval_split(cfg, short, world, Log(0, tmp_path), source="code")
+    assert (tmp_path / "rank-0.log").read_text().split("] ", 1)[1] == (
+        "warning: train.eval_samples is 16 (a mixture evaluates each source on as many) but the validation split of "
+        "source 'code' has 5 samples of 64 tokens: evaluating on 4\n")
+    with pytest.raises(UserError, match=r"the validation split of source 'web' has 1 samples of 64 tokens"):
+        check_eval_split(cfg, SimpleNamespace(num_samples=lambda seq_len: 1), world, Log(0), source="web")

@@ -155,8 +155,8 @@ def run(cfg: Config, world: World, watch: Watchdog, run_lock: RunLock) -> None:
     if cfg.data.mixture:  # the sources blended under the global sampler; evaluated one by one
         train_data, val_data, sampler = mixture.open_mixture(cfg, sources, t.global_batch_size,
                                                              world.dims.dp_rank(world.rank), dp)
-        for data in val_data.values():
-            check_eval_split(cfg, data, world, log)
+        for name, data in val_data.items():
+            check_eval_split(cfg, data, world, log, source=name)
         val_data = val_data or None
         log.info(mixture.describe(cfg, sampler))
     else:
@@ -339,20 +339,21 @@ def account(verdict: Verdict, state: RunState, t, log: Log) -> None:
             f"checkpoint with train.resume")
 
 
-def check_eval_split(cfg: Config, data: TokenStream | None, world: World, log: Log) -> None:
+def check_eval_split(cfg: Config, data: TokenStream | None, world: World, log: Log, source: str | None = None) -> None:
     """Evaluation needs at least one validation sample per data-parallel rank; fewer gives no
-    loss at all."""
+    loss at all. `source`: a mixture's source, each evaluated on its own eval_samples."""
     if data is None or not cfg.train.eval_every:
         return
     dp = world.dims.dp
     available = data.num_samples(cfg.data.seq_len)
+    split = f"the validation split of source {source!r}" if source else "the validation split"
+    each = " (a mixture evaluates each source on as many)" if source else ""
     if available < cfg.train.eval_samples and world.is_main:
-        log.info(f"warning: train.eval_samples is {cfg.train.eval_samples} but the validation "
-                 f"split has {available} samples of {cfg.data.seq_len} tokens: evaluating on "
-                 f"{available - available % dp}")
+        log.info(f"warning: train.eval_samples is {cfg.train.eval_samples}{each} but {split} has "
+                 f"{available} samples of {cfg.data.seq_len} tokens: evaluating on {available - available % dp}")
     if min(available, cfg.train.eval_samples) < dp:
         raise UserError(f"train.eval_samples: evaluation needs at least one validation sample per "
-                        f"rank ({dp}), and the validation split has {available} samples of "
+                        f"rank ({dp}), and {split} has {available} samples of "
                         f"{cfg.data.seq_len} tokens; raise data.validation_fraction or set "
                         f"train.eval_every: 0")
 
