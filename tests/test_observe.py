@@ -269,7 +269,13 @@ def test_a_sweeps_plot_names_its_points_by_their_overrides_and_keeps_its_labels_
     assert legend == ["lr=1e-3, micro_batch_size=4 train", "lr=1e-3, micro_batch_size=4 eval",
                       "lr=3e-3, micro_batch_size=4 train", "lr=3e-3, micro_batch_size=4 eval",
                       "baseline train", "baseline eval"]
-    assert fig.get_suptitle().startswith("3 runs: sw-0 (lr=1e-3, micro_batch_size=4): step 60/60")
+    assert fig.get_suptitle().startswith("3 runs:\nsw-0 (lr=1e-3, micro_batch_size=4): step 60/60")
+    for many in (fig, figure(load_runs([str(c.run_dir) for c in cfgs] * 3 + [str(tmp_path / "runs" / "baseline")]))):
+        many.set_dpi(DPI)
+        FigureCanvasAgg(many).draw()
+        title = many._suptitle.get_window_extent(many.canvas.get_renderer())  # not off the figure's edges
+        assert 0 <= title.x0 < title.x1 <= many.bbox.width, (title, many.bbox)
+    assert many.get_suptitle().splitlines()[-1] == "... and 1 more (see the legends)"  # 7 runs, 6 shown
     log_axes = [ax for ax in fig.axes if ax.get_yscale() == "log"]
     assert [ax.get_title() for ax in log_axes] == ["Loss", "Loss against tokens seen",
                                                    "Gradient norm (before clipping)"]

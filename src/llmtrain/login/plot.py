@@ -196,9 +196,21 @@ def figure(runs: list[Run]):
     for ax in axes:
         ax.grid(True, which="major", alpha=0.3)
     loss_step.legend(fontsize=8)
-    fig.suptitle(runs[0].summary() if len(runs) == 1 else f"{len(runs)} runs: " + "; ".join(
-        r.summary() for r in runs), fontsize=11)
+    fig.suptitle(_title(runs), fontsize=11)
     return fig
+
+
+SHOWN_RUNS = 6  # summaries in a comparison's title, one a line: more would crowd out the panels
+
+
+def _title(runs: list) -> str:
+    """The figure's title: a run's summary, or one line per run (on one line, a few runs ran off
+    both edges of the figure), the first SHOWN_RUNS and how many more the legends hold."""
+    if len(runs) == 1:
+        return runs[0].summary()
+    more = len(runs) - SHOWN_RUNS
+    return "\n".join([f"{len(runs)} runs:", *(r.summary() for r in runs[:SHOWN_RUNS])]
+                     + ([f"... and {more} more (see the legends)"] if more > 0 else []))
 
 
 MARKERS, STYLES = "svd^<>p*", ["-", "--", ":", "-."] * 4  # a mixture's sources, told apart
