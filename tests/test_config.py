@@ -51,8 +51,9 @@ BROKEN = [
      "data.dataset: no such file or folder (got './no/such/corpus.txt', resolved to "
      "{tmp}/no/such/corpus.txt)"),
     ({"model": {"tokenizer": "../no-tokenizer"}},
-     "model.tokenizer: no fast tokenizer (tokenizer.json) in the folder (got '../no-tokenizer', "
-     "resolved to {tmp_parent}/no-tokenizer)"),
+     "model.tokenizer: no such folder (got '../no-tokenizer', resolved to {tmp_parent}/no-tokenizer)"),
+    ({"model": {"tokenizer": "."}},  # a folder, without a tokenizer in it
+     "model.tokenizer: no fast tokenizer (tokenizer.json) in the folder (got '.', resolved to {tmp})"),
     ({"model": {"name_or_path": "./base", "architecture": None}},
      "model.name_or_path: no Hugging Face model folder with a config.json (got './base', "
      "resolved to {tmp}/base)"),

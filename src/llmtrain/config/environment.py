@@ -270,8 +270,8 @@ def _check_model(cfg: Config, written: dict | None = None) -> list[str]:
     tok = read_json(tok_file) if tok_file else None
     if tok_src and tok is None and not is_hub_id(tok_src):
         key = "model.tokenizer" if m.tokenizer else "model.name_or_path"
-        p.append(f"model.tokenizer: no fast tokenizer (tokenizer.json) in the folder "
-                 f"({_got(key, tok_src, written)})")
+        missing = "no such folder" if not tok_file.parent.is_dir() else "no fast tokenizer (tokenizer.json) in the folder"
+        p.append(f"model.tokenizer: {missing} ({_got(key, tok_src, written)})")
 
     if model_cfg:
         p += _check_heads(model_cfg, "model.architecture" if m.architecture is not None else "model.name_or_path")
