@@ -114,7 +114,8 @@ def tp_config(tmp_path, *sets, nodes=2, procs=4, **sections):
     (["parallel.strategy=fsdp", "parallel.tp=4"],  # the tiny model: 4 heads, 2 kv heads
      "parallel.tp: must divide the model's num_key_value_heads 2 (got 4); each rank holds num_key_value_heads "
      "/ tp of them"),
-    (["parallel.strategy=fsdp", "parallel.tp=4", "model.architecture.num_attention_heads=6"],  # the first key
+    (["parallel.strategy=fsdp", "parallel.tp=4", "model.architecture.num_attention_heads=6",
+      "model.architecture.head_dim=16"],  # the first key (head_dim: 6 heads of 16 from a 64-wide stream)
      "parallel.tp: must divide the model's num_attention_heads 6 (got 4); each rank holds num_attention_heads "
      "/ tp of them"),
     # context parallel
@@ -161,7 +162,7 @@ def test_a_local_run_takes_any_tp_dividing_its_processes(tmp_path):
     path = tmp_path / "config.yaml"
     path.write_text(yaml.safe_dump(tiny_config(parallel={"tp": 2})))
     cfg = load_config(path, world_size=2)
-    assert ParallelDims.from_config(cfg, 2).describe() == "ddp over 2 ranks (mesh: tp 2)"
+    assert ParallelDims.from_config(cfg, 2).describe() == "tensor parallel over 2 ranks (mesh: tp 2; no data parallelism)"
 
 
 EIGHT_HEADS = {"architecture": {"model_type": "llama", "hidden_size": 64, "intermediate_size": 128,

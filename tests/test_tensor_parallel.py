@@ -39,7 +39,7 @@ def test_tp2_gives_one_process_curve_and_splits_the_model(setup, single):
     tp2 = run_dir(setup, "tp2")
     assert_same_curve(tp2, single, tol=1e-4)  # fp32, 10 steps, 2 evaluations
     log = (tp2 / "logs" / "rank-0.log").read_text()
-    assert "ddp over 2 ranks (mesh: tp 2)" in log
+    assert "tensor parallel over 2 ranks (mesh: tp 2; no data parallelism)" in log
     assert "global batch 8 = 4 x 1 ranks x 2 accumulation steps" in log  # one data-parallel rank
     assert "Traceback" not in proc.stderr
 

