@@ -27,9 +27,8 @@ Options (each also read from the environment variable in brackets):
                         pin gets the CUDA build on GPU clusters)
   --torch-index-url URL extra index for torch wheels [TORCH_INDEX_URL], e.g. a CUDA wheel index
   --python PY           interpreter for the venv [PYTHON] (default: python3)
-  --extras LIST         optional parts [LLMTRAIN_EXTRAS]: tensorboard, wandb (metrics.*), fp8
-                        (train.fp8: torchao), test (the suite's needs, all three included),
-                        comma-separated; "" for none (default: test)
+  --extras LIST         optional parts [LLMTRAIN_EXTRAS]: tensorboard, wandb (metrics.*), fp8 (train.fp8),
+                        test (the suite's, all three too), comma-separated; "" for none (default: test)
 EOF
 }
 
