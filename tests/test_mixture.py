@@ -5,6 +5,7 @@ mixture trained on 2 processes, resumed on 1, against the same run uninterrupted
 from __future__ import annotations
 
 import dataclasses
+import zlib
 
 import numpy as np
 import pytest
@@ -12,7 +13,7 @@ import yaml
 
 from conftest import DEMO, assert_same_curve, cli, read_metrics, tiny_config, torchrun
 from llmtrain.config import load_config
-from llmtrain.data.mixture import MixtureSampler, blend, open_mixture, open_sources
+from llmtrain.data.mixture import BLEND_ROWS, Mixture, MixtureSampler, blend, open_mixture, open_sources
 
 STORIES = (DEMO / "stories.txt").read_text().splitlines(keepends=True)
 
@@ -71,6 +72,51 @@ def test_the_blend_continues_from_what_was_drawn():
 def test_a_tie_goes_to_the_first_source():
     assert blend(np.full(3, 1 / 3), 7, np.zeros(3)).tolist() == [0, 1, 2, 0, 1, 2, 0]
     assert blend(np.array([0.5, 0.5]), 3, [1, 0]).tolist() == [1, 0, 1]
+
+
+def reference_blend(weights, n: int, drawn) -> list[int]:
+    """The rule as the module states it, sample by sample over every source: argmax_k
+    w_k * (g + 1) - n_k, the first of equal errors."""
+    w, drawn = [float(x) for x in weights], [int(d) for d in drawn]
+    out = []
+    for g in range(sum(drawn), sum(drawn) + n):
+        k = max(range(len(w)), key=lambda k: w[k] * (g + 1) - drawn[k])
+        out.append(k)
+        drawn[k] += 1
+    return out
+
+
+def weights_to_test(rng) -> list[np.ndarray]:
+    """Random weights, and weights made of exact ties: equal, powers of two, small integers."""
+    cases = [rng.random(7), rng.random(40) ** 4, rng.dirichlet(np.full(300, 0.2)), np.ones(50),
+             2.0 ** -rng.integers(0, 5, 12), rng.integers(1, 4, 30).astype(float), np.array([3.0, 1.0]),
+             np.array([5.0, 3.0, 2.0]), np.array([0.7, 0.2, 0.05, 0.05]), np.ones(1)]
+    return [w / w.sum() for w in cases]
+
+
+def test_the_blend_is_the_largest_error_rule_step_after_step_with_ties_and_a_weight_change():
+    rng = np.random.default_rng(7)
+    for w in weights_to_test(rng):
+        for batch in (1, 37, BLEND_ROWS, 3 * BLEND_ROWS + 5):  # within one block of samples, and across
+            expected = reference_blend(w, 6 * batch, np.zeros(len(w)))
+            drawn, got = np.zeros(len(w), dtype=np.int64), []
+            for _ in range(6):  # the sampler's way: step after step, counting on from what was drawn
+                step = blend(w, batch, drawn)
+                drawn += np.bincount(step, minlength=len(w))
+                got += step.tolist()
+            assert got == expected, (len(w), batch)
+        # New weights from here: the rule starts over from the position they took over at.
+        other = rng.random(len(w))
+        other /= other.sum()
+        assert blend(other, 300, np.zeros(len(w))).tolist() == reference_blend(other, 300, np.zeros(len(w)))
+
+
+def test_the_blend_of_a_thousand_sources_is_the_rule_mid_run():
+    rng = np.random.default_rng(8)
+    w = rng.random(1000)
+    w /= w.sum()
+    drawn = np.bincount(blend(w, 20_000, np.zeros(1000)), minlength=1000)  # 20 samples a source drawn
+    assert blend(w, 600, drawn).tolist() == reference_blend(w, 600, drawn)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -136,6 +182,78 @@ def test_a_resume_continues_the_same_samples_and_changed_weights_continue_each_s
         assert cut.state.counts[name] == (ahead.data.source_of(before) == k).sum()
 
 
+def reference_steps(data: Mixture, weights, batch: int, seed: int, counts: list[int], since: list[int]):
+    """Steps as the module describes them, literally: each sample's source by the rule, then that
+    source's next sample through its epochs (epoch e a seeded permutation, read front to back)."""
+    w, perms = [x / sum(weights) for x in weights], {}
+    while True:
+        step = []
+        for k in reference_blend(w, batch, [c - s for c, s in zip(counts, since)]):
+            epoch, at = divmod(counts[k], int(data.sizes[k]))
+            if (k, epoch) not in perms:
+                rng = np.random.default_rng([seed, zlib.crc32(data.names[k].encode()), epoch])
+                perms[k, epoch] = rng.permutation(int(data.sizes[k]))
+            step.append(int(data.offsets[k] + perms[k, epoch][at]))
+            counts[k] += 1
+        yield step, list(counts)
+
+
+def many_sources(config, n: int) -> Mixture:
+    """n sources over the fixture's two prepared ones (each its own name, so its own orders): one
+    of ~18 samples, read through several epochs a step."""
+    cfg = load_config(config, [], world_size=1)
+    train = open_mixture(cfg, open_sources(cfg), 8, 0, 1)[0]
+    return Mixture([f"s{k}" for k in range(n)], [train.readers[k % 2] for k in range(n)], train.seq_len)
+
+
+def test_the_sampler_reads_the_rule_literally_across_epochs_and_a_weight_change(setup):
+    _, config = setup
+    data = many_sources(config, 12)
+    rng = np.random.default_rng(3)
+    weights = rng.random(12).tolist()
+    sampler = MixtureSampler(data, weights, 96, 11, 0, 1)
+    reference = reference_steps(data, weights, 96, 11, [0] * 12, [0] * 12)
+    for _ in range(15):
+        step, counts = next(reference)
+        assert sampler.next_global().tolist() == step
+        assert list(sampler.state.counts.values()) == counts
+    # The same position with other weights: each source continues where it stopped.
+    other = rng.random(12).tolist()
+    changed = MixtureSampler(data, other, 96, 11, 0, 1)
+    changed.state.load_state_dict(sampler.state.state_dict())
+    reference = reference_steps(data, other, 96, 11, counts, list(counts))
+    for _ in range(15):
+        assert changed.next_global().tolist() == next(reference)[0]
+
+
+def test_a_fork_reading_ahead_works_each_step_out_once_and_hands_it_over(setup):
+    _, config = setup
+    data = many_sources(config, 12)
+    weights = np.random.default_rng(4).random(12).tolist()
+    reference = reference_steps(data, weights, 64, 5, [0] * 12, [0] * 12)
+    expected = [next(reference)[0] for _ in range(8)]
+    owner = MixtureSampler(data, weights, 64, 5, 0, 1)
+    ahead = owner.fork()
+    assert [ahead.next_global().tolist() for _ in range(3)] == expected[:3]
+    assert len(owner._ahead) == 3  # left for the owner, which takes them instead of working them out
+    assert [owner.next_global().tolist() for _ in range(2)] == expected[:2] and len(owner._ahead) == 1
+    assert [owner.next_global().tolist() for _ in range(6)] == expected[2:]  # and past what the fork read
+
+    # An owner moved elsewhere after forking (a checkpoint loaded) takes none of the fork's steps,
+    # not even the one the fork worked out at the same sample count (from other counts).
+    moved = MixtureSampler(data, weights, 64, 5, 0, 1)
+    stale = moved.fork()
+    for _ in range(4):  # from samples 0, 64, 128 and 192, left for `moved`
+        stale.next_global()
+    elsewhere = MixtureSampler(data, np.random.default_rng(5).random(12).tolist(), 64, 5, 0, 1)
+    for _ in range(2):  # samples 128, drawn by other weights
+        elsewhere.next_global()
+    moved.state.load_state_dict(elsewhere.state.state_dict())
+    counts = list(moved.state.counts.values())
+    reference = reference_steps(data, weights, 64, 5, counts, list(counts))
+    assert [moved.next_global().tolist() for _ in range(3)] == [next(reference)[0] for _ in range(3)]
+
+
 # ---------------------------------------------------------------------------------------------
 # check-config
 
@@ -173,7 +291,8 @@ def test_check_config_names_every_mixture_problem_on_its_own_line(setup, write_c
 def test_a_3_to_1_mixture_trains_3_to_1_and_resumes_on_another_world_size_on_the_same_curve(setup):
     root, config = setup
     runs = root / "home" / "runs"
-    cli("train", "--config", config, "--set", "run.name=whole", check=True)
+    # Read ahead on a thread (its fork of the sampler works the steps out for the trainer's).
+    cli("train", "--config", config, "--set", "run.name=whole", "--set", "data.prefetch_steps=2", check=True)
     torchrun(2, "train", "--config", config, "--set", "run.name=cut", "--set", "train.max_steps=8")
     resumed = cli("train", "--config", config, "--set", "run.name=cut", check=True)
     assert "resumed" in resumed.stdout and "saved by 2 ranks" in resumed.stdout
