@@ -3,7 +3,7 @@
 # node (compute nodes usually have no internet). Complete downloads are skipped next time.
 #
 #   bash download_data_model.sh [--config FILE] [--model ID] [--dataset ID] [--allow-pattern GLOB]
-#                               [--dataset-allow-pattern GLOB] [--force]
+#                               [--dataset-allow-pattern GLOB] [--config-only] [--force]
 set -euo pipefail
 
 REPO="$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)"
@@ -23,6 +23,9 @@ Usage: bash download_data_model.sh [options]
   --dataset-allow-pattern GLOB
                          only the dataset's files matching, repeatable
                          [DATASET_ALLOW_PATTERNS], e.g. 'data/train-*'
+  --config-only          only the model's config and tokenizer files (megabytes), no weights,
+                         no dataset: enough for `llmtrain estimate`; a later run without it
+                         fetches the rest
   --force                download again even if complete [FORCE_REFRESH=1]
 
 Gated models: set HF_TOKEN or log in once with `hf auth login`; the token is never printed.
@@ -51,7 +54,7 @@ main() {
       --config) config="${2:?--config needs a file}"; shift 2 ;;
       --model | --dataset | --revision | --dataset-revision | --allow-pattern | --dataset-allow-pattern)
         args+=("$1" "${2:?$1 needs a value}"); shift 2 ;;
-      --force) args+=(--force); shift ;;
+      --force | --config-only) args+=("$1"); shift ;;
       -h | --help) usage; exit 0 ;;
       *) echo "download_data_model.sh: unknown option: $1" >&2; usage; exit 2 ;;
     esac

@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from conftest import DEMO, REPO, tiny_config
+from conftest import DEMO, REPO, cli, tiny_config
 from hub_server import Hub, Repo
 
 SECRET = "hf_secretTOKEN1234567890"
@@ -187,3 +187,58 @@ def test_no_network_is_one_line_and_leaves_no_empty_folder(env, tmp_path):
     assert not (home / "models" / "org").exists()
     assert not [p for p in home.rglob("*") if p.is_dir() and not any(p.iterdir())
                 and p.name not in ("models", "datasets")]
+
+
+def test_the_estimate_needs_only_the_config_files_and_names_their_download(env, config, hub):
+    """`llmtrain estimate` reads the model's config.json, not its weights (~140 GB for Llama 3
+    70B): with nothing on disk its one line names the download of the config and tokenizer
+    files alone; that fetches those top-level files (no weights, not Meta's original/ copy, no
+    dataset) and the estimate counts the parameters the weight file holds. Such a folder is not
+    a model to train from, and a full download later fetches the weights."""
+    from safetensors.torch import load
+    repo = hub.repos[("model", "org/tiny")]
+    repo.files["original/consolidated.00.pth"] = os.urandom(64 << 10)
+    repo.files["original/tokenizer.model"] = b"spm"
+    # tp 2 on the slurm section's 2 processes: the download checks the config for those, not
+    # for 1 process (which refused configs/llama3-70b.yaml's tp 8 before anything was fetched)
+    config.write_text(yaml.safe_dump({**yaml.safe_load(config.read_text()), "parallel": {"tp": 2}}))
+    home = Path(env["LLMTRAIN_HOME"])
+    folder = home / "models" / "org" / "tiny"
+    offline = {"LLMTRAIN_HOME": str(home), "HF_HUB_OFFLINE": "1"}
+
+    missing = cli("estimate", "--config", config, env=offline)
+    assert missing.returncode == 1
+    command = f"bash download_data_model.sh --config {config} --config-only"
+    assert missing.stderr.splitlines() == [
+        f"error: model.name_or_path: org/tiny is not on disk (looked in {folder}); the estimate "
+        f"needs only its config files, not the weights: {command}"]
+
+    got = download(env, *command.split()[2:])
+    assert got.returncode == 0, got.stderr
+    fetched = {str(p.relative_to(folder)): p.stat().st_size for p in folder.rglob("*")
+               if p.is_file() and p.name != ".llmtrain-download.json"}
+    assert sorted(fetched) == ["config.json", "generation_config.json", "tokenizer.json",
+                               "tokenizer_config.json"]
+    assert repo.gets == len(fetched) and sum(fetched.values()) < 25_000  # the weights: 170 KB
+    assert not (home / "datasets").exists()
+    est = cli("estimate", "--config", config, env=offline)
+    params = sum(t.numel() for t in load(repo.files["model.safetensors"]).values())
+    assert est.returncode == 0, est.stderr
+    assert est.stdout.startswith(f"llama: {params:,} parameters ({params:,} trainable)")
+
+    # Not a model to train: check-config says so, submit (--offline's checks) refuses.
+    no_weights = (f"model.name_or_path: org/tiny has no weights yet (no model.safetensors, "
+                  f"pytorch_model.bin or index of either in {folder}); run: bash "
+                  f"download_data_model.sh --config {config}")
+    check = cli("check-config", config, env=offline)
+    assert check.returncode == 0 and f"note: {no_weights}" in check.stderr.splitlines()
+    check = cli("check-config", config, "--offline", env=offline)
+    assert check.returncode == 2 and no_weights in check.stderr.splitlines()
+
+    full = download(env, "--config", config)
+    assert full.returncode == 0, full.stderr
+    assert (folder / "model.safetensors").read_bytes() == repo.files["model.safetensors"]
+    assert no_weights not in cli("check-config", config, env=offline).stderr
+    again = download(env, "--config", config, "--config-only")  # never replaces the weights by less
+    assert again.returncode == 0 and "model org/tiny: up to date" in again.stdout
+    assert (folder / "model.safetensors").is_file()

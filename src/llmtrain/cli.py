@@ -8,7 +8,7 @@
     llmtrain generate (--model DIR | --run-dir DIR [--step N]) --prompt TEXT [--chat]
     llmtrain status RUN_DIR|JOB_ID|NAME [--config FILE] [--follow]   # NAME: a run in run.dir
     llmtrain control RUN_DIR save|stop|profile [--steps N] [--ranks 0,8|all]
-    llmtrain download [--config FILE] [--model ID] [--dataset ID] [--force] ...
+    llmtrain download [--config FILE] [--model ID] [--dataset ID] [--config-only] [--force] ...
     llmtrain submit --config FILE [--set ...] [--dry-run | --local] [-- SBATCH ARGS]   # submit.sh
     llmtrain sweep --config FILE --grid SECTION.KEY=V,V ... [--local];  llmtrain sweep status DIR|NAME
     llmtrain bench --config FILE (--nprocs 1,2,4 | --nodes 1,2,4);  llmtrain plot RUN_DIR ...
@@ -387,6 +387,9 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--dataset-allow-pattern", action="append", dest="dataset_allow_patterns",
                    metavar="GLOB", help="only the dataset's files matching (repeatable), e.g. "
                    "'data/train-*' (default: all)")
+    p.add_argument("--config-only", action="store_true", help="only the model's config and "
+                   "tokenizer files (megabytes), no weights and no dataset: all `llmtrain estimate` "
+                   "reads")
     p.add_argument("--force", action="store_true", help="download again even if complete")
     p.set_defaults(func=cmd_download)
     return ap
@@ -637,15 +640,22 @@ def cmd_requeue(args) -> int:
 
 def cmd_download(args) -> int:
     from .login.download import download, targets
-    cfg = load_config(args.config, args.overrides, world_size=1) if args.config else None
-    todo = targets(cfg, args.model, args.dataset)
+    given = [flag for flag, value in (("--dataset", args.dataset), ("--allow-pattern", args.allow_patterns),
+                                      ("--dataset-allow-pattern", args.dataset_allow_patterns)) if value]
+    if args.config_only and given:
+        raise UserError(f"--config-only: not with {given[0]} (it fetches the model's config and "
+                        f"tokenizer files alone); drop one of them")
+    # Checked for the world size its slurm section asks for, as check-config does (for 1 process,
+    # configs/llama3-70b.yaml's tp 8 was refused: its download could not start).
+    cfg = load_config(args.config, args.overrides) if args.config else None
+    todo = targets(cfg, args.model, args.dataset, datasets=not args.config_only)
     if not todo:
         raise UserError("nothing to download: the config names no hub ids (only local paths); "
                         "or pass --model / --dataset")
     for repo_type, repo_id in todo:
         revision, patterns = ((args.dataset_revision, args.dataset_allow_patterns) if repo_type == "dataset"
                               else (args.revision, args.allow_patterns))
-        download(repo_type, repo_id, revision, patterns, args.force)
+        download(repo_type, repo_id, revision, patterns, args.force, config_only=args.config_only)
     return 0
 
 
@@ -683,8 +693,15 @@ def cmd_estimate(args) -> int:
     if args.world_size is not None and args.world_size < 1:
         raise UserError(f"--world-size: must be >= 1 (got {args.world_size})")
     cfg = load_config(args.config, args.overrides, world_size=args.world_size)
+    from .data.tokenizer import ModelNotFound
     from .login.estimate import report
-    lines, fits = report(cfg, args.gpu_mem, args.world_size)
+    try:
+        lines, fits = report(cfg, args.gpu_mem, args.world_size)
+    except ModelNotFound as e:  # the estimate reads config.json, not the weights (~140 GB for 70B)
+        of = f"--model {e.value}" if args.overrides else f"--config {args.config}"  # a --set may name another
+        fix = (f"the estimate needs only its config files, not the weights: "
+               f"bash download_data_model.sh {of} --config-only")
+        raise ModelNotFound(e.what, e.value, e.path, fix) from None
     print("\n".join(lines))
     return 1 if fits is False else 0  # `llmtrain estimate && bash submit.sh` stops at a run that cannot fit
 

@@ -66,6 +66,18 @@ def on_disk(value: str, kind: Literal["models", "datasets"]) -> bool:
     return bool(source_files(str(path))) if is_glob(str(path)) else path.exists()
 
 
+# A model folder's weights as training reads them (model/weight_files.py): one file or an index
+# of shards, safetensors first.
+WEIGHT_FILES = (("model.safetensors", "model.safetensors.index.json"),
+                ("pytorch_model.bin", "pytorch_model.bin.index.json"))
+
+
+def has_weights(folder: Path) -> bool:
+    """Whether a model folder holds weights to train from: one with its config and tokenizer
+    files alone (download_data_model.sh --config-only, for the estimate) does not."""
+    return any((folder / name).is_file() for pair in WEIGHT_FILES for name in pair)
+
+
 def file_suffix(path: Path) -> str:
     """The format suffix of a data file, under its compression: docs.jsonl.gz -> .jsonl."""
     inner = Path(path.stem).suffix if path.suffix in COMPRESSED else ""

@@ -10,7 +10,16 @@ from .sources import local_path, tokenizer_source
 
 
 class ModelNotFound(UserError):
-    pass
+    """A model key's folder is missing; `fix` says what to download (the estimate needs less
+    than training: its config files alone)."""
+
+    def __init__(self, what: str, value: str, path: Path,
+                 fix: str = "download it on the login node with: bash download_data_model.sh"):
+        self.what, self.value, self.path, self.fix = what, value, path, fix
+        super().__init__(f"{what}: {value} is not on disk (looked in {path}); {fix}")
+
+    def __reduce__(self):  # pickled whole (Exception's default passes only the message)
+        return type(self), (self.what, self.value, self.path, self.fix)
 
 
 def local_model_dir(value: str, what: str) -> Path:
@@ -18,10 +27,7 @@ def local_model_dir(value: str, what: str) -> Path:
     download nothing."""
     path = local_path(value, "models")
     if not path.is_dir():
-        raise ModelNotFound(
-            f"{what}: {value} is not on disk (looked in {path}); download it on the login node "
-            f"with: bash download_data_model.sh"
-        )
+        raise ModelNotFound(what, value, path)
     return path
 
 

@@ -1,7 +1,7 @@
 """`llmtrain download`: hub models and datasets into the shared layout, once, atomically.
 
     llmtrain download [--config FILE] [--model ID] [--dataset ID] [--revision REV]
-                      [--dataset-revision REV] [--allow-pattern GLOB ...] [--force]
+                      [--dataset-revision REV] [--allow-pattern GLOB ...] [--config-only] [--force]
 
 Uses huggingface_hub's own client (`snapshot_download`; HF_ENDPOINT, HF_TOKEN and the token
 file are honoured by it). Each repo lands in `$LLMTRAIN_HOME/{models,datasets}/<id>`:
@@ -23,10 +23,18 @@ from ..config import Config, UserError
 from ..data.sources import HOME_VAR, is_hub_id, tokenizer_source
 
 MARKER = ".llmtrain-download.json"
+# --config-only: what `llmtrain estimate` reads of a model (config.json) and what makes its folder
+# a tokenizer (prepare, check-config's vocabulary check), top-level files only: ~10 MB where the
+# weights are ~140 GB (Llama 3 70B). Nothing under original/, where Meta's repos keep another copy
+# of the weights. Globs match the whole path (huggingface_hub's fnmatch).
+CONFIG_FILES = ["config.json", "generation_config.json", "tokenizer*", "special_tokens_map.json",
+                "added_tokens.json", "vocab.json", "vocab.txt", "merges.txt", "chat_template.*"]
 
 
-def targets(cfg: Config | None, model: str | None, dataset: str | None) -> list[tuple[str, str]]:
-    """(repo_type, repo_id) to fetch: the flags, else the hub ids the config names."""
+def targets(cfg: Config | None, model: str | None, dataset: str | None,
+            datasets: bool = True) -> list[tuple[str, str]]:
+    """(repo_type, repo_id) to fetch: the flags, else the hub ids the config names (its
+    datasets only with `datasets`)."""
     found = []
     if model:
         found.append(("model", model))
@@ -37,24 +45,29 @@ def targets(cfg: Config | None, model: str | None, dataset: str | None) -> list[
             for source in (cfg.model.name_or_path, tokenizer_source(cfg)):
                 if source and is_hub_id(source):
                     found.append(("model", source))
-        for one in cfg.source_configs() if not dataset else []:  # a mixture's sources, all
+        for one in cfg.source_configs() if datasets and not dataset else []:  # a mixture's sources, all
             if is_hub_id(one.data.dataset):
                 found.append(("dataset", one.data.dataset))
     return list(dict.fromkeys(found))
 
 
 def download(repo_type: str, repo_id: str, revision: str | None, allow_patterns: list[str] | None,
-             force: bool, log=print) -> Path:
+             force: bool, log=print, config_only: bool = False) -> Path:
+    """config_only: CONFIG_FILES alone. The marker records the patterns, so a full download
+    later fetches the weights; and a finished download of the revision already holds more than
+    CONFIG_FILES, so config_only keeps it rather than replace its weights by less."""
     home = os.environ.get(HOME_VAR)
     if not home:
         raise UserError(f"{HOME_VAR} is not set: source the env.sh that setup.sh wrote")
     dest = Path(home) / f"{repo_type}s" / repo_id
     dest.parent.mkdir(parents=True, exist_ok=True)
+    allow_patterns = CONFIG_FILES if config_only else allow_patterns or None
     wanted = {"repo_id": repo_id, "repo_type": repo_type, "revision": revision or "main",
-              "allow_patterns": allow_patterns or None}
+              "allow_patterns": allow_patterns}
     with _lock(Path(home) / f"{repo_type}s" / ".locks" / (repo_id.replace("/", "--") + ".lock")):
         marker = _read_marker(dest)
-        if not force and marker and {k: marker.get(k) for k in wanted} == wanted:
+        same = ("repo_id", "repo_type", "revision") if config_only else wanted
+        if not force and marker and {k: marker.get(k) for k in same} == {k: wanted[k] for k in same}:
             log(f"{repo_type} {repo_id}: up to date (commit {marker['commit']}) in {dest}")
             return dest
         from huggingface_hub import HfApi, snapshot_download
@@ -66,7 +79,7 @@ def download(repo_type: str, repo_id: str, revision: str | None, allow_patterns:
             shutil.rmtree(tmp, ignore_errors=True)
             log(f"{repo_type} {repo_id}: downloading commit {info.sha} into {dest}")
             snapshot_download(repo_id, repo_type=repo_type, revision=info.sha, local_dir=tmp,
-                              allow_patterns=allow_patterns or None)
+                              allow_patterns=allow_patterns)
         except GatedRepoError:
             raise UserError(f"{repo_type} {repo_id} is gated: accept its terms on the hub, then set "
                             f"HF_TOKEN or run `hf auth login`") from None

@@ -33,7 +33,7 @@ import time
 from pathlib import Path
 
 from ..config import Config, ConfigError, UserError, dump_yaml, load_config
-from ..data.sources import local_path, on_disk, tokenizer_source
+from ..data.sources import has_weights, is_hub_id, local_path, on_disk, tokenizer_source
 from ..files import read_json
 from ..optimizers import OPTIMIZERS
 from ..rundir import RunPaths
@@ -97,6 +97,12 @@ def refusals(cfg: Config, config: str | os.PathLike, *, offline: bool, launch: b
         for source, kind, what in ((cfg.model.name_or_path, "models", "model.name_or_path"),
                                    (tokenizer_source(cfg), "models", "model.tokenizer"), *datasets)
         if source and not on_disk(source, kind)))
+    model = cfg.model.name_or_path
+    if model and on_disk(model, "models") and not has_weights(local_path(model, "models")):
+        # its config files alone (download_data_model.sh --config-only): the estimate's, not training's
+        fix = f"run: bash download_data_model.sh --config {config}" if is_hub_id(model) else "copy them there"
+        missing.append(f"model.name_or_path: {model} has no weights yet (no model.safetensors, "
+                       f"pytorch_model.bin or index of either in {local_path(model, 'models')}); {fix}")
     if offline and missing:
         raise ConfigError(missing)
     if launch and cfg.run_dir.is_dir():

@@ -10,12 +10,12 @@ from pathlib import Path
 import torch
 
 from ..config import UserError
+from ..data.sources import WEIGHT_FILES
 
 
 def weight_files(folder: Path) -> dict[str, str]:
     """{tensor name: file name}, from an index or the single file; safetensors first."""
-    for single, index in (("model.safetensors", "model.safetensors.index.json"),
-                          ("pytorch_model.bin", "pytorch_model.bin.index.json")):
+    for single, index in WEIGHT_FILES:
         if (folder / index).is_file():
             return json.loads((folder / index).read_text())["weight_map"]
         if (folder / single).is_file():
