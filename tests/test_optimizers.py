@@ -115,6 +115,104 @@ def test_muon_steps_the_hidden_matrices_along_torchs_muon_and_adamw_the_rest():
     assert 0.5 < float(singular.min()) and float(singular.max()) < 1.5
 
 
+def on_threads(world: int, fn) -> dict:
+    """fn(rank) on `world` threads, each a rank of torch's in-process (threaded) process group:
+    real collectives, one process, and per-thread dispatch modes to measure each rank."""
+    import threading
+    import torch.distributed as dist
+    from torch.testing._internal.distributed.multi_threaded_pg import (ProcessLocalGroup, _install_threaded_pg,
+                                                                       _uninstall_threaded_pg)
+    torch._C._distributed_c10d._set_thread_isolation_mode(True)
+    _install_threaded_pg()
+    store, results, errors = dist.HashStore(), {}, []
+
+    def rank(r: int) -> None:
+        dist.init_process_group("threaded", rank=r, world_size=world, store=store)
+        try:
+            results[r] = fn(r)
+        except BaseException as e:  # wake the other ranks waiting in a collective
+            errors.append(e)
+            ProcessLocalGroup.exception_handle(e)
+        finally:
+            dist.destroy_process_group()
+
+    threads = [threading.Thread(target=rank, args=(r,)) for r in range(world)]
+    try:
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+    finally:
+        _uninstall_threaded_pg()
+        torch._C._distributed_c10d._set_thread_isolation_mode(False)
+    if errors:
+        raise errors[0]
+    return results
+
+
+def test_muon_under_fsdp_x_tp_gives_each_rank_whole_matrices_of_its_share_and_no_gathered_stack():
+    """FSDP2 x tp 2 on 4 ranks (threads): a row-parallel weight (o_proj, down_proj: FSDP2's rows x
+    tp's columns) and a column-parallel one (tp's rows split again by FSDP2: a _StridedShard, 5
+    rows over 2 FSDP2 ranks: 3 and 2), 10 matrices each. Every rank gets its shards of one
+    process's Newton-Schulz; the largest tensor any rank makes is at most its share (ceil(10 / 4)
+    = 3 matrices) plus one: DTensor's redistribute all-gathered the row-parallel stack over tp
+    first (5 matrices under NCCL, the whole stack on CPU). Only all-to-alls, 2 per mesh dimension
+    and stack; each rank orthogonalises 5 of the 20 matrices (each stack from rank 0 on: 6 and 4)."""
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import DTensor, Shard
+    from torch.distributed.tensor.debug import CommDebugMode
+    from torch.distributed.tensor.placement_types import _StridedShard
+    from torch.utils._python_dispatch import TorchDispatchMode
+    from torch.utils.flop_counter import FlopCounterMode
+    from llmtrain.optimizers.muon import newton_schulz, orthogonalised
+
+    class Largest(TorchDispatchMode):
+        """The most elements of any tensor an op returns on this rank (thread)."""
+        most = 0
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            out = func(*args, **(kwargs or {}))
+            for t in out if isinstance(out, (tuple, list)) else [out]:
+                if isinstance(t, torch.Tensor):
+                    self.most = max(self.most, t.numel())
+            return out
+
+    dp, tp, k, rows, cols = 2, 2, 10, 10, 12
+    torch.manual_seed(0)
+    whole = {"row": torch.randn(k, rows, cols), "column": torch.randn(k, rows, cols)}
+    expected = {kind: newton_schulz(w, 5) for kind, w in whole.items()}
+
+    def chunk(x, n, dim, i):  # torch.chunk's i-th of n, empty past the end (as FSDP2's shards)
+        step = -(-x.shape[dim] // n)
+        return x.narrow(dim, min(i * step, x.shape[dim]), max(0, min(step, x.shape[dim] - i * step)))
+
+    def shard(w, kind, d, t):  # FSDP2 splits rows of what tp left: tp's columns, or tp's rows
+        return chunk(chunk(w, tp, 1 if kind == "row" else 0, t), dp, 0, d).contiguous()
+
+    def rank(r: int):
+        mesh = init_device_mesh("cpu", (dp, tp), mesh_dim_names=("shard", "tensor"))
+        d, t = divmod(r, tp)
+        layouts = {"row": (Shard(0), Shard(1)), "column": (_StridedShard(0, split_factor=tp), Shard(0))}
+        params = [DTensor.from_local(shard(w, kind, d, t), mesh, layouts[kind], shape=w.shape, stride=w.stride(),
+                                     run_check=False) for kind in layouts for w in whole[kind]]
+        with CommDebugMode() as comm, Largest() as largest, FlopCounterMode(display=False) as flops:
+            out = orthogonalised(params, [p.to_local() for p in params], 5)
+        error = max(float((o - shard(e, kind, d, t)).abs().max())
+                    for o, (kind, e) in zip(out, [(kind, e) for kind in layouts for e in expected[kind]]))
+        dist.barrier()
+        return error, largest.most, dict(comm.get_comm_counts()), flops.get_total_flops()
+
+    ranks = on_threads(dp * tp, rank)
+    assert max(error for error, *_ in ranks.values()) < 1e-6
+    assert max(most for _, most, *_ in ranks.values()) <= (-(-k // (dp * tp)) + 1) * rows * cols
+    assert {str(op): n for op, n in ranks[0][2].items()} == {"c10d_functional.all_to_all_single": 8}
+    one = FlopCounterMode(display=False)
+    with one:
+        newton_schulz(whole["row"][:1], 5)
+    assert [f for *_, f in ranks.values()] == [2 * k // (dp * tp) * one.get_total_flops()] * (dp * tp)
+
+
 @pytest.mark.parametrize("train,line", [
     ({"optimizer": "lion", "optimizer_args": {"momentum": 0.9}},
      "train.optimizer_args: lion takes no 'momentum' (takes: betas)"),

@@ -61,15 +61,22 @@ whole sequence, seq_len^2 / c bytes a row, held by the step (one per kind of lay
 one); each layer attending under it keeps the keys and values repeated to every query head, p 2 a
 d seq_len, and the mask made a bias in p that SDPA saves for backward, p seq_len^2 / c a row.
 
-The peak is the largest total of four moments: the loss at the end of forward (every activation
-kept), the backward of the last layer and of the first (the other layers' gradients reduced),
-and the root's reduce-scatter (FSDP2). It is tensor memory, what torch.cuda.max_memory_allocated
-reports; the CUDA context, NCCL's own buffers and fragmentation come on top, so a run fits when
-the total is within 90% of the GPU's memory (HEADROOM). It matches the peaks torch's memory
-tracker measures in the trainer's own steps within a few percent (tests/test_estimate.py,
-doc/benchmarks.md), and max_memory_allocated on an H100 within 3% (0.973-1.023: DDP and FSDP2,
-with and without activation checkpointing, tests/test_gpu.py), for Llama-style layers (RMSNorm,
-gated MLP) run eagerly (not compiled).
+Muon (train.optimizer: muon) adds a moment, its optimizer step: every gradient, the fp32 update
+and result of each hidden-matrix parameter the rank holds (8 bytes each), and the largest stack
+of whole matrices it orthogonalises at once, ceil(k / n) of the k matrices of one shape and
+layout (n: the ranks a matrix is split over, shard x tp; without either, one matrix at a time),
+with Newton-Schulz's work on them, 4 (4 M + 2 s^2) bytes a matrix of M elements and shorter
+side s (optimizers/muon.py), in the comm row. 405B on 512 GPUs (fsdp x tp 8): 21 GiB, the peak.
+
+The peak is the largest total of four moments (five with Muon): the loss at the end of forward
+(every activation kept), the backward of the last layer and of the first (the other layers'
+gradients reduced), and the root's reduce-scatter (FSDP2). It is tensor memory, what
+torch.cuda.max_memory_allocated reports; the CUDA context, NCCL's own buffers and fragmentation
+come on top, so a run fits when the total is within 90% of the GPU's memory (HEADROOM). It
+matches the peaks torch's memory tracker measures in the trainer's own steps within a few
+percent (tests/test_estimate.py, doc/benchmarks.md), and max_memory_allocated on an H100 within
+3% (0.973-1.023: DDP and FSDP2, with and without activation checkpointing, tests/test_gpu.py),
+for Llama-style layers (RMSNorm, gated MLP) run eagerly (not compiled).
 """
 
 from __future__ import annotations
@@ -93,6 +100,7 @@ GPU_MEMORY_GIB = [
     (r"\bl4\b", "L4", 24), (r"a10g?\b", "A10", 24), (r"v100[-_ ]?32", "V100 32GB", 32),
     (r"v100", "V100 (the 16GB model assumed)", 16), (r"mi300x", "MI300X", 192), (r"mi250x?", "MI250", 64),
 ]
+MUON_STEP = "Muon's optimizer step (its updates, a stack orthogonalised)"
 ROWS = {"parameters": "parameters", "gradients": "gradients", "optimizer": "optimizer state",
         "param_copies": "param copies", "activations": "activations", "loss": "loss", "comm": "comm buffers"}
 
@@ -123,6 +131,7 @@ class ModelShape:
     gated: bool  # a gated MLP (SwiGLU), as Llama's
     chunked: bool  # the loss runs in chunks (train.chunked_loss and a plain linear head)
     windows: tuple = (None,)  # each kind of layer's sliding window (model/attention.layer_windows), None: none
+    layer_weights: tuple = ()  # (name, rows, cols) of the largest layer's trained matrices: Muon's stacks
 
 
 @dataclass(frozen=True)
@@ -191,6 +200,8 @@ def model_shape(cfg: Config) -> ModelShape:
         gated=any("gate" in name for name in largest),
         chunked=cfg.train.chunked_loss and chunk_head(model, config) is not None,
         windows=_windows(config),
+        layer_weights=tuple((n.split(".")[-2], *p.shape) for n, p in largest.items()
+                            if p.ndim == 2 and p.requires_grad),
     )
 
 
@@ -297,15 +308,38 @@ def estimate(cfg: Config, world_size: int | None = None, micro_batch: int | None
                                                kept + recompute + backward, 0, 0),
             "the backward of the first layer": (grads, cast, layer_acts + backward + mask, 0, 0),
         }
-    phase, (gradients, copies, activations, loss_bytes, comm) = max(
-        phases.items(), key=lambda item: sum(item[1]))
     # each part's share of this rank's trainable parameters: the hidden matrices and the rest
     hidden = whole.layers * whole.layer_matrix_params / max(1, whole.trainable)
+    if t.optimizer == "muon":  # every gradient there; the updates and a stack of whole matrices
+        stacked = sharded or tp > 1  # DTensors: stacks handed out over the ranks that split a matrix
+        phases[MUON_STEP] = (grads, 0, 0, 0, _muon_step(
+            whole, shard * tp if sharded else tp, stacked, tp,
+            round(hidden * _sharded(whole, shard, trainable_only=True, tp=tp))))
+    phase, (gradients, copies, activations, loss_bytes, comm) = max(
+        phases.items(), key=lambda item: sum(item[1]))
     optimizer = round(state_bytes(t.optimizer, 1, hidden) * _sharded(whole, shard, trainable_only=True, tp=tp))
     return Estimate(parameters=params, gradients=gradients + deferred, optimizer=optimizer,
                     param_copies=copies, activations=activations, loss=loss_bytes, comm=comm,
                     phase=phase, params=whole.params, trainable=whole.trainable, world_size=world,
                     shard_size=shard, micro_batch=micro, tp=tp)
+
+
+def _muon_step(m: ModelShape, ranks: int, stacked: bool, tp: int, hidden: int) -> int:
+    """Muon's step (optimizers/muon.py): the fp32 update and result of each of the rank's `hidden`
+    matrix parameters, and the largest stack it orthogonalises at once, ceil(k / ranks) whole
+    matrices of the k of one layout (one matrix at a time where none is a DTensor), with
+    Newton-Schulz's work on them: 4 (4 M + 2 s^2) bytes a matrix of M elements, s its shorter
+    side. torch's memory tracker measures 0.95-0.98 of it over a step in one process
+    (tests/test_estimate.py), 0.93-1.04 of a stack's part on 4 ranks of FSDP2 x tp 2."""
+    from collections import Counter
+
+    from ..parallel.tensor import PLANS
+    plan = PLANS.get(m.model_type)
+    row = {plan.rows, plan.mlp_rows} if tp > 1 and plan else set()  # row-parallel: their own stacks
+    stacks = Counter((name in row, rows, cols) for name, rows, cols in m.layer_weights)
+    work = max((4 * (-(-count * m.layers // ranks) if stacked else 1) * (4 * rows * cols + 2 * min(rows, cols) ** 2)
+                for (_, rows, cols), count in stacks.items()), default=0)
+    return 8 * hidden + work
 
 
 def _sharded(m: ModelShape, shard: int, trainable_only: bool, tp: int = 1) -> int:
@@ -486,6 +520,8 @@ def _descriptions(cfg: Config, est: Estimate, shape: ModelShape) -> dict[str, st
         grads = "fp32 shards; unsharded ones in flight (the head's, a layer's)"
         copies = f"{precision}: the root (embeddings, head) and the layers gathered now"
         comm = "the prefetched layer's all-gather, a reduce-scatter input"
+    if est.phase == MUON_STEP:
+        comm = "Muon's fp32 updates and results, a stack's whole matrices and Newton-Schulz's work"
     stored = "fp32"
     if shape.trainable < shape.params and precision != "fp32":  # parallel/wrap.store_frozen_base
         stored = (f"adapters fp32, the frozen base {precision}"

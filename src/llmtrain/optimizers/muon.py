@@ -15,14 +15,16 @@ optimizer_args.adamw_lr_scale.
 Newton-Schulz needs each matrix whole, in fp32 here. Under FSDP2/HSDP and tensor parallel every
 rank holds a shard of every matrix: orthogonalising shards is wrong, and gathering every matrix
 on every rank (torch.optim.Muon on DTensors) moves the whole model to every rank and repeats the
-work there. Here the matrices of one shape (one per layer) are stacked and the stack is
-redistributed from "every rank a shard of every matrix" to "every rank whole matrices of its
-share of the stack": one all-to-all (DTensor Shard(1) -> Shard(0)), then each rank
-orthogonalises its own matrices, and a second all-to-all brings each rank its shards of the
-results back. Each rank receives about as many bytes as its shards hold, not the model's, and
-does 1/n of the Newton-Schulz work (n: the ranks a matrix is sharded over; replicas of HSDP
-repeat it). On gloo DTensor falls back to all-gather + chunk for the all-to-all: the same
-numbers, more traffic; NCCL runs the real one.
+work there. Here the matrices of one shape and layout (one per layer) are stacked and the stack
+is moved from "every rank a shard of every matrix" to "every rank whole matrices of its share of
+the stack": one all-to-all per mesh dimension that splits the matrix (FSDP2: one; FSDP2 x tp:
+over the shard ranks, then the tp ranks), each gathering that dimension's part of the matrices
+while it hands the stack out; each rank orthogonalises its own matrices; the same all-to-alls
+backwards bring each rank its shards of the results. A rank never holds more than its shards or
+its share of whole matrices (DTensor's redistribute to the same placements all-gathers a
+row-parallel weight's tp slices first: tp x the shards, 6.4 GiB of down_proj per rank at 405B on
+64 x 8 ranks), receives about as many bytes as its shards hold, and does 1/n of the Newton-Schulz
+work (n: the ranks a matrix is sharded over; replicas of HSDP repeat it).
 
 A step with `found_inf` (0-dim, on the device) set to 1 changes nothing: every change is scaled
 by (1 - found_inf), no host read.
@@ -108,7 +110,10 @@ class Muon(torch.optim.Optimizer):
 def orthogonalised(params: list, updates: list, steps: int) -> list[torch.Tensor]:
     """NewtonSchulz5 of each parameter's update (this rank's local part in, its local part of
     the orthogonalised whole matrix out). Plain tensors (DDP, one process) are whole already;
-    sharded ones (DTensors) go by shape and layout, a stack each (see the module's docstring)."""
+    sharded ones (DTensors) go by shape and layout, a stack each (see the module's docstring).
+    Each stack is handed out from the rank where the last one ended: started at rank 0 every
+    time, the few ranks that got a matrix of one stack got one of every stack (405B on 64 x 8
+    ranks: the busiest rank 3x the mean work, half the ranks idle)."""
     out: list = [None] * len(params)
     stacks = defaultdict(list)
     for i, p in enumerate(params):
@@ -116,18 +121,139 @@ def orthogonalised(params: list, updates: list, steps: int) -> list[torch.Tensor
             stacks[(tuple(p.shape), p.device_mesh, tuple(p.placements))].append(i)
         else:
             out[i] = newton_schulz(updates[i][None], steps)[0]
+    first = 0
     for (shape, mesh, placements), members in stacks.items():
-        for i, o in zip(members, _orthogonalise_stack(shape, mesh, placements, [updates[i] for i in members], steps)):
+        inputs = [updates[i] for i in members]
+        layout = _layout(shape, mesh, placements)
+        done = (_orthogonalise_stack(shape, mesh, *layout, inputs, steps, first) if layout is not None
+                else _orthogonalise_by_redistribute(shape, mesh, placements, inputs, steps))
+        first += len(members)
+        for i, o in zip(members, done):
             out[i] = o
     return out
 
 
-def _orthogonalise_stack(shape, mesh, placements, locals_: list[torch.Tensor], steps: int) -> list[torch.Tensor]:
+def _layout(shape, mesh, placements):
+    """(parts, cuts): the matrix's dimensions cut into one part per mesh dimension that splits
+    them, and (mesh dim, part) of those cuts, in mesh order. An outer split that divides its
+    dimension is a part of its own (a column-parallel weight's tp slices, which FSDP2 splits
+    again: its _StridedShard), the innermost split takes the rest as torch.chunk does (unevenly).
+    None for a layout this does not know: DTensor's redistribute takes it (which may gather)."""
+    if not all(pl.is_replicate() or pl.is_shard() or _strided(pl) for pl in placements):
+        return None
+    parts, cuts = [], []
+    for d, size in enumerate(shape):
+        plain = [i for i, pl in enumerate(placements) if pl.is_shard(d)]
+        strided = [i for i, pl in enumerate(placements) if _strided(pl) and pl.dim == d]
+        if strided and (len(strided) > 1 or any(i < strided[0] for i in plain)
+                        or placements[strided[0]].split_factor != math.prod(mesh.size(i) for i in plain)):
+            return None
+        plain, strided = ([i for i in dims if mesh.size(i) > 1] for dims in (plain, strided))  # no cut
+        order = plain + strided  # outer to inner: a _StridedShard splits what the later dims left
+        outer = math.prod(mesh.size(i) for i in order[:-1])
+        if size % outer:
+            return None
+        for i in order[:-1]:
+            cuts.append((i, len(parts)))
+            parts.append(mesh.size(i))
+        if order:
+            cuts.append((order[-1], len(parts)))
+        parts.append(size // outer)
+    return tuple(parts), tuple(sorted(cuts))
+
+
+def _orthogonalise_stack(shape, mesh, parts, cuts, locals_: list[torch.Tensor], steps: int,
+                         first: int) -> list[torch.Tensor]:
+    """Whole matrices on each rank for its share of the stack: one all-to-all per mesh dimension
+    that splits the matrix, each gathering that dimension's part of the matrices and handing
+    the stack out over its ranks (matrix j to flat rank (first + j) mod n); Newton-Schulz; the
+    same all-to-alls backwards. At no time does a rank hold more than its shards or its share
+    of whole matrices (no gathered stack of shards)."""
+    sizes = [mesh.size(i) for i, _ in cuts]
+    n, k = math.prod(sizes), len(locals_)
+    owner = [(first + j) % n for j in range(k)]  # flat rank, its digits the cuts' coordinates
+    order = sorted(range(k), key=owner.__getitem__)  # a rank's matrices one block, at every cut
+    counts = [owner.count(r) for r in range(n)]
+    coordinate = mesh.get_coordinate()
+    at = [coordinate[i] for i, _ in cuts]
+    # per cut: its process group, the part it splits, that part's pieces over its ranks, how
+    # many matrices each of them gets, this rank's place among them
+    hand_outs = [(mesh.get_group(i), part, _chunks(parts[part], sizes[t]), _held(counts, sizes, at[:t]), at[t])
+                 for t, (i, part) in enumerate(cuts)]
+    mine = list(parts)  # this rank's shard of a matrix, in parts
+    for _, part, pieces, _, me in hand_outs:
+        mine[part] = pieces[me]
+    x = torch.stack([locals_[j] for j in order]).view(k, *mine)
+    for group, part, pieces, sent, me in hand_outs:
+        x = _gathered(x, part, pieces, sent, me, group)
+    x = newton_schulz(x.reshape(-1, *shape), steps).reshape(x.shape)
+    for group, part, pieces, sent, me in reversed(hand_outs):  # back: each rank its shards of the results
+        x = _scattered(x, part, pieces, sent, me, group)
+    out: list = [None] * k
+    for j, o in zip(order, x.reshape(k, *locals_[0].shape).unbind(0)):
+        out[j] = o
+    return out
+
+
+def _gathered(x: torch.Tensor, part: int, pieces: list[int], sent: list[int], me: int, group) -> torch.Tensor:
+    """One all-to-all over a cut's ranks: each sends rank y its next sent[y] matrices (its piece
+    of `part` of them) and joins the pieces all send it of its own matrices along `part`."""
+    per, mine = _per_matrix(x, part), sent[me]
+    received = [mine * per * p for p in pieces]
+    got = _all_to_all(x.reshape(-1), received, [c * per * pieces[me] for c in sent], group)
+    return torch.cat([b.view(mine, *_with(x.shape[1:], part, p)) for b, p in zip(got.split(received), pieces)],
+                     dim=1 + part)
+
+
+def _scattered(x: torch.Tensor, part: int, pieces: list[int], sent: list[int], me: int, group) -> torch.Tensor:
+    """_gathered backwards: each rank's matrices cut along `part`, each piece back to its rank."""
+    per, mine = _per_matrix(x, part), sent[me]
+    send = torch.cat([b.reshape(-1) for b in x.split(pieces, dim=1 + part)])
+    got = _all_to_all(send, [c * per * pieces[me] for c in sent], [mine * per * p for p in pieces], group)
+    return got.view(sum(sent), *_with(x.shape[1:], part, pieces[me]))
+
+
+def _held(counts: list[int], sizes: list[int], prefix: list[int]) -> list[int]:
+    """How many matrices each rank along the next cut gets of those held by the ranks whose
+    first cuts' coordinates are `prefix` (flat rank: the cuts' coordinates, the first outermost)."""
+    stride = math.prod(sizes[len(prefix) + 1:])
+    start = 0
+    for s, c in zip(sizes, prefix):
+        start = start * s + c
+    start *= sizes[len(prefix)]
+    return [sum(counts[(start + y) * stride:(start + y + 1) * stride]) for y in range(sizes[len(prefix)])]
+
+
+def _chunks(size: int, n: int) -> list[int]:
+    """The sizes torch.chunk (DTensor's Shard, FSDP2) cuts `size` into over n ranks."""
+    step = -(-size // n)
+    return [max(0, min(step, size - r * step)) for r in range(n)]
+
+
+def _per_matrix(x: torch.Tensor, part: int) -> int:
+    """Elements of one matrix of stack x per row of its dimension `part`."""
+    return math.prod(s for j, s in enumerate(x.shape[1:]) if j != part)
+
+
+def _with(shape, part: int, size: int) -> tuple:
+    return (*shape[:part], size, *shape[part + 1:])
+
+
+def _all_to_all(send: torch.Tensor, received: list[int], sent: list[int], group) -> torch.Tensor:
+    import torch.distributed._functional_collectives as funcol
+    got = funcol.all_to_all_single(send, received, sent, group)
+    return got.wait() if isinstance(got, funcol.AsyncCollectiveTensor) else got
+
+
+def _orthogonalise_by_redistribute(shape, mesh, placements, locals_: list[torch.Tensor],
+                                   steps: int) -> list[torch.Tensor]:
+    """DTensor's redistribute of the stack to whole matrices and back: right for any layout, but
+    its planner may all-gather a mesh dimension first (a row-parallel weight's tp slices under
+    FSDP2: tp times the shards on every rank)."""
     from torch.distributed.tensor import DTensor, Replicate, Shard
 
     stride_of_one = torch.empty(shape, device="meta").stride()
     stacked_placements = [_shifted(pl) for pl in placements]
-    # whole matrices, the stack split over the mesh dimensions that sharded the matrix
     whole_placements = [Replicate() if pl.is_replicate() else Shard(0) for pl in placements]
     global_shape = torch.Size((len(locals_), *shape))
     stride = (math.prod(shape), *stride_of_one)
@@ -138,10 +264,15 @@ def _orthogonalise_stack(shape, mesh, placements, locals_: list[torch.Tensor], s
     return list(done.redistribute(mesh, stacked_placements).to_local().unbind(0))
 
 
+def _strided(placement) -> bool:
+    """FSDP2's split of a tensor-parallel shard (torch's private _StridedShard), which is_shard()
+    does not claim."""
+    return type(placement).__name__ == "_StridedShard"
+
+
 def _shifted(placement):
-    """A matrix's placement as its place in a stack of matrices (one more leading dimension).
-    FSDP2's split of a tensor-parallel shard is a _StridedShard, which is_shard() does not claim:
-    it keeps its split factor."""
-    if type(placement).__name__ == "_StridedShard":
+    """A matrix's placement as its place in a stack of matrices (one more leading dimension),
+    a _StridedShard with its split factor."""
+    if _strided(placement):
         return type(placement)(placement.dim + 1, split_factor=placement.split_factor)
     return type(placement)(placement.dim + 1) if placement.is_shard() else placement
