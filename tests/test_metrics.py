@@ -97,3 +97,16 @@ def test_provenance_never_carries_a_value_exported_to_the_job(monkeypatch):
     slurm = provenance(1, ["node1"])["slurm"]
     assert slurm["SLURM_EXPORT_ENV"] == "ALL,WANDB_API_KEY=<redacted>,HF_TOKEN=<redacted>"
     assert slurm["SLURM_JOB_ID"] == "4242" and "abc123secret" not in json.dumps(slurm)
+
+
+def test_a_collapse_of_tokens_per_second_is_flagged_once_until_it_recovers():
+    """Windows of tokens/s: the first (start-up, compilation) is no reference; a window under a
+    third of the best so far is flagged once; it is flagged again only after the speed came back
+    above half the best."""
+    from llmtrain.metrics import Slowdown
+    watch = Slowdown()
+    said = [watch.check(speed) for speed in (100, 17_000, 16_000, 5_000, 600, 2_900, 9_000, 600)]
+    assert [i for i, line in enumerate(said) if line] == [3, 7]  # not 4 or 5: still slow, said once
+    assert said[3] == ("warning: 5,000 tokens/s, under 1/3 of this run's best (17,000): is another job using the "
+                       "same cores or GPUs (top, nvidia-smi)? See doc/operations.md, 'A slow or shared machine'")
+    assert Slowdown().check(10) is None and [Slowdown().check(s) for s in (1, 17_000)] == [None, None]

@@ -97,6 +97,33 @@ class Throughput:
         return out
 
 
+class Slowdown:
+    """Flags a collapse of tokens/s within a run: a log window under 1/FACTOR of the run's best
+    window so far (the first window, with start-up and compilation, is not a reference), once,
+    and again only after the speed came back above half the best. Another job on the same cores
+    or GPUs is the usual cause (a local CPU run with 2 threads a process fell from 17,000 to
+    600-2,900 tokens/s when a second job shared the 2 cores)."""
+
+    FACTOR = 3
+
+    def __init__(self):
+        self.best, self.windows, self.flagged = 0.0, 0, False
+
+    def check(self, tokens_per_sec: float) -> str | None:
+        self.windows += 1
+        if self.windows == 1:
+            return None
+        if self.flagged and tokens_per_sec > self.best / 2:
+            self.flagged = False
+        if self.best and tokens_per_sec < self.best / self.FACTOR and not self.flagged:
+            self.flagged = True
+            return (f"warning: {tokens_per_sec:,.0f} tokens/s, under 1/{self.FACTOR} of this run's best "
+                    f"({self.best:,.0f}): is another job using the same cores or GPUs (top, nvidia-smi)? "
+                    f"See doc/operations.md, 'A slow or shared machine'")
+        self.best = max(self.best, tokens_per_sec)
+        return None
+
+
 def peak_memory_gib(device) -> float:
     if device.type == "cuda":
         import torch

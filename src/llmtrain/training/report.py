@@ -15,7 +15,7 @@ import torch.distributed as dist
 from ..config import Config
 from ..data.loader import SampleRows, StepSampler, TokenStream
 from ..data.mixture import MixtureSampler
-from ..metrics import (MetricsWriter, SampleLog, Throughput, peak_flops, peak_memory_gib,
+from ..metrics import (MetricsWriter, SampleLog, Slowdown, Throughput, peak_flops, peak_memory_gib,
                        progress_line)
 from ..model.loss import lm_loss
 from ..parallel.precision import autocast
@@ -72,6 +72,7 @@ class Reporter:
         self.meter = Throughput(t.global_batch_size * cfg.data.seq_len, job.flops_per_step,
                                 peak_flops(world.device, t.precision, t.tf32, t.peak_tflops),
                                 world.world_size, state.step, t.max_steps)
+        self.slowdown = Slowdown()
 
     def after(self, due: Due, verdicts: list[Verdict], loss, grad_norm, lr: float) -> Verdict | None:
         """The step's log line, evaluation and checkpoint, as due or as a verdict asks; returns
@@ -88,8 +89,11 @@ class Reporter:
                          f"{os.environ['TRITON_CACHE_DIR']})")
         if due.logs:
             with self.phase("log"):
-                log_step(self.metrics, log, self.meter.read(state.step), state, loss, grad_norm, lr,
+                speed = self.meter.read(state.step)
+                log_step(self.metrics, log, speed, state, loss, grad_norm, lr,
                          cfg.train, self.world, job.step.scaler, job.sampler)
+                if warning := self.slowdown.check(speed["tokens_per_sec"]):
+                    log.info(warning)
         if due.evals:
             with self.meter.paused(), self.control.paused("eval"), self.phase("eval"), job.step.eval_weights():
                 record = evaluation(job, cfg, self.world)
