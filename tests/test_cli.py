@@ -129,6 +129,12 @@ def test_a_local_run_needs_no_slurm_keys(home, write_config, tmp_path):
         assert "one process (no torchrun needed)" in proc.stdout and f"done: {steps} steps" in proc.stdout
     steps = [r["step"] for r in read_metrics(home / "runs" / "cpu-local") if r["kind"] == "train"]
     assert steps == [1, 2, 3, 4]
+    # Relaunched at its end: said at once, before any trainer starts (it took 10 s of torchrun to say it)
+    again = llmtrain("submit", "--local", "--config", path, "--nproc", "2", "--set", "train.max_steps=4")
+    assert (again.returncode, again.stdout.splitlines()[-1]) == (0, (
+        f"nothing to train: {home}/runs/cpu-local is at step 4 of 4 already; raise train.max_steps (or "
+        f"train.epochs) to train further")), again.stdout + again.stderr
+    assert "torchrun" not in again.stdout
     proc = llmtrain("check-config", path)
     assert proc.returncode == 2
     assert proc.stderr.splitlines() == [

@@ -36,7 +36,7 @@ from ..config import Config, ConfigError, UserError, dump_yaml, load_config
 from ..data.sources import has_weights, is_hub_id, local_path, on_disk, tokenizer_source
 from ..files import read_json
 from ..optimizers import OPTIMIZERS
-from ..rundir import RunPaths
+from ..rundir import CHECKPOINTS, META, RunPaths, complete_checkpoints
 from .slurm import prepare_resources, sbatch_command, with_extra_args
 
 DRY_RUN_JOB_ID = "DRY_RUN_JOB_ID"
@@ -299,6 +299,10 @@ def run_local(config: str | os.PathLike, overrides: list[str] | tuple[str, ...] 
     cfg = load_config(config, overrides, world_size=nproc or "local")
     nproc = nproc or cfg.slurm.procs_per_node or 1
     refusals(cfg, config, offline=True, launch=True, cluster=False)
+    if (step := finished_at(cfg)) is not None:  # said now, not after torchrun and its workers start (10 s)
+        print(f"nothing to train: {cfg.run_dir} is at step {step} of {cfg.train.max_steps} already; raise "
+              f"train.max_steps (or train.epochs) to train further")
+        return 0
     from ..data.prepare import prepare
     # The ranks train from this folder, found once here: none of them reads the source's files.
     folders = [prepare(one) for one in cfg.source_configs()]
@@ -483,6 +487,16 @@ def torchrun_command(nproc: int, config: str | os.PathLike, overrides: list[str]
     --standalone: a private rendezvous on a free local port, so two local runs never meet."""
     return [sys.executable, "-m", "llmtrain.training.torchrun", *options, "--standalone",
             "--nproc-per-node", str(nproc), "-m", *train_command(config, overrides)[2:]]
+
+
+def finished_at(cfg: Config) -> int | None:
+    """The step of the run's newest complete checkpoint where a resume would have nothing to
+    train (it reached train.max_steps); None otherwise (train.epochs: the steps need the data)."""
+    if cfg.train.resume != "auto" or cfg.train.max_steps is None:
+        return None
+    newest = complete_checkpoints(cfg.run_dir / CHECKPOINTS)[:1]
+    step = (read_json(newest[0] / META) or {}).get("step") if newest else None
+    return step if isinstance(step, int) and step >= cfg.train.max_steps else None
 
 
 def thread_share(nproc: int) -> str:
