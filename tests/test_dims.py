@@ -3,6 +3,8 @@ data-parallel ranks the batch is shared over, and the one-line refusals."""
 
 from __future__ import annotations
 
+import contextlib
+
 import pytest
 import yaml
 
@@ -223,3 +225,84 @@ def test_hsdps_default_still_shards_over_a_nodes_data_parallel_ranks(tmp_path, h
     proc = cli("check-config", "--config", tmp_path / "config.yaml", *(a for k in sets for a in ("--set", k)))
     assert proc.returncode == 0 and ", hsdp x tp 2 (4-way shards), fp32; run_dir: " in proc.stdout, proc.stderr
     assert (ParallelDims.from_config(cfg, 2, procs_per_node=2).shard, ParallelDims.from_config(cfg, 2).shard) == (1, 1)
+
+
+@pytest.fixture
+def fake_world(request):
+    """A process group of `request.param` ranks in this process (torch's fake backend: the
+    collectives' planning runs, none moves data), this process rank 1."""
+    import torch.distributed as dist
+    from torch.testing._internal.distributed.fake_pg import FakeStore
+    from llmtrain.parallel import dims
+    dist.init_process_group("fake", store=FakeStore(), rank=1, world_size=request.param)
+    yield request.param
+    dist.destroy_process_group()
+    dims._mesh.cache_clear()  # its meshes hold this group's subgroups
+
+
+@contextlib.contextmanager
+def logged(name: str):
+    """The records logger `name` handles meanwhile (after its filters: what reaches stderr)."""
+    import logging
+    records = []
+    handler = logging.Handler()
+    handler.emit = records.append
+    logger = logging.getLogger(name)
+    logger.addHandler(handler)
+    try:
+        yield records
+    finally:
+        logger.removeHandler(handler)
+
+
+@pytest.mark.parametrize("fake_world,dims,placements", [
+    (4, ParallelDims(4, "fsdp", shard=2, tensor=2), ("S", "S")),
+    (8, ParallelDims(8, "hsdp", replicate=2, shard=2, tensor=2), ("R", "S", "S")),
+], indirect=["fake_world"])
+def test_the_gradient_norm_under_fsdp2_x_tp_is_one_all_reduce_and_no_warning(fake_world, dims, placements):
+    """A weight split by FSDP2 and tensor parallel (as step.py clips it): its gradient's norm is
+    partial over both mesh dimensions; over the flattened (shard, tensor) dimension DTensor sums it
+    in one all-reduce. Unflattened it took two in a row and torch warned on every rank at the first
+    step ("2 sequential all_reduce operations ... flatten mesh dimensions")."""
+    import torch
+    from torch.distributed.tensor import DTensor, Replicate, Shard
+    from torch.distributed.tensor.debug import CommDebugMode
+
+    mesh = dims.mesh("cpu")
+    mesh = mesh if dims.replicate > 1 else mesh["shard", "tensor"]  # where FSDP2 x tp puts the weights
+    layout = [Replicate() if p == "R" else Shard(i % 2) for i, p in enumerate(placements)]
+    params = [DTensor.from_local(torch.ones(4, 8), mesh, layout) for _ in range(2)]
+    for p in params:
+        p.grad = DTensor.from_local(torch.ones(4, 8), mesh, layout)
+    with logged("torch.distributed.tensor._redistribute") as warned, CommDebugMode() as comm:
+        torch.nn.utils.clip_grad_norm_(params, 1.0).full_tensor()
+    assert {str(op): n for op, n in comm.get_comm_counts().items()} == {"c10d_functional.all_reduce": 1}
+    assert [r.getMessage() for r in warned] == []
+
+
+@pytest.mark.parametrize("fake_world", [2], indirect=True)
+def test_the_cpu_all_to_all_fallback_is_not_announced_other_warnings_are(fake_world):
+    """DTensor's Shard(0) -> Shard(1) on a CPU mesh all-gathers and chunks, and torch says so on
+    every rank ("CPU process group does not support alltoall yet"): the trainer's start-up
+    (distributed.init) drops that line, and only that one, from its logger."""
+    import logging
+
+    import torch
+    from torch._logging._internal import warning_once
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import DTensor, Shard
+
+    from llmtrain.training.distributed import quiet_cpu_all_to_all
+
+    logger = logging.getLogger("torch.distributed.tensor._collective_utils")
+    saved = list(logger.filters)
+    try:
+        with logged(logger.name) as seen:
+            quiet_cpu_all_to_all()
+            warning_once.cache_clear()  # torch says it once per process: this test's must be the first
+            mesh = init_device_mesh("cpu", (2,))
+            DTensor.from_local(torch.ones(4, 4), mesh, [Shard(0)]).redistribute(mesh, [Shard(1)])
+            logger.warning("another warning")
+    finally:
+        logger.filters[:] = saved
+    assert [r.getMessage() for r in seen] == ["another warning"]

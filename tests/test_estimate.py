@@ -379,3 +379,17 @@ def test_context_parallel_counts_the_mask_its_attention_keeps_only_where_it_need
     assert masked.activations - plain.activations == kept + mask
     if not checkpointing:
         assert (masked.total - plain.total) / GIB > 80  # what the estimate used to leave out
+
+
+def test_with_fp8_the_table_says_it_counts_memory_as_without(home, write_config):
+    """train.fp8 leaves every figure as it is (the estimate does not model FP8's float8 copies):
+    the table says so under its total, and only then (doc/overview.md, FP8)."""
+    out = {fp8: cli("estimate", "--config", write_config(tiny_config(train={"fp8": fp8}), f"{fp8}.yaml"))
+           for fp8 in ("none", "tensorwise")}
+    assert [p.returncode for p in out.values()] == [0, 0], [p.stderr for p in out.values()]
+    note = ("train.fp8 (tensorwise) is not counted: the figures are memory as without FP8 (its float8 copies "
+            "of activations and weights are not in them)")
+    lines = out["tensorwise"].stdout.splitlines()
+    assert lines[lines.index(note) - 1].startswith("total "), out["tensorwise"].stdout
+    assert "train.fp8" not in out["none"].stdout
+    assert table(out["tensorwise"].stdout) == table(out["none"].stdout)

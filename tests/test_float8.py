@@ -32,16 +32,34 @@ def test_conversion_keeps_the_head_and_odd_shapes_and_the_loss(recipe):
     checkpoints and export do not change) and the first loss is the plain model's within 1%."""
     plain, model = tiny_llama(**ODD_MLP), tiny_llama(**ODD_MLP)
     assert float8.convert(model, recipe, torch.device("cpu"), fsdp=False) == 8
-    assert float8.describe(model, recipe, "bf16", "cpu") == (
+    assert float8.describe(model, recipe, "bf16", "cpu", compiled=True) == (
         f"fp8: 8 of 15 linear layers in float8 ({recipe}); bf16: model.layers.*.mlp.gate_proj, "
         f"model.layers.*.mlp.up_proj, model.layers.*.mlp.down_proj (dims not multiples of 16), "
-        f"lm_head (the output head)")
+        f"lm_head (the output head); on cpu the float8 matmuls are emulated (no float8 tensor cores): "
+        f"FP8's numbers, not its speed")
     assert list(model.state_dict()) == list(plain.state_dict())
     ids = torch.randint(0, 512, (2, 64), generator=torch.Generator().manual_seed(0))
     loss, reference = (m(input_ids=ids, labels=ids).loss for m in (model, plain))
     loss.backward()
     assert abs(loss.item() - reference.item()) < 0.01 * reference.item()
     assert model.model.layers[0].self_attn.q_proj.weight.grad.abs().sum() > 0
+
+
+@pytest.mark.parametrize("device, compiled, said", [
+    ("cpu", False, ["on cpu the float8 matmuls are emulated (no float8 tensor cores): FP8's numbers, not its "
+                    "speed", "train.compile is off: without it FP8 gains nothing on a GPU either (torchao's "
+                    "casts are fused only when compiled)"]),
+    ("cuda", False, ["train.compile is off: without it FP8 gains nothing (torchao's casts are fused only when "
+                     "compiled)"]),
+    ("cuda", True, [])])
+def test_the_start_up_line_says_why_fp8_will_not_be_faster(device, compiled, said):
+    """What keeps FP8 from gaining, after the layers (doc/overview.md: a GPU of compute capability
+    8.9+ and train.compile): emulated matmuls on a CPU, the uncompiled casts anywhere. A compiled
+    run on a GPU gets the layers alone (tests/test_gpu.py)."""
+    model = tiny_llama()
+    float8.convert(model, "tensorwise", torch.device("cpu"), fsdp=False)
+    line = float8.describe(model, "tensorwise", "bf16", device, compiled=compiled)
+    assert line.split("; ")[2:] == said, line  # after the layers and those kept in bf16 (the head)
 
 
 def test_on_gpus_matmuls_too_small_to_gain_stay_in_high_precision():
@@ -145,6 +163,8 @@ def test_fp8_trains_like_bf16_resumes_exactly_and_exports_a_plain_model(setup):
     assert curve[-1][2] < curve[0][2] - 1  # it learns: 6.25 -> 4.83
     log = (run / "logs" / "rank-0.log").read_text()
     assert "fp8: 8 of 15 linear layers in float8 (tensorwise); bf16: model.layers.*.mlp.gate_proj" in log
+    assert ("(the output head); on cpu the float8 matmuls are emulated (no float8 tensor cores): FP8's numbers, "
+            "not its speed; train.compile is off: without it FP8 gains nothing on a GPU either" in log), log
 
     checkpoint = run / "checkpoints" / "step-00000005"
     cli("train", "--config", setup[1], "--set", "run.name=fp8-resumed", *fp8,

@@ -443,6 +443,9 @@ def report(cfg: Config, gpu_mem_gib: float | None = None,
     what = _descriptions(cfg, est, shape)
     lines += [f"{row:<16} {getattr(est, name) / GIB:>7.2f}  {what[name]}" for name, row in ROWS.items()]
     lines.append(f"{'total':<16} {est.total / GIB:>7.2f}  at the peak: {est.phase} (each row at that moment)")
+    if t.fp8 != "none":  # doc/overview.md, FP8
+        lines.append(f"train.fp8 ({t.fp8}) is not counted: the figures are memory as without FP8 (its "
+                     f"float8 copies of activations and weights are not in them)")
     lines += alternatives(cfg, est.world_size, shape, gpu[1] * (1 - HEADROOM) if gpu else None)
     if gpu is None:
         return lines + ["no GPU memory to compare with: pass --gpu-mem GIB, or name the GPU in "

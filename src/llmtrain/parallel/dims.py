@@ -194,7 +194,7 @@ def _mesh(dims: ParallelDims, device_type: str):
     mesh = init_device_mesh(device_type, (dims.replicate, dims.shard * dims.context, dims.tensor),
                             mesh_dim_names=("replicate", "shard", "tensor"))
     if dims.sharded and dims.shard * dims.context > 1 and dims.tensor > 1:
-        pass  # mesh["shard", "tensor"]._flatten("shard_tensor")
+        mesh["shard", "tensor"]._flatten("shard_tensor")
     return mesh
 
 

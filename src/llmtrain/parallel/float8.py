@@ -2,7 +2,7 @@
 through torchao's Float8Linear, on the meta skeleton, before tensor parallel and FSDP2.
 
     convert(model, "tensorwise", device, fsdp=True, compiled=True)   # parallel/wrap.py, before tensor parallel
-    log.info(describe(model, "tensorwise", "bf16", device))   # which layers, and why the others not
+    log.info(describe(model, "tensorwise", "bf16", "cuda", compiled=True))   # which layers, why the others not
 
 Each converted layer casts its input, its weight and (in backward) the output's gradient to
 float8 with a scale computed on the fly (tensorwise: one per tensor, e4m3 forward, e5m2 for
@@ -128,10 +128,12 @@ def is_float8(module: torch.nn.Module) -> bool:
     return type(module).__name__ == "Float8Linear"  # torchao's, without importing it
 
 
-def describe(model: torch.nn.Module, recipe: str, precision: str, device_type: str, tp: int = 1) -> str:
+def describe(model: torch.nn.Module, recipe: str, precision: str, device_type: str, tp: int = 1,
+             compiled: bool = False) -> str:
     """The start-up line: `fp8: 12 of 15 linear layers in float8 (tensorwise); bf16:
     lm_head (the output head), model.layers.*.mlp.down_proj (dims not multiples of 16)`; where
-    FSDP2 gathers their weights in float8, `(tensorwise, weights all-gathered in float8)`."""
+    FSDP2 gathers their weights in float8, `(tensorwise, weights all-gathered in float8)`; then
+    what keeps it from gaining speed (`no_gain`)."""
     reasons = high_precision(model, recipe, device_type, tp)
     linears = [(name, m) for name, m in model.named_modules() if isinstance(m, torch.nn.Linear)]
     converted = sum(is_float8(m) for _, m in linears)
@@ -146,7 +148,23 @@ def describe(model: torch.nn.Module, recipe: str, precision: str, device_type: s
     line = f"fp8: {converted} of {len(linears)} linear layers in float8 ({recipe}{gathered})"
     if kept:
         line += f"; {precision}: " + ", ".join(f"{', '.join(names)} ({reason})" for reason, names in kept.items())
-    return line
+    return line + "".join(f"; {why}" for why in no_gain(device_type, compiled))
+
+
+def no_gain(device_type: str, compiled: bool) -> list[str]:
+    """Why this run's FP8 is no faster than train.precision (for the start-up line): a device
+    without float8 tensor cores runs the float8 matmuls emulated (only CPUs get here: convert
+    refuses GPUs below compute capability 8.9), and without train.compile torchao's casts are
+    not fused, which costs a GPU more than its float8 matmuls save (doc/overview.md, FP8)."""
+    reasons = []
+    if device_type != "cuda":
+        reasons.append(f"on {device_type} the float8 matmuls are emulated (no float8 tensor cores): "
+                       f"FP8's numbers, not its speed")
+    if not compiled:
+        either = " on a GPU either" if reasons else ""
+        reasons.append(f"train.compile is off: without it FP8 gains nothing{either} (torchao's casts "
+                       f"are fused only when compiled)")
+    return reasons
 
 
 def precomputes_scales(model: torch.nn.Module) -> bool:

@@ -8,7 +8,9 @@
 
 from __future__ import annotations
 
+import logging
 import os
+import re
 import socket
 import sys
 import time
@@ -46,6 +48,7 @@ def die_with_launcher() -> None:
 
 def init(cfg: Config) -> World:
     die_with_launcher()
+    quiet_cpu_all_to_all()
     rank = int(os.environ.get("RANK", 0))
     world_size = int(os.environ.get("WORLD_SIZE", 1))
     local_rank = int(os.environ.get("LOCAL_RANK", 0))
@@ -82,6 +85,25 @@ def init(cfg: Config) -> World:
         store = dist.HashStore()
         dist.init_process_group(backend, store=store, rank=0, world_size=1)
     return World(rank, local_rank, world_size, device, store, dims)
+
+
+class _CpuAllToAll(logging.Filter):
+    """torch's "CPU process group does not support alltoall yet, falling back with allgather +
+    chunk!" (logging's, once per process, so once per rank): DTensor's Shard(i) -> Shard(j) on a
+    CPU mesh (gloo runs only) all-gathers and keeps its chunk instead of an all-to-all
+    (torch/distributed/tensor/_collective_utils.py, shard_dim_alltoall). The same numbers, more
+    traffic, on CPUs only, and nothing a user can change (Muon's redistributed stacks met it)."""
+    MESSAGE = re.compile(r"CPU process group does not support alltoall yet, falling back with allgather")
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return not self.MESSAGE.match(record.getMessage())
+
+
+def quiet_cpu_all_to_all() -> None:
+    """Drop only that message, from only its logger (once per process)."""
+    logger = logging.getLogger("torch.distributed.tensor._collective_utils")
+    if not any(isinstance(f, _CpuAllToAll) for f in logger.filters):
+        logger.addFilter(_CpuAllToAll())
 
 
 def pick_device(cfg: Config, local_rank: int) -> torch.device:

@@ -143,7 +143,7 @@ def run(cfg: Config, world: World, watch: Watchdog, run_lock: RunLock) -> None:
     log.info(f"model: {n_params:,} parameters, {world.dims.describe()} on "
              f"{world.device.type}, {t.precision}")
     if t.fp8 != "none":
-        log.info(describe_fp8(unwrap(model), t.fp8, t.precision, world.device.type, world.dims.tensor))
+        log.info(describe_fp8(unwrap(model), t.fp8, t.precision, world.device.type, world.dims.tensor, t.compile))
     if cfg.model.lora is not None:
         lora = cfg.model.lora_spec
         trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)
