@@ -35,7 +35,7 @@ from llmtrain.training import distributed
 from llmtrain.training.checkpoint import Checkpointer
 from llmtrain.data.loader import Batch
 from llmtrain.model.loss import lm_loss
-from llmtrain.training.optim import build_optimizer
+from llmtrain.optimizers import build_optimizer
 
 REPO = Path(__file__).resolve().parents[1]
 
