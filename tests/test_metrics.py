@@ -100,13 +100,15 @@ def test_provenance_never_carries_a_value_exported_to_the_job(monkeypatch):
 
 
 def test_a_collapse_of_tokens_per_second_is_flagged_once_until_it_recovers():
-    """Windows of tokens/s: the first (start-up, compilation) is no reference; a window under a
-    third of the best so far is flagged once; it is flagged again only after the speed came back
-    above half the best."""
+    """Windows of tokens/s: the first (start-up, compilation) is no reference; 3 windows in a row
+    under a third of the typical one (the median so far) are flagged, once; one slow window, as a
+    shared machine gives (3,824 against 11,715 in a CI run of the demo), is not; after the speed
+    came back above half the typical one, a new collapse is flagged again."""
     from llmtrain.metrics import Slowdown
     watch = Slowdown()
-    said = [watch.check(speed) for speed in (100, 17_000, 16_000, 5_000, 600, 2_900, 9_000, 600)]
-    assert [i for i, line in enumerate(said) if line] == [3, 7]  # not 4 or 5: still slow, said once
-    assert said[3] == ("warning: 5,000 tokens/s, under 1/3 of this run's best (17,000): is another job using the "
-                       "same cores or GPUs (top, nvidia-smi)? See doc/operations.md, 'A slow or shared machine'")
-    assert Slowdown().check(10) is None and [Slowdown().check(s) for s in (1, 17_000)] == [None, None]
+    speeds = (100, 17_000, 16_000, 3_800, 16_500, 17_000, 900, 600, 2_900, 700, 650, 12_000, 800, 700, 600)
+    said = [watch.check(speed) for speed in speeds]
+    assert [i for i, line in enumerate(said) if line] == [8, 14]  # not 3 (one window), not 9 or 10 (said once)
+    assert said[8] == ("warning: 2,900 tokens/s for 3 log windows, under 1/3 of this run's typical 16,000: is "
+                       "another job using the same cores or GPUs (top, nvidia-smi)? See doc/operations.md, 'A slow "
+                       "or shared machine'")

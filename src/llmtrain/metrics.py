@@ -98,30 +98,33 @@ class Throughput:
 
 
 class Slowdown:
-    """Flags a collapse of tokens/s within a run: a log window under 1/FACTOR of the run's best
-    window so far (the first window, with start-up and compilation, is not a reference), once,
-    and again only after the speed came back above half the best. Another job on the same cores
-    or GPUs is the usual cause (a local CPU run with 2 threads a process fell from 17,000 to
-    600-2,900 tokens/s when a second job shared the 2 cores)."""
+    """Flags a collapse of tokens/s within a run: RUN log windows in a row under 1/FACTOR of the
+    run's typical window (the median of those so far; the first window, with start-up and
+    compilation, is none), once, and again only after the speed came back above half of it.
+    Another job on the same cores or GPUs is the usual cause (a local CPU run with 2 threads a
+    process fell from 17,000 to 600-2,900 tokens/s when a second job shared the 2 cores); one
+    slow window is noise on a shared machine, and says nothing."""
 
-    FACTOR = 3
+    FACTOR, RUN = 3, 3
 
     def __init__(self):
-        self.best, self.windows, self.flagged = 0.0, 0, False
+        self.speeds: list[float] = []
+        self.slow, self.flagged = 0, False
 
     def check(self, tokens_per_sec: float) -> str | None:
-        self.windows += 1
-        if self.windows == 1:
+        self.speeds.append(tokens_per_sec)
+        typical = sorted(self.speeds[1:-1])[len(self.speeds[1:-1]) // 2] if len(self.speeds) > 2 else None
+        if typical is None:
             return None
-        if self.flagged and tokens_per_sec > self.best / 2:
+        if tokens_per_sec > typical / 2:
             self.flagged = False
-        if self.best and tokens_per_sec < self.best / self.FACTOR and not self.flagged:
-            self.flagged = True
-            return (f"warning: {tokens_per_sec:,.0f} tokens/s, under 1/{self.FACTOR} of this run's best "
-                    f"({self.best:,.0f}): is another job using the same cores or GPUs (top, nvidia-smi)? "
-                    f"See doc/operations.md, 'A slow or shared machine'")
-        self.best = max(self.best, tokens_per_sec)
-        return None
+        self.slow = self.slow + 1 if tokens_per_sec < typical / self.FACTOR else 0
+        if self.slow < self.RUN or self.flagged:
+            return None
+        self.flagged = True
+        return (f"warning: {tokens_per_sec:,.0f} tokens/s for {self.RUN} log windows, under 1/{self.FACTOR} of this "
+                f"run's typical {typical:,.0f}: is another job using the same cores or GPUs (top, nvidia-smi)? "
+                f"See doc/operations.md, 'A slow or shared machine'")
 
 
 def peak_memory_gib(device) -> float:
