@@ -115,6 +115,7 @@ except dist.DistNetworkError:
     assert "TCPStore.cpp" in proc.stderr and "recvVector failed" in proc.stderr
 
 
+@pytest.mark.slow  # it trains: two local launches
 def test_a_local_run_needs_no_slurm_keys(home, write_config, tmp_path):
     """slurm.procs_per_node is what Slurm starts on a CPU-only node; a local run of one process,
     given by --nproc or by default, trains without it (a Slurm submission still asks for it)."""
