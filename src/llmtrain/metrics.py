@@ -98,33 +98,41 @@ class Throughput:
 
 
 class Slowdown:
-    """Flags a collapse of tokens/s within a run: RUN log windows in a row under 1/FACTOR of the
-    run's typical window (the median of those so far; the first window, with start-up and
-    compilation, is none), once, and again only after the speed came back above half of it.
-    Another job on the same cores or GPUs is the usual cause (a local CPU run with 2 threads a
-    process fell from 17,000 to 600-2,900 tokens/s when a second job shared the 2 cores); one
-    slow window is noise on a shared machine, and says nothing."""
+    """Flags a collapse of tokens/s within a run: log windows under 1/FACTOR of the run's typical
+    window (the median of those so far; the first window, with start-up and compilation, is
+    none), RUN of them in a row and for at least SECONDS, once, and again only after the speed
+    came back above half of it. Another job on the same cores or GPUs is the usual cause (a local
+    CPU run with 2 threads a process fell from 17,000 to 600-2,900 tokens/s when a second job
+    shared the 2 cores); a few slow seconds are noise on a shared machine, and say nothing."""
 
-    FACTOR, RUN = 3, 3
+    FACTOR, RUN, SECONDS = 3, 3, 60.0
 
     def __init__(self):
         self.speeds: list[float] = []
-        self.slow, self.flagged = 0, False
+        self.slow, self.slow_since, self.flagged = 0, None, False
+        self.last = None  # the previous window's elapsed_s
 
-    def check(self, tokens_per_sec: float) -> str | None:
+    def check(self, tokens_per_sec: float, elapsed_s: float) -> str | None:
+        """`elapsed_s`: the run's seconds at the end of this window (Throughput.read's)."""
         self.speeds.append(tokens_per_sec)
-        typical = sorted(self.speeds[1:-1])[len(self.speeds[1:-1]) // 2] if len(self.speeds) > 2 else None
-        if typical is None:
+        started, self.last = self.last, elapsed_s
+        earlier = self.speeds[1:-1]
+        if not earlier:
             return None
+        typical = sorted(earlier)[len(earlier) // 2]
         if tokens_per_sec > typical / 2:
             self.flagged = False
-        self.slow = self.slow + 1 if tokens_per_sec < typical / self.FACTOR else 0
-        if self.slow < self.RUN or self.flagged:
+        if tokens_per_sec >= typical / self.FACTOR:
+            self.slow, self.slow_since = 0, None
+            return None
+        self.slow += 1
+        self.slow_since = self.slow_since if self.slow_since is not None else started
+        if self.slow < self.RUN or elapsed_s - self.slow_since < self.SECONDS or self.flagged:
             return None
         self.flagged = True
-        return (f"warning: {tokens_per_sec:,.0f} tokens/s for {self.RUN} log windows, under 1/{self.FACTOR} of this "
-                f"run's typical {typical:,.0f}: is another job using the same cores or GPUs (top, nvidia-smi)? "
-                f"See doc/operations.md, 'A slow or shared machine'")
+        return (f"warning: {tokens_per_sec:,.0f} tokens/s for {elapsed_s - self.slow_since:.0f} s, under "
+                f"1/{self.FACTOR} of this run's typical {typical:,.0f}: is another job using the same cores or "
+                f"GPUs (top, nvidia-smi)? See doc/operations.md, 'A slow or shared machine'")
 
 
 def peak_memory_gib(device) -> float:

@@ -92,7 +92,7 @@ class Reporter:
                 speed = self.meter.read(state.step)
                 log_step(self.metrics, log, speed, state, loss, grad_norm, lr,
                          cfg.train, self.world, job.step.scaler, job.sampler)
-                if warning := self.slowdown.check(speed["tokens_per_sec"]):
+                if warning := self.slowdown.check(speed["tokens_per_sec"], speed["elapsed_s"]):
                     log.info(warning)
         if due.evals:
             with self.meter.paused(), self.control.paused("eval"), self.phase("eval"), job.step.eval_weights():
