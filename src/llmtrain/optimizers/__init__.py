@@ -46,6 +46,7 @@ class OptimizerKind:
     skips_on_device: bool  # step() honours a 0-dim `found_inf` on the device (see above)
     state_bytes: int  # optimizer state per trainable parameter
     about: str = ""  # the state, in llmtrain estimate's breakdown
+    title: str = ""  # its name in the start-up log line
     args: tuple[str, ...] = ()  # the keys train.optimizer_args may set
     splits_embeddings: bool = False  # param groups: hidden matrices, embeddings + head, vectors
     matrix_state_bytes: int | None = None  # with splits_embeddings: the hidden matrices' own
@@ -102,16 +103,17 @@ def _schedulefree_shift(t) -> dict:
 
 
 OPTIMIZERS: dict[str, OptimizerKind] = {
-    "adamw": OptimizerKind(_adamw, _adamw_settings, skips_on_device=True, state_bytes=8,
+    "adamw": OptimizerKind(_adamw, _adamw_settings, skips_on_device=True, state_bytes=8, title="AdamW",
                            about="AdamW: 2 fp32 moments per trainable parameter"),
-    "lion": OptimizerKind(_lion, _lion_settings, skips_on_device=True, state_bytes=4,
+    "lion": OptimizerKind(_lion, _lion_settings, skips_on_device=True, state_bytes=4, title="Lion",
                           about="Lion: 1 fp32 momentum per trainable parameter", args=("betas",)),
     "muon": OptimizerKind(_muon, _muon_settings, skips_on_device=True, state_bytes=8, matrix_state_bytes=4,
+                          title="Muon",
                           about="Muon: 1 fp32 momentum per hidden-matrix parameter, AdamW's 2 moments "
                                 "on embeddings, head and norms",
                           args=("momentum", "ns_steps", "adamw_lr_scale"), splits_embeddings=True),
     "adamw_schedulefree": OptimizerKind(
-        _schedulefree, _adamw_settings, skips_on_device=True, state_bytes=8,
+        _schedulefree, _adamw_settings, skips_on_device=True, state_bytes=8, title="schedule-free AdamW",
         about="schedule-free AdamW: z and the second moment, fp32, per trainable parameter",
         eval_shift=_schedulefree_shift, must_match=("beta1",)),  # y mixes z and x by beta1
 }
@@ -199,22 +201,19 @@ def lr_at(step: int, t) -> float:
     return t.min_lr + 0.5 * (t.lr - t.min_lr) * (1 + math.cos(math.pi * min(1.0, progress)))
 
 
-NAMES = {"adamw": "AdamW", "lion": "Lion", "muon": "Muon", "adamw_schedulefree": "schedule-free AdamW"}
-
-
 def describe(optimizer: "torch.optim.Optimizer", t) -> str:
     """The start-up log line: the optimizer, which parameters each of its parts takes, the lr and
     the schedule, e.g. 'optimizer: Muon on the hidden matrices (12,582,912 parameters), AdamW at
     lr x 1 on the embeddings, head, norms and biases (1,050,624); lr 0.003, weight decay 0.1;
     schedule: 100 warmup steps, then wsd: 0.003 until step 800, linear to 0.0003 at step 1000'."""
-    groups = optimizer.param_groups
+    groups, title = optimizer.param_groups, OPTIMIZERS[t.optimizer].title
     count = lambda some: f"{sum(p.numel() for g in some for p in g['params']):,}"  # noqa: E731
     if OPTIMIZERS[t.optimizer].splits_embeddings:  # build_optimizer's first group: the hidden matrices
-        parts = (f"{NAMES[t.optimizer]} on the hidden matrices ({count(groups[:1])} parameters), AdamW at lr x "
+        parts = (f"{title} on the hidden matrices ({count(groups[:1])} parameters), AdamW at lr x "
                  f"{groups[-1].get('lr_scale', 1.0):g} on the embeddings, head, norms and biases "
                  f"({count(groups[1:])})")
     else:
-        parts = f"{NAMES.get(t.optimizer, t.optimizer)} on {count(groups)} trainable parameters"
+        parts = f"{title} on {count(groups)} trainable parameters"
     return f"optimizer: {parts}; lr {t.lr:g}, weight decay {t.weight_decay:g}; schedule: {describe_schedule(t)}"
 
 
