@@ -31,6 +31,8 @@ MiB of bools a row at 8k tokens, ~0.7 GiB of peak memory with its intermediates)
 
 from __future__ import annotations
 
+import functools
+
 import torch
 import torch.nn.functional as F
 
@@ -93,8 +95,16 @@ def attention_mask(model: torch.nn.Module, positions: torch.Tensor | None, seq: 
     if implementation.startswith("flash_attention") or (implementation == "eager" and positions is None):
         return None
     masks = {kind: document_mask(model, positions, flex, window, seq, device) if positions is not None
-             or window is not None else None for kind, window in layer_windows(model.config, seq).items()}
+             else _window_mask(model, flex, window, seq, device) if window is not None else None
+             for kind, window in layer_windows(model.config, seq).items()}
     return _one_or_by_kind(masks)
+
+
+@functools.lru_cache(maxsize=4)
+def _window_mask(model: torch.nn.Module, flex: bool | None, window: int, seq: int, device):
+    """One sequence's windowed mask depends on its length alone: made once, not every micro-batch
+    (a [seq, seq] boolean on CPU, 64 MiB at 8k tokens; a BlockMask on GPUs)."""
+    return document_mask(model, None, flex, window, seq, device)
 
 
 def _no_window(kwargs: dict, seq: int) -> None:
