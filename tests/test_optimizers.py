@@ -115,6 +115,47 @@ def test_muon_steps_the_hidden_matrices_along_torchs_muon_and_adamw_the_rest():
     assert 0.5 < float(singular.min()) and float(singular.max()) < 1.5
 
 
+def test_param_groups_are_a_pattern_table_first_match_wins():
+    """The groups of a tied GPT-2 (its own names: wte, wpe, Conv1D's c_attn): AdamW's matrices and
+    vectors, Muon's hidden matrices, embeddings (the tied head is wte) and vectors, each group's
+    parameters by name; a table with a name pattern ahead of a broader one takes the attention's
+    matrices first. The checkpoint's estimate counts Muon's hidden matrices at 4 bytes, the rest at 8."""
+    from transformers import GPT2Config, GPT2LMHeadModel
+    from llmtrain.optimizers import build_optimizer, held_state_bytes, named_groups
+    from llmtrain.optimizers.groups import MATRICES_AND_VECTORS, ParamGroup, labelled, param_groups
+    model = GPT2LMHeadModel(GPT2Config(n_embd=32, n_layer=1, n_head=4, vocab_size=64, n_positions=32))
+    names = {id(p): n for n, p in model.named_parameters()}
+    train = dict(optimizer_args={}, lr=0.02, min_lr=0.0, warmup_steps=0, max_steps=10, lr_schedule="constant",
+                 weight_decay=0.1, beta1=0.9, beta2=0.95, eps=1e-8)
+    layer = "transformer.h.0."
+    matrices = [f"{layer}attn.c_attn.weight", f"{layer}attn.c_proj.weight", f"{layer}mlp.c_fc.weight",
+                f"{layer}mlp.c_proj.weight"]
+    vectors = [f"{layer}{m}.{w}" for m in ("ln_1", "attn.c_attn", "attn.c_proj", "ln_2", "mlp.c_fc", "mlp.c_proj")
+               for w in (("weight", "bias") if m.startswith("ln") else ("bias",))] + ["transformer.ln_f.weight",
+                                                                                     "transformer.ln_f.bias"]
+    ends = ["transformer.wte.weight", "transformer.wpe.weight"]
+
+    def groups(optimizer: str) -> dict[str, list[str]]:
+        t = SimpleNamespace(optimizer=optimizer, **train)
+        return {name: sorted(names[id(p)] for p in g["params"])
+                for name, g in named_groups(build_optimizer(model, t, torch.device("cpu")), t).items()}
+
+    assert groups("adamw") == {"matrices": sorted(ends + matrices), "vectors": sorted(vectors)}
+    assert groups("muon") == {"hidden": sorted(matrices), "embeddings and head": sorted(ends),
+                              "vectors": sorted(vectors)}
+    assert model.lm_head.weight is model.transformer.wte.weight  # tied: one parameter, one group
+
+    table = (ParamGroup("attention", ("matrix:*.attn.*",)), *MATRICES_AND_VECTORS)
+    made = param_groups(table, labelled(model))
+    assert [sorted(names[id(p)] for p in g["params"]) for g in made] == [
+        sorted(matrices[:2]), sorted(ends + matrices[2:]), sorted(vectors)]
+
+    t = SimpleNamespace(optimizer="muon", **train)
+    hidden = sum(model.get_parameter(n).numel() for n in matrices)
+    rest = sum(p.numel() for p in model.parameters()) - hidden
+    assert held_state_bytes(build_optimizer(model, t, torch.device("cpu")), t) == 4 * hidden + 8 * rest
+
+
 def on_threads(world: int, fn) -> dict:
     """fn(rank) on `world` threads, each a rank of torch's in-process (threaded) process group:
     real collectives, one process, and per-thread dispatch modes to measure each rank."""
@@ -352,7 +393,7 @@ def test_schedule_free_evaluates_and_exports_its_average_and_resumes_bit_for_bit
     exported = AutoModelForCausalLM.from_pretrained(out)
     assert loss_of(exported) == pytest.approx(logged[8], rel=1e-5)
     raw = Checkpoint(run_dir(prepared, "sf") / "checkpoints" / "step-00000008")
-    monkeypatch.setattr(raw, "eval_shift", None)  # the parameters as trained: y
+    monkeypatch.delitem(raw.meta, "eval_shift")  # the parameters as trained: y
     model.load_state_dict(raw.read(list(raw.tensors)), strict=False)
     assert abs(loss_of(model) - logged[8]) > 1e-3
 

@@ -105,9 +105,9 @@ def validate(cfg: Config, world_size: int | None = None) -> list[str]:
     if t.lr_schedule != "wsd" and t.decay_fraction != type(t).decay_fraction:  # the dataclass's default
         p.append(f"train.decay_fraction: only used with train.lr_schedule: wsd (got {t.decay_fraction} with "
                  f"{t.lr_schedule}); remove it, or set train.lr_schedule: wsd")
-    if t.optimizer == "adamw_schedulefree" and t.lr_schedule != "constant":
-        p.append(f"train.lr_schedule: adamw_schedulefree needs no decay (its evaluated weights are an "
-                 f"average of the iterates): set constant, the warmup stays (got {t.lr_schedule})")
+    if t.optimizer in OPTIMIZERS and (why := OPTIMIZERS[t.optimizer].constant_lr) and t.lr_schedule != "constant":
+        p.append(f"train.lr_schedule: {t.optimizer} needs no decay ({why}): set constant, the warmup stays "
+                 f"(got {t.lr_schedule})")
     if t.keep_checkpoints < 2:
         p.append(f"train.keep_checkpoints: must be >= 2, so a damaged newest checkpoint has a "
                  f"fallback (got {t.keep_checkpoints})")

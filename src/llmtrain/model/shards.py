@@ -33,6 +33,7 @@ import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
 from ..config import LoraSpec, UserError
+from ..optimizers import to_eval_weights
 from ..rundir import BUFFERS, META
 from .lora import is_adapter, merged_weight
 from .weight_files import open_weights, weight_files  # the base's files, read as training reads them
@@ -60,15 +61,15 @@ class Checkpoint(dcp.FileSystemReader):
     lists every shard of every tensor and of its optimizer state.
 
     The weights read are the ones to evaluate: where the optimizer trains other weights than
-    those (schedule-free AdamW: meta.json's "eval_shift" says how, optimizers.OPTIMIZERS), each
-    is moved towards its optimizer state as the optimizer's eval_weights() does."""
+    those (schedule-free AdamW), optimizers.to_eval_weights makes them from the parameters and
+    the optimizer state it asks for, as the optimizer's eval_weights() does in the run."""
 
     def __init__(self, path: Path):
         super().__init__(path)
         self.metadata = super().read_metadata()
         self.tensors = {k.removeprefix("model."): m for k, m in self.metadata.state_dict_metadata.items()
                         if k.startswith("model.") and isinstance(m, TensorStorageMetadata)}
-        self.eval_shift = json.loads((Path(path) / META).read_text()).get("eval_shift")
+        self.meta = json.loads((Path(path) / META).read_text())
 
     def read_metadata(self, *args, **kwargs):
         return self.metadata
@@ -84,18 +85,17 @@ class Checkpoint(dcp.FileSystemReader):
 
     def to_eval_weights(self, tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
         """`tensors` (read from here; changed in place) as the weights to evaluate."""
-        if self.eval_shift is None:
-            return tensors
-        key = self.eval_shift["state"]
+        return to_eval_weights(self.meta, tensors, lambda key: self.read_state(list(tensors), key))
+
+    def read_state(self, names: list[str], key: str) -> dict[str, torch.Tensor]:
+        """The optimizer state tensor `key` (e.g. schedule-free's "z") of each parameter in
+        `names` that has one, full, by name."""
         saved = self.metadata.state_dict_metadata
-        found = {n: saved[f"optim.state.{n}.{key}"] for n in tensors if f"optim.state.{n}.{key}" in saved}
+        found = {n: saved[f"optim.state.{n}.{key}"] for n in names if f"optim.state.{n}.{key}" in saved}
         state = {"optim": {"state": {n: {key: torch.empty(m.size, dtype=m.properties.dtype)}
                                      for n, m in found.items()}}}
         self._load(state)
-        with torch.no_grad():
-            for n, entry in state["optim"]["state"].items():
-                tensors[n].lerp_(entry[key].to(tensors[n].dtype), self.eval_shift["weight"])
-        return tensors
+        return {n: entry[key] for n, entry in state["optim"]["state"].items()}
 
     def _load(self, state: dict) -> None:
         with warnings.catch_warnings():  # "assuming the intent is to load in a single process": it is

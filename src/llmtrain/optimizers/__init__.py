@@ -2,6 +2,12 @@
 
     optimizer = build_optimizer(model, cfg.train, device)      # the table's entry, checked
     OPTIMIZERS[cfg.train.optimizer].state_bytes                # what the estimator counts
+    held_state_bytes(optimizer, cfg.train)                     # what a checkpoint writes of it
+    checkpoint_meta(cfg.train)                                 # what it adds to a checkpoint's meta.json
+    to_eval_weights(meta, tensors, read_state)                 # a checkpoint's weights to evaluate
+
+Everything the rest of llmtrain knows of an optimizer it asks here: its param groups, their
+settings and the flags its own step reads stay inside this package.
 
 To add an optimizer: write its builder (param groups, the train section, the device -> a
 torch.optim.Optimizer) and add one entry to OPTIMIZERS. The entry declares two things:
@@ -14,18 +20,17 @@ torch.optim.Optimizer) and add one entry to OPTIMIZERS. The entry declares two t
   stops the run instead of applying a step it should have skipped.
 - state_bytes: the optimizer's state per trainable parameter (AdamW: two fp32 moments, 8),
   for llmtrain estimate and the checkpoint's size.
-It may declare more: splits_embeddings (the hidden matrices get a group of their own, the
-embeddings and output head one with the other matrices' weight decay: Muon's split), with
-matrix_state_bytes their state where it differs, and eval_shift (the parameters are not the
-weights to evaluate: how to make those from the parameters and a state tensor, for exports from
-a checkpoint, recorded in its meta.json; schedule-free AdamW's, whose optimizer also has an
-eval_weights() context for evaluation in the run).
+It may declare more: its param groups (groups.py: a table of name patterns; matrices and
+vectors unless it says, Muon's its own), and eval_shift (the parameters are not the weights to
+evaluate: how to make those from the parameters and a state tensor, for exports from a
+checkpoint, recorded in its meta.json; schedule-free AdamW's, whose optimizer also has an
+eval_weights() context for evaluation in the run), with constant_lr (why its lr must not decay).
 
 The optimizers themselves live beside this file (lion.py, muon.py, schedule_free.py), imported
 only when built: this module imports no torch, as the login node's commands need it.
 
-This module imports nothing else of llmtrain (config/rules.py checks names against the table); `t`
-below is a config's train section.
+This package imports nothing else of llmtrain (config/rules.py checks names against the table);
+`t` below is a config's train section.
 """
 
 from __future__ import annotations
@@ -34,6 +39,8 @@ import contextlib
 import math
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Callable
+
+from .groups import MATRICES_AND_VECTORS, ParamGroup, labelled, param_groups
 
 if TYPE_CHECKING:
     import torch
@@ -48,9 +55,9 @@ class OptimizerKind:
     about: str = ""  # the state, in llmtrain estimate's breakdown
     title: str = ""  # its name in the start-up log line
     args: tuple[str, ...] = ()  # the keys train.optimizer_args may set
-    splits_embeddings: bool = False  # param groups: hidden matrices, embeddings + head, vectors
-    matrix_state_bytes: int | None = None  # with splits_embeddings: the hidden matrices' own
-    eval_shift: Callable[[Any], dict] | None = None  # train section -> {"state", "weight"}: see shards.py
+    groups: tuple[ParamGroup, ...] = MATRICES_AND_VECTORS  # its param groups, in order (groups.py)
+    eval_shift: Callable[[Any], dict] | None = None  # train section -> {"state", "weight"}: to_eval_weights
+    constant_lr: str = ""  # why its lr must not decay, where it must not (config/rules.py's check)
     must_match: tuple[str, ...] = ()  # train keys its state was made under, that a resume must keep
 
 
@@ -82,10 +89,17 @@ def _muon(groups: list, t, device: "torch.device") -> "torch.optim.Optimizer":
     return Muon(groups, lr=lr_at(0, t))
 
 
+# Muon orthogonalises the hidden matrices' updates; AdamW steps the embeddings and head (the
+# standard split: with the matrices' weight decay) and the vectors.
+MUON_GROUPS = (ParamGroup("hidden", ("matrix:*",), state_bytes=4),  # 1 fp32 momentum
+               ParamGroup("embeddings and head", ("embedding:*", "head:*")),
+               ParamGroup("vectors", ("*",)))
+
+
 def _muon_settings(optimizer: "torch.optim.Optimizer", t) -> None:
     args = t.optimizer_args
-    for i, group in enumerate(optimizer.param_groups):
-        group["muon"] = i == 0  # build_optimizer's first group: the hidden matrices
+    for name, group in named_groups(optimizer, t).items():
+        group["muon"] = name == "hidden"  # muon.py's step: orthogonalised, or AdamW's
         group["lr_scale"] = 1.0 if group["muon"] else float(args.get("adamw_lr_scale", 1.0))
         group["momentum"] = float(args.get("momentum", 0.95))
         group["ns_steps"] = int(args.get("ns_steps", 5))
@@ -107,45 +121,57 @@ OPTIMIZERS: dict[str, OptimizerKind] = {
                            about="AdamW: 2 fp32 moments per trainable parameter"),
     "lion": OptimizerKind(_lion, _lion_settings, skips_on_device=True, state_bytes=4, title="Lion",
                           about="Lion: 1 fp32 momentum per trainable parameter", args=("betas",)),
-    "muon": OptimizerKind(_muon, _muon_settings, skips_on_device=True, state_bytes=8, matrix_state_bytes=4,
-                          title="Muon",
+    "muon": OptimizerKind(_muon, _muon_settings, skips_on_device=True, state_bytes=8, title="Muon",
                           about="Muon: 1 fp32 momentum per hidden-matrix parameter, AdamW's 2 moments "
                                 "on embeddings, head and norms",
-                          args=("momentum", "ns_steps", "adamw_lr_scale"), splits_embeddings=True),
+                          args=("momentum", "ns_steps", "adamw_lr_scale"), groups=MUON_GROUPS),
     "adamw_schedulefree": OptimizerKind(
         _schedulefree, _adamw_settings, skips_on_device=True, state_bytes=8, title="schedule-free AdamW",
         about="schedule-free AdamW: z and the second moment, fp32, per trainable parameter",
-        eval_shift=_schedulefree_shift, must_match=("beta1",)),  # y mixes z and x by beta1
+        eval_shift=_schedulefree_shift, constant_lr="its evaluated weights are an average of the iterates",
+        must_match=("beta1",)),  # y mixes z and x by beta1
 }
 
 
 def build_optimizer(model: "torch.nn.Module", t, device: "torch.device") -> "torch.optim.Optimizer":
-    """train.optimizer over the model's trainable parameters: weight decay on matrices only."""
+    """train.optimizer over the model's trainable parameters, in its entry's groups: weight decay
+    on matrices only."""
     kind = OPTIMIZERS[t.optimizer]
-    params = [p for p in model.parameters() if p.requires_grad]
-    matrices = [p for p in params if p.ndim >= 2]
-    groups = [{"params": matrices}, {"params": [p for p in params if p.ndim < 2]}]  # biases, norms
-    if kind.splits_embeddings:
-        import torch
-        inner = getattr(model, "module", model)  # DDP's wrapper has not the model's methods
-        head = inner.get_output_embeddings()
-        ends = {id(m.weight) for m in inner.modules() if isinstance(m, torch.nn.Embedding)}  # tokens, positions
-        ends |= {id(head.weight)} if head is not None else set()
-        groups[:1] = [{"params": [p for p in matrices if id(p) not in ends]},
-                      {"params": [p for p in matrices if id(p) in ends]}]
     if kind.skips_on_device:
         _check_skips(t, device)
-    optimizer = kind.build(groups, t, device)
+    optimizer = kind.build(param_groups(kind.groups, labelled(model)), t, device)
     apply_settings(optimizer, t)
     return optimizer
 
 
+def named_groups(optimizer: "torch.optim.Optimizer", t) -> dict[str, dict]:
+    """The optimizer's param groups by their names in its entry's table (build_optimizer made them
+    in the table's order; a resume keeps it: groups.py)."""
+    names = [group.name for group in OPTIMIZERS[t.optimizer].groups]
+    assert len(names) == len(optimizer.param_groups), (names, len(optimizer.param_groups))
+    return dict(zip(names, optimizer.param_groups))
+
+
+def _bytes_per_param(kind: OptimizerKind, group: ParamGroup) -> int:
+    return group.state_bytes if group.state_bytes is not None else kind.state_bytes
+
+
 def state_bytes(name: str, trainable: int, hidden_matrices: int) -> float:
     """The optimizer state of `trainable` parameters, `hidden_matrices` of them in the hidden
-    matrices (what Muon orthogonalises; the rest: embeddings, head, norms, biases)."""
+    matrices (what Muon orthogonalises; the rest: embeddings, head, norms, biases): for the
+    estimator, which knows the model's shape, not its parameters."""
     kind = OPTIMIZERS[name]
-    matrix = kind.matrix_state_bytes if kind.matrix_state_bytes is not None else kind.state_bytes
-    return matrix * hidden_matrices + kind.state_bytes * (trainable - hidden_matrices)
+    hidden = next(group for group in kind.groups if group.takes("matrix:"))  # any hidden matrix's label
+    return _bytes_per_param(kind, hidden) * hidden_matrices + kind.state_bytes * (trainable - hidden_matrices)
+
+
+def held_state_bytes(optimizer: "torch.optim.Optimizer", t) -> int:
+    """The state a built optimizer holds once it has stepped (what a checkpoint writes of it):
+    each group's parameters at that group's bytes."""
+    kind = OPTIMIZERS[t.optimizer]
+    by_name = {group.name: group for group in kind.groups}
+    return sum(_bytes_per_param(kind, by_name[name]) * p.numel()
+               for name, group in named_groups(optimizer, t).items() for p in group["params"])
 
 
 def apply_settings(optimizer: "torch.optim.Optimizer", t) -> None:
@@ -165,6 +191,29 @@ def eval_weights(optimizer: "torch.optim.Optimizer"):
         yield
 
 
+def checkpoint_meta(t) -> dict:
+    """What the optimizer adds to a checkpoint's meta.json: where the parameters are not the
+    weights to evaluate, its entry's eval_shift (read back by to_eval_weights)."""
+    shift = OPTIMIZERS[t.optimizer].eval_shift
+    return {} if shift is None else {"eval_shift": shift(t)}
+
+
+def to_eval_weights(meta: dict, tensors: dict, read_state: Callable[[str], dict]) -> dict:
+    """`tensors` (parameters by name, read from a checkpoint whose meta.json is `meta`; changed in
+    place) as the weights to evaluate, as the optimizer's eval_weights() makes them in the run:
+    schedule-free's x, each parameter (y) moved towards its state's z. read_state(key): the
+    optimizer state tensor `key` of each of `tensors` that has one, by name; called only where
+    the checkpoint's optimizer needs it."""
+    shift = meta.get("eval_shift")
+    if shift is None:
+        return tensors
+    import torch
+    with torch.no_grad():
+        for name, state in read_state(shift["state"]).items():
+            tensors[name].lerp_(state.to(tensors[name].dtype), shift["weight"])
+    return tensors
+
+
 def _check_skips(t, device: "torch.device") -> None:
     """One step of the optimizer over a scratch matrix and vector with `found_inf` set: it must
     leave both as they were, as its entry declares (Muon: the matrix is its own part, the vector
@@ -173,7 +222,9 @@ def _check_skips(t, device: "torch.device") -> None:
     params = [torch.nn.Parameter(torch.ones(4, 4, device=device)), torch.nn.Parameter(torch.ones(4, device=device))]
     for param in params:
         param.grad = torch.ones_like(param)
-    probe = OPTIMIZERS[t.optimizer].build([{"params": [p]} for p in params], t, device)
+    groups = param_groups(OPTIMIZERS[t.optimizer].groups, [("matrix:probe.weight", params[0]),
+                                                           ("vector:probe.bias", params[1])])
+    probe = OPTIMIZERS[t.optimizer].build(groups, t, device)
     apply_settings(probe, t)
     probe.found_inf = torch.ones((), device=device)
     probe.step()
@@ -206,12 +257,12 @@ def describe(optimizer: "torch.optim.Optimizer", t) -> str:
     the schedule, e.g. 'optimizer: Muon on the hidden matrices (12,582,912 parameters), AdamW at
     lr x 1 on the embeddings, head, norms and biases (1,050,624); lr 0.003, weight decay 0.1;
     schedule: 100 warmup steps, then wsd: 0.003 until step 800, linear to 0.0003 at step 1000'."""
-    groups, title = optimizer.param_groups, OPTIMIZERS[t.optimizer].title
-    count = lambda some: f"{sum(p.numel() for g in some for p in g['params']):,}"  # noqa: E731
-    if OPTIMIZERS[t.optimizer].splits_embeddings:  # build_optimizer's first group: the hidden matrices
-        parts = (f"{title} on the hidden matrices ({count(groups[:1])} parameters), AdamW at lr x "
-                 f"{groups[-1].get('lr_scale', 1.0):g} on the embeddings, head, norms and biases "
-                 f"({count(groups[1:])})")
+    groups, title = named_groups(optimizer, t), OPTIMIZERS[t.optimizer].title
+    count = lambda names: f"{sum(p.numel() for n in names for p in groups[n]['params']):,}"  # noqa: E731
+    if "hidden" in groups:  # Muon's: its own step on the hidden matrices, AdamW's on the rest
+        parts = (f"{title} on the hidden matrices ({count(['hidden'])} parameters), AdamW at lr x "
+                 f"{groups['vectors'].get('lr_scale', 1.0):g} on the embeddings, head, norms and biases "
+                 f"({count(['embeddings and head', 'vectors'])})")
     else:
         parts = f"{title} on {count(groups)} trainable parameters"
     return f"optimizer: {parts}; lr {t.lr:g}, weight decay {t.weight_decay:g}; schedule: {describe_schedule(t)}"

@@ -43,7 +43,7 @@ from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_
 from ..config import Config, UserError
 from ..files import read_json
 from ..model.build import pretrained_dir, unwrap
-from ..optimizers import OPTIMIZERS, lr_at, state_bytes
+from ..optimizers import OPTIMIZERS, checkpoint_meta, held_state_bytes, lr_at
 from ..rundir import (ASSUMED_WRITE_BYTES_PER_S_PER_NODE, BUFFERS, CHECKPOINT_FORMAT, CHECKPOINTS, LATEST,
                       META, Log, complete_checkpoints, latest_checkpoint, step_name)
 from ..files import write_atomic
@@ -123,12 +123,10 @@ class Checkpointer:
 
     def estimate_save(self, model, optimizer) -> None:
         """A save's seconds until one is measured: what it writes (the trained weights and the
-        optimizer's state, optimizers.OPTIMIZERS' bytes each) at ASSUMED_WRITE_BYTES_PER_S_PER_NODE on every node."""
+        optimizer's state, optimizers.held_state_bytes) at ASSUMED_WRITE_BYTES_PER_S_PER_NODE on every node."""
         trained = [p for p in model.parameters() if p.requires_grad or self.options is None]
         state = sum(p.numel() * p.element_size() for p in trained)
-        hidden = sum(p.numel() for g in optimizer.param_groups if g.get("muon") for p in g["params"])
-        state += state_bytes(self.cfg.train.optimizer, sum(p.numel() for p in model.parameters() if p.requires_grad),
-                             hidden)
+        state += held_state_bytes(optimizer, self.cfg.train)
         nodes = max(1, self.world.world_size // int(os.environ.get("LOCAL_WORLD_SIZE", 1)))
         self.estimated_s = state / (nodes * ASSUMED_WRITE_BYTES_PER_S_PER_NODE)
 
@@ -147,8 +145,7 @@ class Checkpointer:
                 "compat": self.compat, "settings": _settings(self.cfg)}
         if self.options is not None:  # LoRA: where the frozen base comes from (export, generate)
             meta["base_model"] = str(pretrained_dir(self.cfg))
-        if (shift := OPTIMIZERS[self.cfg.train.optimizer].eval_shift) is not None:
-            meta["eval_shift"] = shift(self.cfg.train)  # export's weights (model/shards.py)
+        meta.update(checkpoint_meta(self.cfg.train))  # e.g. how export makes the weights to evaluate
         state = {"model": model_sd, "optim": optim_sd}
         with self._failing_save(tmp, final):
             torch.save(_rng_state(), tmp / f"rng-rank-{self.world.rank}.pt")

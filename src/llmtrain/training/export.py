@@ -38,6 +38,7 @@ from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, Genera
 from ..config import LoraSpec, UserError
 from ..model.lora import apply_lora, is_adapter, peft_config
 from ..model.shards import Checkpoint, write_weights
+from ..optimizers import to_eval_weights
 from ..rundir import BUFFERS, META, resolve_checkpoint
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
@@ -73,8 +74,9 @@ def _load(ckpt: Path, spec: LoraSpec | None, base: Path | None):
     with warnings.catch_warnings():  # "assuming the intent is to load in a single process": it is
         warnings.filterwarnings("ignore", message="torch.distributed is disabled")
         dcp.load(state, checkpoint_id=ckpt, no_dist=True)  # in place, into the model's tensors
-    if "eval_shift" in json.loads((ckpt / META).read_text()):  # schedule-free: its average, in place
-        Checkpoint(ckpt).to_eval_weights(state["model"])
+    # the weights to evaluate (schedule-free's average), in place; its state read only where needed
+    to_eval_weights(json.loads((ckpt / META).read_text()), state["model"],
+                    lambda key: Checkpoint(ckpt).read_state(list(state["model"]), key))
     if spec is None:
         buffers = torch.load(ckpt / BUFFERS, weights_only=True)
         for name, buf in model.named_buffers():
