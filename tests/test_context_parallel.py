@@ -12,6 +12,7 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 import yaml
+from torch.distributed.device_mesh import DeviceMesh
 from transformers import AutoConfig, AutoModelForCausalLM
 
 from conftest import assert_same_curve, cli, losses, prepared_home, run_dir, tiny_config, torchrun
@@ -81,8 +82,9 @@ def test_each_ranks_chunks_attend_causally_to_the_keys_before_them_with_no_mask(
 def test_plain_causal_context_parallel_builds_no_mask_and_loses_what_one_process_loses(monkeypatch):
     """Without documents or windows lm_loss passes context parallel's attention no mask at all:
     context_mask (the [batch, 1, local, seq] boolean one) is never called and every layer attends
-    through causal_chunks, in one process with a context-parallel group of 1 (its two chunks are
-    the halves of each sequence): the loss and the gradients of plain causal attention."""
+    through causal_chunks, in one process with a context-parallel mesh of 1 (its two chunks are
+    the halves of each sequence, lm_loss's whole sequence in order): the loss and the gradients of
+    plain causal attention."""
     config = AutoConfig.for_model("llama", vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
                                   num_attention_heads=4, num_key_value_heads=2)
     torch.manual_seed(0)
@@ -93,7 +95,7 @@ def test_plain_causal_context_parallel_builds_no_mask_and_loses_what_one_process
     batch = Batch(tokens=torch.randint(0, 64, (2, 65), generator=torch.Generator().manual_seed(1)))
     dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
     try:
-        context_parallel_attention(chunked, dist.group.WORLD, "cpu")
+        context_parallel_attention(chunked, DeviceMesh.from_group(dist.group.WORLD, "cpu"))
 
         def no_mask(*args, **kwargs):
             raise AssertionError("context parallel built a mask for plain causal attention")
@@ -104,7 +106,7 @@ def test_plain_causal_context_parallel_builds_no_mask_and_loses_what_one_process
             calls.append(args[0].shape)
             return causal_chunks(*args, **kwargs)
         monkeypatch.setattr("llmtrain.model.attention.causal_chunks", counted)
-        loss = lm_loss(chunked, batch, cp_group=dist.group.WORLD)
+        loss = lm_loss(chunked, batch)
         loss.backward()
     finally:
         dist.destroy_process_group()

@@ -4,6 +4,8 @@ data-parallel ranks the batch is shared over, and the one-line refusals."""
 from __future__ import annotations
 
 import contextlib
+import subprocess
+import sys
 
 import pytest
 import yaml
@@ -237,7 +239,7 @@ def fake_world(request):
     dist.init_process_group("fake", store=FakeStore(), rank=1, world_size=request.param)
     yield request.param
     dist.destroy_process_group()
-    dims._mesh.cache_clear()  # its meshes hold this group's subgroups
+    dims._meshes.cache_clear()  # its meshes hold this group's subgroups
 
 
 @contextlib.contextmanager
@@ -265,15 +267,18 @@ def test_the_gradient_norm_under_fsdp2_x_tp_is_one_all_reduce_and_no_warning(fak
     in one all-reduce. Unflattened it took two in a row and torch warned on every rank at the first
     step ("2 sequential all_reduce operations ... flatten mesh dimensions")."""
     import torch
+    from torch.distributed.device_mesh import DeviceMesh
     from torch.distributed.tensor import DTensor, Replicate, Shard
     from torch.distributed.tensor.debug import CommDebugMode
 
-    mesh = dims.mesh("cpu")
-    mesh = mesh if dims.replicate > 1 else mesh["shard", "tensor"]  # where FSDP2 x tp puts the weights
-    layout = [Replicate() if p == "R" else Shard(i % 2) for i, p in enumerate(placements)]
-    params = [DTensor.from_local(torch.ones(4, 8), mesh, layout) for _ in range(2)]
+    from llmtrain.parallel.dims import Layout
+
+    layout = Layout(dims, 1, "cpu")
+    mesh = DeviceMesh._concatenate([layout.fsdp_mesh(), layout.mesh("tp")])  # where FSDP2 x tp puts the weights
+    placed = [Replicate() if p == "R" else Shard(i % 2) for i, p in enumerate(placements)]
+    params = [DTensor.from_local(torch.ones(4, 8), mesh, placed) for _ in range(2)]
     for p in params:
-        p.grad = DTensor.from_local(torch.ones(4, 8), mesh, layout)
+        p.grad = DTensor.from_local(torch.ones(4, 8), mesh, placed)
     with logged("torch.distributed.tensor._redistribute") as warned, CommDebugMode() as comm:
         torch.nn.utils.clip_grad_norm_(params, 1.0).full_tensor()
     assert {str(op): n for op, n in comm.get_comm_counts().items()} == {"c10d_functional.all_reduce": 1}
@@ -306,3 +311,71 @@ def test_the_cpu_all_to_all_fallback_is_not_announced_other_warnings_are(fake_wo
     finally:
         logger.filters[:] = saved
     assert [r.getMessage() for r in seen] == ["another warning"]
+
+
+def test_the_layout_of_2048_ranks_cuts_every_role_from_one_mesh_with_groups_per_dimension_not_per_rank():
+    """pp 2 x dp 64 x cp 2 x tp 8 (fsdp, so dp is the shard group) on torch's fake process group,
+    rank 1234 in this process: each role's mesh holds the ranks the layout's order gives
+    (rank = ((p x 64 + s) x 2 + c) x 8 + t), and the process groups this rank takes part in are
+    as many as at 64 ranks: they grow with the mesh's dimensions, not with the ranks (today's
+    context-parallel groups, enumerated by hand, were world / (cp x tp) = 128 world-wide splits)."""
+    code = """
+import sys, torch.distributed as dist
+from torch.distributed.distributed_c10d import _world
+from torch.testing._internal.distributed.fake_pg import FakeStore
+from llmtrain.parallel.dims import Layout, ParallelDims
+world, rank, shard = int(sys.argv[1]), int(sys.argv[2]), int(sys.argv[3])
+dist.init_process_group("fake", store=FakeStore(), rank=rank, world_size=world)
+before = len(_world.pg_map)
+layout = Layout(ParallelDims(world, "fsdp", shard=shard, context=2, tensor=8, pipeline=2), rank, "cpu")
+meshes = {role: layout.mesh(role) for role in ("batch", "loss", "fsdp", "fsdp_tp", "pp", "cp", "tp")}
+print(len(_world.pg_map) - before)
+for role, mesh in meshes.items():
+    print(role, mesh.mesh.flatten().tolist(), mesh.get_local_rank(), layout.coordinate(role))
+print("fsdp_mesh", layout.fsdp_mesh().mesh.flatten().tolist())
+"""
+    def run(world, rank, shard):
+        proc = subprocess.run([sys.executable, "-c", code, str(world), str(rank), str(shard)], capture_output=True,
+                              text=True, timeout=300)
+        assert proc.returncode == 0, proc.stderr[-2000:]
+        lines = proc.stdout.split("\n")
+        return int(lines[0]), {line.split(" ", 1)[0]: line.split(" ", 1)[1] for line in lines[1:] if line}
+
+    groups, roles = run(2048, 1234, 64)
+    p, rest = divmod(1234, 1024)
+    s, rest = divmod(rest, 16)
+    c, t = divmod(rest, 8)
+    assert (p, s, c, t) == (1, 13, 0, 2)
+    rank = lambda p, s, c, t: ((p * 64 + s) * 2 + c) * 8 + t  # noqa: E731
+    expected = {
+        "batch": ([rank(p, x, c, t) for x in range(64)], s),
+        "loss": ([rank(p, x, y, t) for x in range(64) for y in range(2)], s * 2 + c),
+        "fsdp": ([rank(p, x, y, t) for x in range(64) for y in range(2)], s * 2 + c),
+        "fsdp_tp": ([rank(p, x, y, z) for x in range(64) for y in range(2) for z in range(8)], (s * 2 + c) * 8 + t),
+        "pp": ([rank(x, s, c, t) for x in range(2)], p),
+        "cp": ([rank(p, s, y, t) for y in range(2)], c),
+        "tp": ([rank(p, s, c, z) for z in range(8)], t),
+    }
+    for role, (ranks, place) in expected.items():
+        assert roles[role] == f"{ranks} {place} {place}", role
+    assert roles["fsdp_mesh"] == str(expected["fsdp"][0])  # fsdp shards within a stage, never over the world
+    small, _ = run(64, 37, 2)
+    assert groups == small <= 2 * len(expected)
+
+
+def test_the_valid_layouts_of_64_gpus_are_the_layouts_check_config_accepts(tmp_path):
+    """8 nodes of 8 GPUs, a Llama whose 8 key/value heads tp 16 cannot split: every candidate
+    passes the layout's rules, tp stays inside a node, the pipeline and expert slots are 1, and
+    a layout the rules refuse (ddp x tp 2 over 32 replicas, hsdp x tp 8 with no shard size) is not
+    among them."""
+    cfg = tp_config(tmp_path, "train.global_batch_size=128", "train.eval_samples=64", "data.seq_len=64", nodes=8,
+                    procs=8)
+    model = {"model_type": "llama", "num_attention_heads": 64, "num_key_value_heads": 8, "vocab_size": 128256,
+             "intermediate_size": 28672}
+    layouts = ParallelDims.candidates(cfg, 64, 8, "llama", model)
+    names = [(d.strategy, d.tensor, d.context) for d in layouts]
+    assert ("fsdp", 8, 2) in names and ("hsdp", 4, 1) in names and ("ddp", 1, 1) in names
+    assert ("ddp", 2, 1) not in names and ("hsdp", 8, 1) not in names
+    assert all(d.tensor <= 8 and d.pipeline == d.expert == 1 and d.world_size == 64 for d in layouts)
+    assert all(not d.problems() and not d.model_problems("llama", model) for d in layouts)
+    assert len(set(names)) == len(names)

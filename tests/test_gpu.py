@@ -424,7 +424,8 @@ import torch, torch.distributed as dist
 import torch.nn.functional as F
 from transformers import AutoConfig, AutoModelForCausalLM
 from llmtrain.data.loader import Batch
-from llmtrain.model.attention import causal_attention, context_parallel_attention
+from torch.distributed.device_mesh import DeviceMesh
+from llmtrain.model.attention import causal_attention, context_chunks, context_masks, context_parallel_attention
 from llmtrain.model.loss import _vocab_parallel_chunk, chunked_cross_entropy, lm_loss
 
 device, backend = torch.device(sys.argv[1]), sys.argv[2]
@@ -438,15 +439,25 @@ models = [AutoModelForCausalLM.from_config(config, attn_implementation="sdpa").t
 models[1].load_state_dict(models[0].state_dict())
 for model in models:
     causal_attention(model)
-context_parallel_attention(models[1], group, device.type)
+context_parallel_attention(models[1], DeviceMesh.from_group(group, device.type))
+
+
+def cp_loss(model, batch):  # lm_loss's context-parallel path, for a group of 1: its chunks, their mask
+    inputs, targets = batch.tokens[:, :-1], batch.tokens[:, 1:]
+    places = context_chunks(inputs.shape[1], 0, 1, device)
+    positions = batch.positions[:, :-1] if batch.positions is not None else None
+    logits = model(input_ids=inputs[:, places], position_ids=positions[:, places] if positions is not None
+                   else places[None], attention_mask=context_masks(model.config, places, inputs.shape[1],
+                                                                   positions)).logits
+    return F.cross_entropy(logits.float().flatten(0, 1), targets[:, places].flatten())
 tokens = torch.randint(1, 512, (2, 257), device=device)
 positions = torch.cat([torch.arange(100), torch.arange(157)]).repeat(2, 1).to(device)  # two documents a row
 for name, batch in (("cp", Batch(tokens, positions=positions)), ("cp_plain", Batch(tokens))):  # mask; none
     losses = []
-    for model, cp in zip(models, (None, group)):
+    for model, loss_of in zip(models, (lm_loss, cp_loss)):
         model.zero_grad(set_to_none=True)
         with torch.autocast(device.type, dtype=torch.bfloat16):
-            loss = lm_loss(model, batch, None, cp_group=cp)
+            loss = loss_of(model, batch)
         loss.backward()
         losses.append(loss.detach().float())
     grads = [torch.cat([p.grad.flatten().float() for p in m.parameters()]) for m in models]

@@ -12,7 +12,7 @@ from ..errors import UserError
 from ..files import read_json
 from ..optimizers import OPTIMIZERS
 from ..parallel.tensor import CONFIG_DEFAULTS
-from ..parallel.tensor import problems as tensor_problems
+from ..parallel.dims import ParallelDims
 from ..rundir import CHECKPOINTS, META, latest_checkpoint
 from .schema import NOT_PATHS, Config, DataConfig, LoraSpec
 
@@ -275,8 +275,7 @@ def _check_model(cfg: Config, written: dict | None = None) -> list[str]:
 
     if model_cfg:
         p += _check_heads(model_cfg, "model.architecture" if m.architecture is not None else "model.name_or_path")
-        if cfg.parallel.tp >= 1:  # below 1: config/rules.py names it
-            p += tensor_problems(model_cfg.get("model_type"), model_cfg, cfg.parallel.tp)
+        p += ParallelDims.from_config(cfg, cfg.world_size).model_problems(model_cfg.get("model_type"), model_cfg)
         p += _check_layer_kinds(model_cfg, "model.architecture.layer_types" if m.architecture is not None
                                 else "model.name_or_path")
         max_pos = model_cfg.get("max_position_embeddings")

@@ -28,7 +28,7 @@ def validate(cfg: Config, world_size: int | None = None) -> list[str]:
     """Problems of values and of keys together; [] when the config's values are usable.
     world_size: the run's processes; None: the slurm section's (and its Slurm-only keys checked)."""
     p: list[str] = []
-    t, d, m, s, par = cfg.train, cfg.data, cfg.model, cfg.slurm, cfg.parallel
+    t, d, m, s = cfg.train, cfg.data, cfg.model, cfg.slurm
     world = world_size or cfg.world_size
 
     _positive(p, "run", cfg.run, ["name"], text=True)
@@ -71,14 +71,8 @@ def validate(cfg: Config, world_size: int | None = None) -> list[str]:
             p.append(f"parallel.{key}: must be >= 10 (got {getattr(cfg.parallel, key)})")
     # a Slurm job's processes per node (a local run's are all on one machine)
     per_node = None if world_size else (s.procs_per_node or s.gpus_per_node or 1)
-    parallel = _check_parallel(cfg, world, per_node)
-    p += parallel
-    split = par.tp * par.cp if par.tp >= 1 and par.cp >= 1 else 1
-    dp = world // split if not parallel else world  # data-parallel ranks
-    ranks = f"the world size {world}" if dp == world else f"the {dp} data-parallel ranks"
-    if 0 < t.eval_samples < dp and t.eval_every > 0:
-        p.append(f"train.eval_samples: must be >= {ranks}, so every rank evaluates "
-                 f"at least one sample (got {t.eval_samples})")
+    dims = ParallelDims.from_config(cfg, world, per_node)  # the layout: its degrees and rules
+    p += dims.problems()
     if t.max_bad_steps < 0:
         p.append(f"train.max_bad_steps: must be >= 0 (got {t.max_bad_steps})")
     for key in ("signal_lead_s", "max_requeues", "max_restarts"):
@@ -152,38 +146,10 @@ def validate(cfg: Config, world_size: int | None = None) -> list[str]:
                  f"{s.signal_lead_s} s before its end, which leaves too little of {s.time} to train; "
                  f"ask for more than {2 * s.signal_lead_s} s, or lower slurm.signal_lead_s")
 
-    micro = t.micro_batch_size * dp
-    if micro > 0 and t.global_batch_size > 0 and t.global_batch_size % micro:
-        what = ("world size" if dp == world else "data-parallel ranks (world size / parallel.tp)" if par.cp == 1
-                else "data-parallel ranks (world size / (parallel.tp x parallel.cp))")
-        p.append(
-            f"train.global_batch_size: must be divisible by micro_batch_size x {what} "
-            f"= {t.micro_batch_size} x {dp} = {micro} (got {t.global_batch_size})"
-        )
-    chunks = par.tp * (2 * par.cp if par.cp > 1 else 1)  # a sequence's pieces: 2 x cp chunks, each split by tp
-    if chunks > 1 and not parallel and d.seq_len % chunks:
-        if par.cp == 1:
-            p.append(f"data.seq_len: must be divisible by parallel.tp {par.tp} (got {d.seq_len}); between layers "
-                     f"each rank of a tensor-parallel group holds seq_len / tp tokens")
-        else:
-            p.append(f"data.seq_len: must be divisible by 2 x parallel.cp x parallel.tp = {chunks} (got "
-                     f"{d.seq_len}); each context-parallel rank takes 2 of 2 x cp chunks of a sequence")
-    elif chunks > 1 and not parallel and d.samples and not d.packing and 64 % chunks:
-        p.append(f"data.packing: unpacked samples are cut to a multiple of 64 tokens, which 2 x parallel.cp x "
-                 f"parallel.tp = {chunks} must divide; set data.packing: true or lower parallel.cp / parallel.tp")
-    if par.cp > 1 and cfg.model.attn_implementation != "sdpa":
-        p.append(f"model.attn_implementation: context parallel attends with sdpa over the gathered keys and "
-                 f"values (got {cfg.model.attn_implementation}); set model.attn_implementation: sdpa")
-    if par.cp > 1 and t.compile:
-        p.append("train.compile: not with context parallel yet (its attention gathers keys and values between "
-                 "ranks); set train.compile: false with parallel.cp > 1")
     if t.fp8 != "none" and m.lora is not None:
         p.append(f"train.fp8: not with model.lora yet (FP8 trains whole models; an adapter's matmuls are too "
                  f"small to gain); set train.fp8: none (got {t.fp8})")
-    if par.tp > 1 and not t.chunked_loss:
-        p.append("train.chunked_loss: tensor parallel computes the loss from each rank's slice of the "
-                 "vocabulary, chunk by chunk; set train.chunked_loss: true (got false)")
-    return p
+    return p + dims.config_problems(cfg)  # the batch's, the sequence's and the attention's shares
 
 
 def _check_mixture(d, t) -> list[str]:
@@ -226,16 +192,6 @@ def slurm_seconds(text: str) -> float:
         h, m, s = ([0] * (3 - len(fields)) + fields) if len(fields) > 1 else (0, fields[0], 0)
     return (int(days or 0) * 24 + h) * 3600 + m * 60 + s
 
-
-
-def _check_parallel(cfg: Config, world: int, per_node: int | None) -> list[str]:
-    par = cfg.parallel
-    if par.shard_size is not None and par.strategy != "hsdp":
-        return [f"parallel.shard_size: only used with parallel.strategy: hsdp (got strategy "
-                f"{par.strategy})"]
-    if par.tp == 1 and par.cp == 1 and par.strategy != "hsdp":  # each rank a data-parallel rank: nothing to check
-        return []
-    return ParallelDims.from_config(cfg, world, per_node).problems()
 
 
 def _positive(p: list[str], section: str, obj, keys: list[str], text: bool = False) -> None:

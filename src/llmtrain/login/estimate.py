@@ -249,14 +249,14 @@ def estimate(cfg: Config, world_size: int | None = None, micro_batch: int | None
     t, par = cfg.train, cfg.parallel
     dims = dims_of(cfg, world)
     tp, cp = dims.tensor, dims.context
-    shard = dims.shard * (cp if par.strategy != "ddp" else 1)  # FSDP2 shards over the context-parallel ranks too
+    shard = dims.param_shards  # FSDP2 shards over the context-parallel ranks too
     m = _split(whole, tp)  # one rank's part of a tensor-parallel group's
     sharded = par.strategy != "ddp"
     p = PRECISION_BYTES[t.precision]
     autocast = not sharded and p < 4  # DDP and one process: fp32 weights, autocast to bf16/fp16
     res = p if sharded else 4  # the residual stream: FSDP2 computes in p, autocast leaves it fp32
-    tokens = micro * cfg.data.seq_len // cp  # this rank's share of the micro-batch's
-    accum = max(1, t.global_batch_size // (micro * dims.dp))
+    tokens = dims.tokens_per_rank(micro, cfg.data.seq_len)  # this rank's share of the micro-batch's
+    accum = dims.accumulation(t.global_batch_size, micro)
     h, L = m.hidden, m.layers
 
     params = _param_bytes(whole, shard, p, linear_only=not sharded, tp=tp)
@@ -480,19 +480,20 @@ def alternatives(cfg: Config, world: int, shape: ModelShape, usable_gib: float |
     to see what another layout would need."""
     import dataclasses
 
-    from ..parallel.tensor import problems as tensor_problems
     per_node = cfg.slurm.procs_per_node or cfg.slurm.gpus_per_node or 1
     model = {"model_type": shape.model_type, "num_attention_heads": shape.heads,
              "num_key_value_heads": shape.kv_heads, "vocab_size": shape.vocab, "intermediate_size": shape.intermediate}
-    tps = [tp for tp in (2, 4, 8) if per_node % tp == 0 and world % tp == 0
-           and not tensor_problems(shape.model_type, model, tp) and cfg.data.seq_len % tp == 0]
-    layouts = ([(strategy, 1, 1) for strategy in ("ddp", "fsdp", "hsdp")] + [("fsdp", tp, 1) for tp in tps]
-               + [("fsdp", tp, 2) for tp in tps[-1:] if world % (2 * tp) == 0 and cfg.data.seq_len % (4 * tp) == 0])
+    valid = ParallelDims.candidates(cfg, world, per_node, shape.model_type, model)  # the layout's list
+    plain = [d for d in valid if d.tensor == d.context == 1]
+    tps = [d for d in valid if d.strategy == "fsdp" and d.context == 1 and d.tensor in (2, 4, 8)]
+    widest = [d for d in valid if d.strategy == "fsdp" and d.context == 2 and tps and d.tensor == tps[-1].tensor]
+    layouts = [(d.strategy, d.tensor, d.context) for d in plain + tps + widest]
     cells = []
     for strategy, tp, cp in layouts:
         for ac in (False, True):
             alt = dataclasses.replace(
-                cfg, parallel=dataclasses.replace(cfg.parallel, strategy=strategy, tp=tp, cp=cp),
+                cfg, parallel=dataclasses.replace(cfg.parallel, strategy=strategy, tp=tp, cp=cp, shard_size=(
+                    cfg.parallel.shard_size if strategy == "hsdp" else None)),
                 model=dataclasses.replace(cfg.model, activation_checkpointing=ac,
                                           activation_checkpointing_every=1))
             try:

@@ -207,8 +207,8 @@ def block_mask_bytes(batch: int, seq: int) -> int:
     return batch * (4 * 4 * tiles * (tiles + 1) + 8 * seq)
 
 
-def context_parallel_attention(model: torch.nn.Module, group, device_type: str) -> None:
-    """Attention where each rank of `group` (parallel.cp ranks) holds 2 of the 2 x cp chunks of
+def context_parallel_attention(model: torch.nn.Module, mesh) -> None:
+    """Attention where each rank of `mesh` (the layout's cp group) holds 2 of the 2 x cp chunks of
     every sequence, rank r chunks r and 2 cp - 1 - r (context_chunks): its queries attend over the
     whole sequence's keys and values, gathered from the group (their gradients go back
     reduce-scattered). Exact: the same sums as one rank attending over the whole sequence.
@@ -217,13 +217,11 @@ def context_parallel_attention(model: torch.nn.Module, group, device_type: str) 
     keys before its end, aligned bottom-right (causal_chunks), which SDPA's flash and efficient
     kernels run with GQA and without a seq^2 mask. Documents and windows come as lm_loss's
     [batch, 1, local, whole] boolean mask (context_masks): SDPA over every gathered key under it."""
-    from torch.distributed.device_mesh import DeviceMesh
     from torch.distributed.tensor import DTensor, Partial, Shard
     from transformers import AttentionInterface
     from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
-    mesh = DeviceMesh.from_group(group, device_type)
-    cp, rank = group.size(), group.rank()
+    cp, rank = mesh.size(), mesh.get_local_rank()
 
     def whole(x: torch.Tensor) -> torch.Tensor:  # [batch, heads, 2 chunks, dim] -> in sequence order
         gathered = DTensor.from_local(x, mesh, [Shard(2)]).full_tensor(grad_placements=[Partial()])

@@ -56,10 +56,10 @@ class ChunkedHead:
     tp_mesh: object = None  # the tensor-parallel group's DeviceMesh: the head's rows are split over it
 
 
-def chunk_head(model: torch.nn.Module, config, compile: bool = False, tp_mesh=None) -> ChunkedHead | None:
+def chunk_head(model: torch.nn.Module, config, compile: bool = False, layout=None) -> ChunkedHead | None:
     """Make the model's output head pass its input through, and return it for lm_loss to apply
-    in chunks (`compile`: each chunk's work compiled; `tp_mesh`: the model is tensor-parallel
-    over it); None (the model unchanged) where the model type is not known to apply the head
+    in chunks (`compile`: each chunk's work compiled; `layout` (parallel/dims.Layout): where it
+    has tensor parallel, the head's rows are split over its tp group); None (the model unchanged) where the model type is not known to apply the head
     plainly, or the head has a bias."""
     head = unwrap(model).get_output_embeddings()
     if (getattr(config, "model_type", None) not in CHUNKED_TYPES or not isinstance(head, torch.nn.Linear)
@@ -70,8 +70,8 @@ def chunk_head(model: torch.nn.Module, config, compile: bool = False, tp_mesh=No
     # and FSDP2 warns that an in-place op on a view would skip its pre-backward hook; lm_loss
     # applies none.
     warnings.filterwarnings("ignore", message=r"FSDP2-wrapped module \(.*\) returned a view tensor")
-    if tp_mesh is not None:
-        return ChunkedHead(head, _vocab_parallel_chunk, tp_mesh)
+    if layout is not None and layout.dims.tensor > 1:
+        return ChunkedHead(head, _vocab_parallel_chunk, layout.mesh("tp"))
     return ChunkedHead(head, torch.compile(_chunk) if compile else _chunk)
 
 
@@ -80,23 +80,23 @@ def _passthrough(hidden: torch.Tensor) -> torch.Tensor:
 
 
 def lm_loss(model: torch.nn.Module, batch, head: ChunkedHead | None = None,
-            normaliser: float | None = None, cp_group=None) -> torch.Tensor:
+            normaliser: float | None = None, layout=None) -> torch.Tensor:
     """Next-token cross-entropy summed over the batch's trained targets and divided by
     `normaliser` (None: by their count, the mean). batch: a data.loader.Batch on the device:
     windows of seq_len + 1 tokens, with trained flags (others are not targets) and positions
     within each document (attention then stays within one, and within the layers' windows:
     attention.attention_mask). With
-    `head` (chunk_head's), the model returns hidden states and the loss is chunked. With
-    `cp_group` (context parallel), this rank's 2 of the 2 x cp chunks of every sequence
-    (attention.context_chunks) and their targets only."""
+    `head` (chunk_head's), the model returns hidden states and the loss is chunked. Where the
+    `layout` (parallel/dims.Layout) has context parallel, this rank's 2 of the 2 x cp chunks of
+    every sequence (attention.context_chunks) and their targets only."""
     tokens = batch.tokens
     inputs, targets = tokens[:, :-1], tokens[:, 1:]
     if batch.trained is not None:
         targets = targets.masked_fill(~batch.trained[:, 1:], IGNORE)
     positions = batch.positions[:, :-1] if batch.positions is not None else None
     seq, config = inputs.shape[1], unwrap(model).config
-    if cp_group is not None:
-        places = context_chunks(seq, cp_group.rank(), cp_group.size(), tokens.device)
+    if layout is not None and layout.dims.context > 1:
+        places = context_chunks(seq, layout.coordinate("cp"), layout.dims.context, tokens.device)
         inputs, targets = inputs[:, places], targets[:, places]
         extra = {"position_ids": positions[:, places] if positions is not None else places[None],
                  "attention_mask": context_masks(config, places, seq, positions)}

@@ -1,26 +1,45 @@
-"""Every degree of parallelism of a run, in one object: the only place that decides them.
+"""The layout of a run: every degree of parallelism, the rules a layout must satisfy, each
+rank's share of the work, and the process groups by role. The one owner of all four.
 
     dims = ParallelDims.from_config(cfg, world_size, procs_per_node)
-    dims.dp, dims.dp_rank(rank)        # data-parallel degree, and a rank's place in it
-    dims.fsdp_mesh(device_type)        # the mesh FSDP2 shards over (None: all ranks, FSDP2's default)
-    dims.tp_mesh(device_type)          # the tensor-parallel group's mesh (parallel.tp > 1)
+    dims.problems(), dims.config_problems(cfg)   # one line each, naming the key to change
+    dims.dp, dims.dp_rank(rank), dims.loss_ranks # each rank's share (no caller recomputes one)
+    layout = Layout(dims, rank, "cuda")          # world.layout: this rank's view
+    layout.mesh("loss"), layout.fsdp_mesh()      # the device meshes, by role
 
-The ranks are laid out, outermost first, as pipeline x replicate x shard x context x tensor:
-tensor parallel innermost (its collectives run every layer, so its ranks share a node's fast
-links: parallel.tp must divide a node's processes), then context, the FSDP2 shard group, the
-replicas (HSDP: one per node group, their all-reduce once a step crosses nodes), pipeline stages
-outermost. Their product is the world size. Expert parallelism reuses data-parallel and context
-ranks (its degree divides shard x context), so it is not a factor of the product. Today
-replicate, shard and tensor can exceed 1: over the world / tp data-parallel ranks, ddp
-replicates, fsdp shards, hsdp shards within groups of `parallel.shard_size` ranks (default: one
-node's data-parallel ranks) and replicates across groups. Where tp x cp leave a node fewer than 2
-data-parallel ranks, that default would shard nothing (every GPU the whole optimizer state): hsdp
-then asks for parallel.shard_size rather than replicate silently or pick a group across nodes.
+The ranks are laid out, outermost first, as pipeline x replicate x shard x context x tensor
+(rank = (((p R + r) S + s) C + c) T + t): tensor parallel innermost (its collectives run every
+layer, so its ranks share a node's fast links: parallel.tp must divide a node's processes), then
+context, the FSDP2 shard group, the replicas (HSDP: one per node group, their all-reduce once a
+step crosses nodes), pipeline stages outermost. Their product is the world size. Expert
+parallelism reuses data-parallel and context ranks (its degree divides shard x context), so it
+is not a factor of the product. Today replicate, shard, context and tensor can exceed 1: over the
+world / (tp x cp) data-parallel ranks, ddp replicates, fsdp shards, hsdp shards within groups of
+`parallel.shard_size` ranks (default: one node's data-parallel ranks) and replicates across groups.
+Where tp x cp leave a node fewer than 2 data-parallel ranks, that default would shard nothing
+(every GPU the whole optimizer state): hsdp then asks for parallel.shard_size rather than
+replicate silently or pick a group across nodes.
 
 The data-parallel ranks (replicate x shard) each read their own share of every batch (the ranks
-of one tensor-parallel group read the same samples); a step's loss is the sum over them, each
-rank's divided by the step's global count of trained targets. This module imports nothing else
-of llmtrain, nor torch at import (config/rules.py checks a config against it).
+of one tensor-parallel group read the same samples, those of a context-parallel group each 2 of
+2 x cp chunks of every sequence); a step's loss is the sum over the replicate x shard x context
+ranks, each rank's divided by the step's global count of trained targets.
+
+Roles (Layout.mesh), each cut from one world mesh (never enumerated by hand, so the number of
+process groups grows with the mesh's dimensions, not with the ranks; on NCCL each dimension is
+one communicator split, torch's DeviceMesh `split_group`):
+
+    role      dimensions                 used by
+    batch     replicate x shard          the data share (the sampler's rank and degree)
+    loss      replicate x shard x cp     a step's loss and its normaliser; DDP's all-reduce; evaluation
+    fsdp      shard x cp                 FSDP2's shards (hsdp: fsdp_mesh() = replicate x fsdp, 2-D)
+    fsdp_tp   shard x cp x tp            the gradient norm of a weight split by FSDP2 and tp: one all-reduce
+    cp, tp, pp                           context parallel's gathers, tensor parallel's plan, the stages
+    expert    pp, replicate, efsdp, ep   (efsdp x ep = shard x cp) made only where parallel.ep > 1
+
+The FSDP2 mesh is never "all ranks" by default: under pipeline parallel that would shard across
+stages. This module imports nothing else of llmtrain but the tensor-parallel plans (tensor.py),
+nor torch at import (config/rules.py and the estimator ask it on a login node).
 """
 
 from __future__ import annotations
@@ -28,8 +47,14 @@ from __future__ import annotations
 import functools
 from dataclasses import dataclass
 
+from .tensor import problems as plan_problems
+
 SHARDED_STRATEGIES = ("fsdp", "hsdp")
 LAYOUT = ("pipeline", "replicate", "shard", "context", "tensor")  # outermost first
+MESH_DIMS = ("pp", "replicate", "shard", "cp", "tp")  # the world mesh's dimensions, in LAYOUT's order
+ROLES = {"batch": ("replicate", "shard"), "loss": ("replicate", "shard", "cp"), "fsdp": ("shard", "cp"),
+         "fsdp_tp": ("shard", "cp", "tp"), "pp": ("pp",), "replicate": ("replicate",), "cp": ("cp",),
+         "tp": ("tp",)}
 
 
 @dataclass(frozen=True)
@@ -47,6 +72,7 @@ class ParallelDims:
     # hsdp without parallel.shard_size: the node size its default shard group came from (0: the
     # key was set, or not hsdp); problems() names it when that default cannot shard
     default_node: int = 0
+    stray_shard_size: bool = False  # parallel.shard_size set for ddp or fsdp, which have no use for it
 
     @classmethod
     def from_config(cls, cfg, world_size: int, procs_per_node: int | None = None) -> "ParallelDims":
@@ -56,21 +82,24 @@ class ParallelDims:
         strategy, tp, cp = cfg.parallel.strategy, cfg.parallel.tp, cfg.parallel.cp
         known = procs_per_node or 0
         dp = world_size // (tp * cp) if tp >= 1 and cp >= 1 else 0
+        stray = cfg.parallel.shard_size is not None
         if strategy == "ddp":
-            return cls(world_size, strategy, replicate=dp, context=cp, tensor=tp, per_node=known)
+            return cls(world_size, strategy, replicate=dp, context=cp, tensor=tp, per_node=known, stray_shard_size=stray)
         if strategy == "fsdp":
-            return cls(world_size, strategy, shard=dp, context=cp, tensor=tp, per_node=known)
+            return cls(world_size, strategy, shard=dp, context=cp, tensor=tp, per_node=known, stray_shard_size=stray)
         if cfg.parallel.shard_size is not None:
             shard = cfg.parallel.shard_size
             return cls(world_size, strategy, replicate=dp // shard if shard >= 1 else 0, shard=shard, context=cp,
                        tensor=tp, per_node=known)
-        per_node = procs_per_node or min(world_size, cfg.world_size // cfg.slurm.nodes)
+        per_node = procs_per_node or min(world_size, cfg.world_size // max(1, cfg.slurm.nodes))
         shard = _default_shard(dp, per_node // (tp * cp) if dp else 0)
         return cls(world_size, strategy, replicate=dp // shard if shard else 0, shard=shard, context=cp, tensor=tp,
                    per_node=known, default_node=per_node)
 
     def problems(self) -> list[str]:
-        """What is wrong, one line each, naming the key to change."""
+        """What is wrong with the degrees, one line each, naming the key to change."""
+        if self.stray_shard_size:
+            return [f"parallel.shard_size: only used with parallel.strategy: hsdp (got strategy {self.strategy})"]
         tp = self.tensor
         if tp < 1 or self.world_size % tp:
             return [f"parallel.tp: must divide the world size {self.world_size} (got {tp})"]
@@ -92,12 +121,17 @@ class ParallelDims:
                         f"(world size {self.world_size} / (parallel.tp {tp} x parallel.cp {cp}); got {self.shard})"]
             return [f"parallel.shard_size: must divide the world size {self.world_size} (got {self.shard}); "
                     f"hsdp shards within groups of shard_size ranks and replicates across them"]
+        if self.expert < 1 or (self.shard * cp) % self.expert:
+            return [f"parallel.ep: must divide the shard x context-parallel ranks {self.shard * cp} (got "
+                    f"{self.expert}); experts are spread over ranks that hold the same dense weights"]
         product = self.pipeline * self.replicate * self.shard * self.context * self.tensor
         if product != self.world_size:
             sizes = " x ".join(f"{name} {getattr(self, name)}" for name in LAYOUT)
             return [f"parallel: the degrees multiply to {product} ({sizes}), not the world size "
                     f"{self.world_size}; change them or the processes (slurm.nodes x slurm.procs_per_node)"]
         return []
+
+    # -- each rank's share of the work: asked here, never recomputed --------------------------------
 
     @property
     def dp(self) -> int:
@@ -119,29 +153,97 @@ class ParallelDims:
         parallel.cp parts of the sequence (the gradients are averaged over as many)."""
         return self.dp * self.context
 
-    def fsdp_mesh(self, device_type: str):
-        """The mesh FSDP2 shards over: None for fsdp (its default, one group of every rank); for
-        hsdp a 2-D (replicate, shard) mesh: sharded within a group, replicated across groups.
-        With tensor or context parallel, the data-parallel part of the run's mesh (the ranks of a
-        context-parallel group hold the same weights: FSDP2 shards them over those too)."""
-        if self.tensor > 1 or self.context > 1:
-            return self.mesh(device_type)["shard" if self.strategy == "fsdp" else ("replicate", "shard")]
-        if self.strategy != "hsdp":
-            return None
-        from torch.distributed.device_mesh import init_device_mesh
-        return init_device_mesh(device_type, (self.replicate, self.shard), mesh_dim_names=("replicate", "shard"))
+    @property
+    def param_shards(self) -> int:
+        """The ranks FSDP2 splits a parameter's (tensor-parallel slice's) rows over: its shard
+        group, whose context-parallel ranks hold the same weights (1 under DDP)."""
+        return self.shard * self.context if self.sharded else 1
 
-    def tp_mesh(self, device_type: str):
-        """The 1-D mesh of this rank's tensor-parallel group."""
-        return self.mesh(device_type)["tensor"]
+    @property
+    def seq_len_divisor(self) -> int:
+        """What data.seq_len must be a multiple of: tensor parallel splits the sequence between
+        layers over tp ranks, context parallel cuts it into 2 x cp chunks (a rank takes chunks r
+        and 2 cp - 1 - r, which evens out causal attention's work), each split by tp."""
+        return self.tensor * (2 * self.context if self.context > 1 else 1)
 
-    def mesh(self, device_type: str):
-        """The run's device mesh, (replicate, shard x context, tensor), made once per process."""
-        return _mesh(self, device_type)
+    def accumulation(self, global_batch: int, micro_batch: int) -> int:
+        """Micro-batches a rank runs per step (at least 1)."""
+        return max(1, global_batch // (micro_batch * self.dp))
 
-    def cp_group(self):
-        """This rank's context-parallel process group (every rank makes every group, once)."""
-        return _cp_group(self)
+    def tokens_per_rank(self, samples: int, seq_len: int) -> int:
+        """The tokens a rank computes of `samples` sequences its data-parallel rank reads: a
+        context-parallel rank its 1 / cp of each (tensor-parallel ranks all of them)."""
+        return samples * seq_len // self.context
+
+    # -- the rules a config and a model must satisfy under the layout ------------------------------
+
+    def config_problems(self, cfg) -> list[str]:
+        """What the rest of `cfg` (a config.Config) must satisfy under these degrees: the batch
+        and evaluation shares, the sequence's split, and what tp and cp need of attention, compile
+        and the loss. One line each, naming the key."""
+        t, d, par = cfg.train, cfg.data, cfg.parallel
+        world, p = self.world_size, []
+        usable = not self.problems()
+        dp = self.dp if usable else world  # data-parallel ranks
+        ranks = f"the world size {world}" if dp == world else f"the {dp} data-parallel ranks"
+        if 0 < t.eval_samples < dp and t.eval_every > 0:
+            p.append(f"train.eval_samples: must be >= {ranks}, so every rank evaluates "
+                     f"at least one sample (got {t.eval_samples})")
+        micro = t.micro_batch_size * dp
+        if micro > 0 and t.global_batch_size > 0 and t.global_batch_size % micro:
+            what = ("world size" if dp == world else "data-parallel ranks (world size / parallel.tp)"
+                    if self.context == 1 else "data-parallel ranks (world size / (parallel.tp x parallel.cp))")
+            p.append(f"train.global_batch_size: must be divisible by micro_batch_size x {what} "
+                     f"= {t.micro_batch_size} x {dp} = {micro} (got {t.global_batch_size})")
+        chunks = self.seq_len_divisor if self.tensor >= 1 and self.context >= 1 else 1
+        if chunks > 1 and usable and d.seq_len % chunks:
+            if self.context == 1:
+                p.append(f"data.seq_len: must be divisible by parallel.tp {self.tensor} (got {d.seq_len}); between "
+                         f"layers each rank of a tensor-parallel group holds seq_len / tp tokens")
+            else:
+                p.append(f"data.seq_len: must be divisible by 2 x parallel.cp x parallel.tp = {chunks} (got "
+                         f"{d.seq_len}); each context-parallel rank takes 2 of 2 x cp chunks of a sequence")
+        elif chunks > 1 and usable and d.samples and not d.packing and 64 % chunks:
+            p.append(f"data.packing: unpacked samples are cut to a multiple of 64 tokens, which 2 x parallel.cp x "
+                     f"parallel.tp = {chunks} must divide; set data.packing: true or lower parallel.cp / parallel.tp")
+        if self.context > 1 and cfg.model.attn_implementation != "sdpa":
+            p.append(f"model.attn_implementation: context parallel attends with sdpa over the gathered keys and "
+                     f"values (got {cfg.model.attn_implementation}); set model.attn_implementation: sdpa")
+        if self.context > 1 and t.compile:
+            p.append("train.compile: not with context parallel yet (its attention gathers keys and values between "
+                     "ranks); set train.compile: false with parallel.cp > 1")
+        if par.tp > 1 and not t.chunked_loss:
+            p.append("train.chunked_loss: tensor parallel computes the loss from each rank's slice of the "
+                     "vocabulary, chunk by chunk; set train.chunked_loss: true (got false)")
+        return p
+
+    def model_problems(self, model_type: str | None, model_config: dict) -> list[str]:
+        """What keeps a model (its config.json as a dict) from this layout: its family's
+        tensor-parallel plan, and heads, key/value heads, vocabulary and MLP width that tp divides."""
+        return plan_problems(model_type, model_config, self.tensor) if self.tensor >= 1 else []
+
+    @classmethod
+    def candidates(cls, cfg, world_size: int, per_node: int, model_type: str | None = None,
+                   model_config: dict | None = None) -> list["ParallelDims"]:
+        """Every valid layout of `cfg`'s run on world_size processes of per_node a node: strategy
+        x tp (dividing a node) x cp (powers of 2), with the pipeline and expert degrees at 1 (their
+        slots), each passing problems(), the sequence's split and (given the model's config) its
+        family's plan. In a fixed order: strategy, then tp, then cp. The estimator lists some of
+        them; the planner ranks them."""
+        import dataclasses
+        out = []
+        for strategy in ("ddp", "fsdp", "hsdp"):
+            for tp in [n for n in range(1, per_node + 1) if per_node % n == 0]:
+                cp = 1
+                while tp * cp <= world_size:
+                    shard_size = cfg.parallel.shard_size if strategy == "hsdp" else None  # the user's, for hsdp
+                    par = dataclasses.replace(cfg.parallel, strategy=strategy, tp=tp, cp=cp, shard_size=shard_size)
+                    dims = cls.from_config(dataclasses.replace(cfg, parallel=par), world_size, per_node)
+                    if (not dims.problems() and cfg.data.seq_len % dims.seq_len_divisor == 0
+                            and not (model_config and dims.model_problems(model_type, model_config))):
+                        out.append(dims)
+                    cp *= 2
+        return out
 
     def describe(self) -> str:
         """For the start-up log line: 'ddp over 4 ranks', 'hsdp over 8 ranks (2 replicas x 4-way shards)',
@@ -183,35 +285,77 @@ def _unset_shard_size(dp: int, per_node: int, tp: int, cp: int) -> str:
             f"data-parallel ranks: {some}, 1 replicates the whole model on every GPU")
 
 
-@functools.cache
-def _mesh(dims: ParallelDims, device_type: str):
-    """The mesh, and under FSDP2 x tensor parallel its (shard, tensor) dimensions flattened too:
-    a parameter split over both makes its gradient norm partial over both, and without a
-    flattened mesh DTensor reduces it in two all-reduces in a row, warning on every rank at the
-    first step ("2 sequential all_reduce operations ... flatten mesh dimensions"); with it, one.
-    The flattened group is the default one where it spans the world (no replicas)."""
-    from torch.distributed.device_mesh import init_device_mesh
-    mesh = init_device_mesh(device_type, (dims.replicate, dims.shard * dims.context, dims.tensor),
-                            mesh_dim_names=("replicate", "shard", "tensor"))
-    if dims.sharded and dims.shard * dims.context > 1 and dims.tensor > 1:
-        mesh["shard", "tensor"]._flatten("shard_tensor")
-    return mesh
-
-
-@functools.cache
-def _cp_group(dims: ParallelDims):
-    """The ranks that differ only in their context coordinate: rank = (dp x cp + c) x tp + t."""
-    import torch.distributed as dist
-    cp, tp = dims.context, dims.tensor
-    groups = [[(d * cp + c) * tp + t for c in range(cp)] for d in range(dims.world_size // (cp * tp))
-              for t in range(tp)]
-    group, _ = dist.new_subgroups_by_enumeration(groups)
-    return group
-
-
 def layout_name(strategy: str, tp: int = 1, cp: int = 1, shard: int = 0) -> str:
     """A layout as check-config and the estimator name it: 'fsdp', 'fsdp x cp 2 x tp 8',
     'hsdp x tp 8 (4-way shards)' (shard: hsdp's shard group, where known)."""
     name = strategy + (f" x cp {cp}" if cp > 1 else "") + (f" x tp {tp}" if tp > 1 else "")
     return name + (f" ({shard}-way shards)" if strategy == "hsdp" and shard else "")
 
+
+@dataclass(frozen=True)
+class Layout:
+    """One rank's view of the layout: the degrees, its coordinates and its process groups by
+    role (world.layout). The loss, the step, evaluation and the wrapping take this, not loose
+    groups: which slice of a sequence a rank computes and which head it applies follow from it."""
+    dims: ParallelDims
+    rank: int
+    device_type: str
+
+    def coordinate(self, role: str) -> int:
+        """This rank's place in `role`'s group (a ROLES name), by the layout's rank order."""
+        sizes = dict(zip(MESH_DIMS, (self.dims.pipeline, self.dims.replicate, self.dims.shard, self.dims.context,
+                                     self.dims.tensor)))
+        place, stride = 0, 1
+        for name in reversed(MESH_DIMS):  # innermost first
+            if name in ROLES[role]:
+                place += (self.rank // _stride(sizes, name) % sizes[name]) * stride
+                stride *= sizes[name]
+        return place
+
+    def mesh(self, role: str):
+        """The device mesh of `role` (ROLES), 1-D: this rank's group of it."""
+        return _meshes(self.dims, self.device_type)[role]
+
+    def fsdp_mesh(self):
+        """The mesh FSDP2 shards over: fsdp's ranks (shard x cp), for hsdp with the replicas as
+        the outer dimension of a 2-D (replicate, fsdp) mesh: sharded within, replicated across."""
+        meshes = _meshes(self.dims, self.device_type)
+        return meshes["hsdp"] if self.dims.strategy == "hsdp" else meshes["fsdp"]
+
+    def expert_mesh(self):
+        """The expert view, (pp, replicate, efsdp, ep, tp) with efsdp x ep = shard x cp: made only
+        where the expert degree exceeds 1 (the expert-parallel issue fills in its users)."""
+        return _meshes(self.dims, self.device_type)["expert"]
+
+
+def _stride(sizes: dict[str, int], name: str) -> int:
+    """How many ranks apart two neighbours along mesh dimension `name` are."""
+    inner = MESH_DIMS[MESH_DIMS.index(name) + 1:]
+    return functools.reduce(lambda a, b: a * sizes[b], inner, 1)
+
+
+@functools.cache
+def _meshes(dims: ParallelDims, device_type: str) -> dict:
+    """Every role's mesh, cut from one 1-D mesh over the world once per process (every rank
+    makes the same calls in the same order, as DeviceMesh needs). The dense view unflattens the
+    world into the layout's five dimensions; each role of several dimensions is their flattened
+    mesh, kept here (slicing a flattened dimension back out of the root is deprecated since torch
+    2.11). hsdp's 2-D mesh and the expert view are further views of the world, made only where
+    the layout uses them. The flattened (shard, cp, tp) dimension lets DTensor sum the gradient
+    norm of a weight split by FSDP2 and tensor parallel in one all-reduce: without it, two in a
+    row and a warning on every rank ("2 sequential all_reduce operations ... flatten")."""
+    from torch.distributed.device_mesh import init_device_mesh
+    sizes = (dims.pipeline, dims.replicate, dims.shard, dims.context, dims.tensor)
+    world = init_device_mesh(device_type, (dims.world_size,), mesh_dim_names=("world",))
+    dense = world._unflatten(0, sizes, MESH_DIMS)
+    meshes = {role: dense[names] if len(names) == 1 else dense[names]._flatten(role)
+              for role, names in ROLES.items()}
+    meshes["world"] = dense
+    fsdp = dims.shard * dims.context
+    if dims.strategy == "hsdp":
+        meshes["hsdp"] = world._unflatten(0, (dims.pipeline, dims.replicate, fsdp, dims.tensor),
+                                          ("pp", "replicate", "fsdp", "tp"))["replicate", "fsdp"]
+    if dims.expert > 1:
+        meshes["expert"] = world._unflatten(0, (dims.pipeline, dims.replicate, fsdp // dims.expert, dims.expert,
+                                                dims.tensor), ("pp", "replicate", "efsdp", "ep", "tp"))
+    return meshes

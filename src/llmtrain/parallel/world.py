@@ -1,12 +1,13 @@
 """This process's place in the run: its rank, its device, the process group's store, and the
-degrees of parallelism (dims.py). training/distributed.py makes it once a process starts."""
+layout (dims.py: the degrees, and this rank's view with its process groups by role).
+training/distributed.py makes it once a process starts."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
-from .dims import ParallelDims
+from .dims import Layout, ParallelDims
 
 if TYPE_CHECKING:
     import torch
@@ -25,6 +26,11 @@ class World:
     def __post_init__(self):
         if self.dims is None:
             object.__setattr__(self, "dims", ParallelDims(self.world_size, replicate=self.world_size))
+
+    @property
+    def layout(self) -> Layout:
+        """This rank's view of the layout: its coordinates and its groups by role (Layout.mesh)."""
+        return Layout(self.dims, self.rank, self.device.type)
 
     @property
     def is_main(self) -> bool:

@@ -64,7 +64,7 @@ def parallelize(cfg: Config, config, world: World, watch=None, resuming: bool = 
         model = build_model(config, cfg, "meta")
         reference = build_model(config, cfg, "meta", buffers="cpu")  # full shapes, real buffers
         if world.dims.context > 1:  # config/rules.py: sdpa only
-            context_parallel_attention(model, world.dims.cp_group(), world.device.type)
+            context_parallel_attention(model, world.layout.mesh("cp"))
         elif cfg.model.attn_implementation == "sdpa":
             causal_attention(model)
         lora = cfg.model.lora_spec
@@ -77,7 +77,7 @@ def parallelize(cfg: Config, config, world: World, watch=None, resuming: bool = 
                            tp=world.dims.tensor)
         if world.dims.tensor > 1:
             # float8 all-gathers need NCCL: gloo has no float8 ("Invalid scalar type", torch 2.13)
-            apply_tensor_parallel(model, decoder_layers(model), world.dims.tp_mesh(world.device.type),
+            apply_tensor_parallel(model, decoder_layers(model), world.layout.mesh("tp"),
                                   float8_styles=cfg.train.fp8 == "tensorwise" and world.device.type == "cuda")
         if cfg.model.activation_checkpointing:
             checkpoint_layers(model, cfg.model.activation_checkpointing_every)
@@ -85,7 +85,7 @@ def parallelize(cfg: Config, config, world: World, watch=None, resuming: bool = 
             compile_layers(model)
     with phase("sharding"):
         if world.dims.sharded:
-            apply_fsdp(model, cfg, world.dims.fsdp_mesh(world.device.type))
+            apply_fsdp(model, cfg, world.layout.fsdp_mesh())
         model.to_empty(device=world.device)
         if tied and not _tied(model):  # to_empty allocates tied weights twice; FSDP2 keeps the tie
             model.tie_weights()
@@ -111,6 +111,7 @@ def parallelize(cfg: Config, config, world: World, watch=None, resuming: bool = 
         # micro-batch (grad norm 1.40 for 1.20 at step 1, torch 2.13, gloo; exact without
         # accumulation): they get their own tensors there, one more gradient-sized copy.
         model = DDP(model, device_ids=[world.local_rank] if world.device.type == "cuda" else None,
+                    process_group=world.layout.mesh("loss").get_group(),
                     gradient_as_bucket_view=world.dims.context == 1, **{no_sync: False})
     return model
 

@@ -237,7 +237,8 @@ class Checkpointer:
             self._check_compatible(ckpt, meta)
             model_sd, optim_sd = get_state_dict(model, optimizer, options=self.options)
             state = {"model": model_sd, "optim": optim_sd}
-            replicas = _replica_mesh(model)
+            dims = self.world.dims  # HSDP with replicas: the first reads, the others get a broadcast
+            replicas = self.world.layout if dims.strategy == "hsdp" and dims.replicate > 1 else None
             if not self._read(state, ckpt, replicas):
                 continue
             if replicas is not None:
@@ -251,8 +252,8 @@ class Checkpointer:
                           f"{meta['world_size']} ranks)")
             if replicas is not None:
                 self.log.info(f"the checkpoint was read by the first replica's "
-                              f"{replicas['shard'].size()} rank(s) and broadcast to the other "
-                              f"{replicas['replicate'].size() - 1} replica(s)")
+                              f"{dims.param_shards} rank(s) and broadcast to the other "
+                              f"{dims.replicate - 1} replica(s)")
             if isinstance(meta.get("save_s"), (int, float)):  # the last launch's save time
                 self.measured_s = float(meta["save_s"])
             return meta
@@ -267,8 +268,8 @@ class Checkpointer:
         ranks read, as one shard group; the others get the state by broadcast (a 70B's 847 GB
         read once, not once per node). Every rank learns whether the read went well."""
         error = None
-        if replicas is None or replicas.get_local_rank("replicate") == 0:
-            reader = _SharedMetadataReader(ckpt, replicas["shard"].get_group() if replicas is not None else None,
+        if replicas is None or replicas.coordinate("replicate") == 0:
+            reader = _SharedMetadataReader(ckpt, replicas.mesh("fsdp").get_group() if replicas is not None else None,
                                            self.world.device)
             try:
                 # no_dist: each rank plans its own reads, as DCP's default planner does anyway, without
@@ -433,24 +434,13 @@ def _collector_paused():
             gc.enable()
 
 
-def _replica_mesh(model):
-    """HSDP's (replicate, shard) device mesh where it has more than one replica, else None."""
-    for param in model.parameters():
-        mesh = getattr(param, "device_mesh", None)
-        names = getattr(mesh, "mesh_dim_names", None) or ()
-        if "replicate" in names and mesh["replicate"].size() > 1:
-            return mesh
-        return None
-    return None
-
-
-def _broadcast_from_first_replica(state: dict, mesh) -> None:
+def _broadcast_from_first_replica(state: dict, layout) -> None:
     """Every tensor of `state` (each rank's local shard) and its other values, from the rank of
     the first replica that holds the same shard: one broadcast per tensor over the replicate
     group (between nodes), in the same order on every rank."""
     from torch.utils._pytree import tree_flatten, tree_unflatten
 
-    group = mesh["replicate"].get_group()
+    group = layout.mesh("replicate").get_group()
     source = dist.get_global_rank(group, 0)
     leaves, spec = tree_flatten(state)
     values = [None if isinstance(leaf, torch.Tensor) else leaf for leaf in leaves]
@@ -462,7 +452,7 @@ def _broadcast_from_first_replica(state: dict, mesh) -> None:
             continue
         local = leaf.to_local() if hasattr(leaf, "to_local") else leaf  # a view of the shard
         if nccl and local.device.type == "cpu":  # a host-side value (a step count): via the GPU
-            on_device = local.to(mesh.device_type)
+            on_device = local.to(layout.device_type)
             dist.broadcast(on_device, src=source, group=group)
             local.copy_(on_device)
         else:

@@ -37,6 +37,7 @@ from ..files import write_atomic
 from . import distributed, preflight
 from .checkpoint import Checkpointer, compat_info, will_resume
 from .control import Agreement, Control, Verdict, settle
+from ..parallel.dims import Layout
 from ..parallel.world import World
 from .hooks import StepHooks
 from .profiling import out_of_memory, record_memory_history
@@ -132,8 +133,7 @@ def run(cfg: Config, world: World, watch: Watchdog, run_lock: RunLock) -> None:
     elif cfg.model.name_or_path is not None:
         log.info(f"pretrained weights not read from {pretrained_dir(cfg)}: the checkpoint to resume "
                  f"holds every weight")
-    tp_mesh = world.dims.tp_mesh(world.device.type) if world.dims.tensor > 1 else None
-    head = chunk_head(model, config, compile=t.compile, tp_mesh=tp_mesh) if t.chunked_loss else None
+    head = chunk_head(model, config, compile=t.compile, layout=world.layout) if t.chunked_loss else None
     if t.chunked_loss and head is None:
         log.info(f"train.chunked_loss: not for model type {config.model_type!r} (its head is not "
                  f"a plain linear layer it applies last); the loss takes the full logits")
@@ -182,7 +182,7 @@ def run(cfg: Config, world: World, watch: Watchdog, run_lock: RunLock) -> None:
     job = Job(cfg, model, head, optimizer, scaler, checkpointer, sampler, state, train_data, val_data, accum,
               flops_per_token(config, n_params, seq_len, num_params(model, trainable=True))
               * t.global_batch_size * seq_len,
-              cp_group=world.dims.cp_group() if world.dims.context > 1 else None)
+              layout=world.layout)
     checkpointer.estimate_save(model, optimizer)  # the deadline's figure until a save is timed
     with watch.phase("resuming"):
         resumed = checkpointer.load(model, optimizer)  # a refused resume raises here
@@ -231,10 +231,10 @@ class Job:
     flops_per_step: float
     reason: str = "done"  # why the loop ended (control.py's reasons)
     provenance: dict | None = None  # this start's provenance.json (rank 0), for the W&B run
-    cp_group: object = None  # context parallel: the ranks that share this rank's sequences (lm_loss)
+    layout: Layout | None = None  # which part of every sequence this rank computes (lm_loss)
 
     def __post_init__(self):
-        self.step = Step(self.model, self.head, self.optimizer, self.scaler, self.cfg, self.cp_group)
+        self.step = Step(self.model, self.head, self.optimizer, self.scaler, self.cfg, self.layout)
 
     def carried(self) -> dict:
         """What a checkpoint carries besides the model and optimizer (into meta.json)."""

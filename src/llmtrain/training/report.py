@@ -169,8 +169,7 @@ def evaluate(model, head, data: TokenStream | SampleRows, cfg: Config, world: Wo
     the same number of forwards: FSDP2 gathers parameters collectively.
     """
     seq_len, mb = cfg.data.seq_len, cfg.train.micro_batch_size
-    dp = world.dims.dp  # the data-parallel ranks split the samples
-    cp_group = world.dims.cp_group() if world.dims.context > 1 else None  # and context-parallel ones each sequence
+    dp = world.dims.dp  # the data-parallel ranks split the samples, context-parallel ones each sequence
     per_rank = min(data.num_samples(seq_len), cfg.train.eval_samples) // dp
     indices = np.arange(per_rank) * dp + world.dims.dp_rank(world.rank)
     total = torch.zeros((), dtype=torch.float64, device=world.device)
@@ -181,12 +180,13 @@ def evaluate(model, head, data: TokenStream | SampleRows, cfg: Config, world: Wo
         targets += batch.targets()
         with autocast(cfg, world.device):
             total += lm_loss(model, batch.pinned(world.device).to(world.device), head, normaliser=1.0,
-                             cp_group=cp_group).double()
+                             layout=world.layout).double()
     model.train()
-    # every rank of a tensor-parallel group adds the same sums, and each of a context-parallel
-    # group its part of the loss but the whole count: the count once per such group
+    # summed over the loss's ranks (a tensor-parallel group's ranks hold the same sums: one of
+    # them counts); each of a context-parallel group holds its part of the loss but the whole
+    # count: the count once per such group
     sums = torch.stack([total, torch.tensor(targets / world.dims.context, dtype=torch.float64, device=world.device)])
-    dist.all_reduce(sums)
+    dist.all_reduce(sums, group=world.layout.mesh("loss").get_group())
     return (sums[0] / sums[1]).item() if sums[1] > 0 else float("nan")
 
 

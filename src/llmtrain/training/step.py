@@ -34,9 +34,9 @@ def no_phase(name: str):
 
 
 class Step:
-    def __init__(self, model, head, optimizer, scaler: torch.amp.GradScaler, cfg: Config, cp_group=None):
+    def __init__(self, model, head, optimizer, scaler: torch.amp.GradScaler, cfg: Config, layout=None):
         self.model, self.head, self.optimizer, self.scaler, self.cfg = model, head, optimizer, scaler, cfg
-        self.cp_group = cp_group  # context parallel: this rank's part of every sequence (lm_loss)
+        self.layout = layout  # parallel/dims.Layout: which part of every sequence this rank computes (lm_loss)
         # Who decides a skip: the device (the optimizer reads the flag), or the host.
         self.host_decides = scaler.is_enabled() or not OPTIMIZERS[cfg.train.optimizer].skips_on_device
         self.float8_scales = float8.precomputes_scales(model)  # FSDP2 gathers weights in float8
@@ -58,7 +58,7 @@ class Step:
         for i, batch in enumerate(micro_batches):
             with gradient_sync(model, i == len(micro_batches) - 1, cfg):
                 with phase("forward"), autocast(cfg, batch.tokens.device):
-                    loss = lm_loss(model, batch, self.head, max(normaliser, 1e-9), self.cp_group) * loss_factor
+                    loss = lm_loss(model, batch, self.head, max(normaliser, 1e-9), self.layout) * loss_factor
                 with phase("backward"):
                     self.scaler.scale(loss).backward()
             total = loss.detach() if total is None else total + loss.detach()
