@@ -464,7 +464,7 @@ def report(cfg: Config, gpu_mem_gib: float | None = None,
                         f"{', '.join(fixes)}"], False
     fits = est.total <= usable * GIB
     verdict = "fits: {:.2f} GiB <=" if fits else "does NOT fit: {:.2f} GiB >"
-    dp = est.world_size // (est.tp * cfg.parallel.cp)
+    dp = dims_of(cfg, est.world_size).dp
     share = (f"the global batch per GPU, {t.global_batch_size} / {est.world_size}" if dp == est.world_size else
              f"the global batch per data-parallel rank, {t.global_batch_size} / {dp}")
     return lines + [f"{verdict.format(est.total / GIB)} {room}",
@@ -516,7 +516,7 @@ def _descriptions(cfg: Config, est: Estimate, shape: ModelShape) -> dict[str, st
         copies = "none (fp32)" if precision == "fp32" else f"{precision} weights cached by autocast"
         comm = "none: NCCL reduces the buckets in place"
     else:
-        replicas = est.world_size // (est.shard_size * est.tp)
+        replicas = dims_of(cfg, est.world_size).replicate
         split = f"tp {est.tp}'s split" if est.tp > 1 else ""
         where = ((f"sharded over {est.shard_size} GPUs" + (f" after {split}" if split else "") if est.shard_size > 1
                   else "not sharded" + (f" beyond {split}" if split else ""))  # hsdp's shard_size 1
