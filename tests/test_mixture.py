@@ -283,6 +283,24 @@ def test_check_config_names_every_mixture_problem_on_its_own_line(setup, write_c
                                                  "data.mixture (got both)\n")
 
 
+def test_a_path_the_sources_take_from_the_data_section_is_named_as_written(setup, write_config):
+    """data.validation set once for every source, and missing: one line, the path as the file
+    wrote it and as resolved, word for word what data.dataset's one source gets."""
+    root, _ = setup
+    cfg = mixture_config()
+    cfg["data"]["mixture"] = [{"dataset": str(root / "big.txt"), "weight": 3},
+                              {"dataset": str(root / "small.txt"), "weight": 1}]
+    cfg["data"].update(validation="./held-out.txt", validation_fraction=None)
+    path = write_config(cfg)
+    proc = cli("check-config", "--config", path)
+    line = f"data.validation: no such file or folder (got './held-out.txt', resolved to {path.parent / 'held-out.txt'})"
+    assert (proc.returncode, proc.stderr.splitlines()) == (2, [line])
+
+    del cfg["data"]["mixture"]
+    cfg["data"]["dataset"] = str(root / "big.txt")
+    assert cli("check-config", "--config", write_config(cfg)).stderr.splitlines() == [line]
+
+
 # ---------------------------------------------------------------------------------------------
 # A real run
 

@@ -6,8 +6,8 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from ..data.sources import (file_suffix, fingerprint, given_prepared, is_glob, is_hub_id, is_split_name, local_path,
-                            on_disk, source_files, source_record, tokenizer_sha256, tokenizer_source)
+from ..data.sources import (by_source, file_suffix, fingerprint, given_prepared, is_glob, is_hub_id, is_split_name,
+                            local_path, on_disk, source_files, source_record, tokenizer_sha256, tokenizer_source)
 from ..errors import UserError
 from ..files import read_json
 from ..optimizers import OPTIMIZERS
@@ -29,13 +29,13 @@ def check_environment(cfg: Config, written: dict | None = None) -> list[str]:
     p += _check_attention(cfg)
     p += _check_fp8(cfg)
     p += _check_resume(cfg)
-    if not cfg.data.mixture:
-        manifest = given_prepared(cfg)
-        p += _check_prepared(cfg, manifest) if manifest else _check_data(cfg.data, Path(cfg.path).parent, written)
     for source in cfg.data.sources:  # each as a data section of its own, its lines named by its keys
         one = cfg.for_source(source)
         manifest = given_prepared(one)
-        for line in _check_prepared(one, manifest) if manifest else _check_data(one.data, Path(cfg.path).parent):
+        # The path keys it takes from the data section show as written (data.dataset: all of them).
+        inherited = {k: raw for k, raw in (written or {}).items() if source.key(k.removeprefix("data.")) == k}
+        lines = _check_prepared(one, manifest) if manifest else _check_data(one.data, Path(cfg.path).parent, inherited)
+        for line in lines:
             key, _, rest = line.partition(":")
             rest = rest.replace("data.prepared:", f"{source.key('prepared')}:")  # the fix names this source's
             line = f"{source.key(key.removeprefix('data.'))}:{rest}" if key.startswith("data.") else line
@@ -223,7 +223,7 @@ def _check_resume(cfg: Config) -> list[str]:
          if key in saved and saved[key] != value]
     if "data_fingerprint" in saved:
         prints = {s.name: _fingerprint(cfg.for_source(s)) for s in cfg.data.sources}
-        now = (prints if None not in prints.values() else None) if cfg.data.mixture else _fingerprint(cfg)
+        now = None if None in prints.values() else by_source(prints)
         if now not in (None, saved["data_fingerprint"]):
             p.append(f"train.resume: checkpoint {folder / pointer} was trained on other data (the "
                      f"dataset's files, the tokenizer or the data options changed); {fix}")

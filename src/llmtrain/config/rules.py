@@ -106,7 +106,7 @@ def validate(cfg: Config, world_size: int | None = None) -> list[str]:
         p.append(f"train.keep_checkpoints: must be >= 2, so a damaged newest checkpoint has a "
                  f"fallback (got {t.keep_checkpoints})")
     p += _check_mixture(d, t)
-    for key, source in [(lambda k: f"data.{k}", d)] if not d.mixture else [(s.key, s.data) for s in d.sources]:
+    for key, source in [(s.key, s.data) for s in d.sources]:  # data.dataset is a source of its own
         if not 0 <= source.holdout_fraction < 0.5:
             p.append(f"{key('validation_fraction')}: must be in [0, 0.5) (got {source.validation_fraction})")
         if source.validation and source.validation_fraction:

@@ -149,10 +149,12 @@ class DataConfig:
 
     @property
     def sources(self) -> "tuple[MixtureSource, ...]":
-        """data.mixture's sources, each with its own data section (its dataset and options on
-        this one's); () without a mixture."""
+        """The sources the run reads, each with its own data section: data.mixture's (their
+        dataset and options on this one's), or data.dataset as a mixture of one, this very
+        section, unnamed (no per-source keys in metrics or checkpoints) and with its keys the
+        data section's. Callers loop over them and never ask which kind they have."""
         if not self.mixture:
-            return ()
+            return (MixtureSource(None, 1.0, self, None, {}),)
         out = []
         for index, entry in enumerate(self.mixture):
             if "dataset" not in entry or "weight" not in entry:  # reported by load.py
@@ -161,6 +163,14 @@ class DataConfig:
             out.append(MixtureSource(entry.get("name") or mixture_name(entry["dataset"]), entry["weight"],
                                      dataclasses.replace(self, mixture=None, **{"prepared": None, **options}), index, entry))
         return tuple(out)
+
+    def pinned(self, folders: list) -> dict:
+        """The keys that name each source's prepared folder (`folders`, in source order), which
+        llmtrain submit pins so that no job reads a source's files: data.prepared for data.dataset,
+        each data.mixture entry's prepared for a mixture."""
+        if not self.mixture:
+            return {"prepared": str(folders[0])}
+        return {"mixture": [{**s.entry, "prepared": str(folder)} for s, folder in zip(self.sources, folders)]}
 
     @property
     def holdout_fraction(self) -> float:
@@ -180,11 +190,12 @@ MIXTURE_OPTIONS = ("dataset", "split", "text_field", "messages_field", "prompt_f
 @dataclass(frozen=True)
 class MixtureSource:
     """One entry of data.mixture: its name (default: its dataset's file or folder name), its
-    weight as written, and the data section it is prepared and read with."""
-    name: str
+    weight as written, and the data section it is prepared and read with. data.dataset is one
+    such source: no name, weight 1, the data section itself, no entry."""
+    name: str | None
     weight: float
     data: DataConfig
-    index: int  # its place in data.mixture, for messages: data.mixture[1].weight
+    index: int | None  # its place in data.mixture, for messages: data.mixture[1].weight
     entry: dict  # the entry as written (typed, paths expanded)
 
     def key(self, key: str) -> str:
@@ -395,8 +406,8 @@ class Config:
         return dataclasses.replace(self, data=source.data)
 
     def source_configs(self) -> "list[Config]":
-        """A config for each dataset the run reads: this one, or one per mixture source."""
-        return [self.for_source(s) for s in self.data.sources] if self.data.mixture else [self]
+        """A config for each dataset the run reads (one per source: data.sources)."""
+        return [self.for_source(s) for s in self.data.sources]
 
     def to_dict(self) -> dict:
         out = dataclasses.asdict(self)

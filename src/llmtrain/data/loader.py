@@ -336,6 +336,25 @@ class StepSampler:
         """This rank's sample indices for the next optimizer step (advances the position)."""
         return self.share(self.next_global())
 
+    # What the loop and the report ask of any sampler (MixtureSampler answers them for a mixture).
+
+    def position(self) -> dict:
+        """Where the data stands, for a train record: the fractional epoch."""
+        return {"epoch": round(self.epochs_done(), 4)}
+
+    def progress(self, max_steps: int) -> tuple[int, int]:
+        """The progress line's epoch: this one (from 1) of how many max_steps takes."""
+        return self.state.epoch + 1, -(-max_steps // self.steps_per_epoch)
+
+    def eval_record(self, losses: dict) -> dict:
+        """An eval record's values from the loss on each source's validation split: the one
+        dataset's (its source has no name)."""
+        return {"eval_loss": losses[None]}
+
+    def resumed(self) -> list[str]:
+        """Log lines on what a resume changed in the data: nothing can."""
+        return []
+
 
 def batch_tokens(stream: TokenStream, indices: np.ndarray, seq_len: int) -> np.ndarray:
     """[len(indices), seq_len + 1] int64 windows: inputs are [:, :-1], targets [:, 1:]."""

@@ -37,7 +37,7 @@ import numpy as np
 
 from ..config import Config, UserError
 from .loader import Batch, DataNotPrepared, SampleRows, open_split, unpacked_width
-from .sources import prepared_path, read_manifest
+from .sources import by_source, prepared_path, read_manifest
 
 
 BLEND_ROWS = 128  # samples the blend works out together: one search for contenders serves them all
@@ -113,11 +113,12 @@ def open_sources(cfg: Config) -> list[tuple[str, Path, dict]]:
     return opened
 
 
-def summary_manifest(opened: list[tuple[str, Path, dict]]) -> dict:
+def summary_manifest(opened: list[tuple[str | None, Path, dict]]) -> dict:
     """What the trainer checks the model and a checkpoint against, for the whole mixture: the
-    tokenizer (alike for all: prepared with the model's), and each source's fingerprint by name."""
+    tokenizer (alike for all: prepared with the model's), and each source's fingerprint by name
+    (data.dataset's unnamed one: its fingerprint, as it is)."""
     return {"tokenizer": max((m["tokenizer"] for _, _, m in opened), key=lambda t: t["vocab_size"]),
-            "fingerprint": {name: m["fingerprint"] for name, _, m in opened}}
+            "fingerprint": by_source({name: m["fingerprint"] for name, _, m in opened})}
 
 
 class Mixture:
@@ -295,18 +296,50 @@ class MixtureSampler:
         return {name: round(self.state.counts[name] / int(size), 4)
                 for name, size in zip(self.data.names, self.data.sizes)}
 
+    # What the loop and the report ask of any sampler (StepSampler answers them for one dataset).
+
+    def position(self) -> dict:
+        """Where the data stands, for a train record: each source's tokens and epochs."""
+        return {"source_tokens": self.source_tokens(), "source_epochs": self.source_epochs()}
+
+    def progress(self, max_steps: int) -> None:
+        """No epoch in the progress line: each source has its own (in metrics only)."""
+        return None
+
+    def eval_record(self, losses: dict) -> dict:
+        """An eval record's values from the loss on each source's validation split (eval_samples
+        each): eval_loss_by_source, and as eval_loss their mean weighted by the sources' weights
+        (the loss on the blend the run trains on)."""
+        weights = {name: self.state.weights[name] for name in losses}
+        mean = sum(weights[n] * loss for n, loss in losses.items()) / sum(weights.values())
+        return {"eval_loss": mean, "eval_loss_by_source": losses}
+
+    def resumed(self) -> list[str]:
+        """Log lines on what a resume changed in the data: the weights, if they did."""
+        return [weights_changed(self)] if self.state.changed else []
+
 
 def open_mixture(cfg: Config, opened: list[tuple[str, Path, dict]], global_batch: int, rank: int,
                  world_size: int) -> tuple[Mixture, dict, MixtureSampler]:
     """The mixture's train data, its sources' validation splits ({name: reader}; a source without
     one is left out) and its sampler."""
-    seq_len = cfg.data.seq_len
+    train, validation = open_splits(cfg, opened)
+    return train, validation, mixture_sampler(cfg, train, global_batch, rank, world_size)
+
+
+def open_splits(cfg: Config, opened: list[tuple[str, Path, dict]]) -> tuple[Mixture, dict]:
+    """The mixture's train data and its sources' validation splits (see open_mixture)."""
     names = [name for name, _, _ in opened]
-    train = Mixture(names, [open_split(folder, manifest, "train", cfg) for _, folder, manifest in opened], seq_len)
+    train = Mixture(names, [open_split(folder, manifest, "train", cfg) for _, folder, manifest in opened],
+                    cfg.data.seq_len)
     validation = {name: open_split(folder, manifest, "validation", cfg) for name, folder, manifest in opened
                   if "validation" in manifest["splits"]}
+    return train, validation
+
+
+def mixture_sampler(cfg: Config, train: Mixture, global_batch: int, rank: int, world_size: int) -> MixtureSampler:
     weights = [s.weight for s in cfg.data.sources]
-    return train, validation, MixtureSampler(train, weights, global_batch, cfg.train.seed, rank, world_size)
+    return MixtureSampler(train, weights, global_batch, cfg.train.seed, rank, world_size)
 
 
 def describe(cfg: Config, sampler: MixtureSampler) -> str:

@@ -166,6 +166,12 @@ def mixture_name(dataset: str) -> str:
     return name.removesuffix(file_suffix(Path(name))) or name
 
 
+def by_source(values: dict):
+    """A value of each source ({source name: value}) as manifests and checkpoints record it:
+    data.dataset's (its one source has no name) as it is, a mixture's by name."""
+    return values[None] if None in values else values
+
+
 def source_record(cfg) -> dict:
     """The data options a prepared folder was made with, as its manifest records them."""
     d = cfg.data

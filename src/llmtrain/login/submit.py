@@ -89,8 +89,8 @@ def refusals(cfg: Config, config: str | os.PathLike, *, offline: bool, launch: b
     queued now; with cluster, a request no partition or node can meet."""
     from ..data.sources import given_prepared
     # data.prepared, prepared: the source may be gone
-    datasets = [(one.data.dataset, "datasets", "data.dataset" if one is cfg else f"data.mixture[{s.index}].dataset")
-                for one, s in zip(cfg.source_configs(), cfg.data.sources or [None]) if given_prepared(one) is None]
+    datasets = [(one.data.dataset, "datasets", s.key("dataset"))
+                for one, s in zip(cfg.source_configs(), cfg.data.sources) if given_prepared(one) is None]
     missing = list(dict.fromkeys(
         f"{what}: {source} is not downloaded yet (looked in {local_path(source, kind)}); "
         f"run: bash download_data_model.sh --config {config}"
@@ -181,15 +181,8 @@ def pin_prepared(cfg: Config) -> Config:
     every rank), a requeue trains on after the source is gone, and what follows here (is it
     prepared? the frozen copy) reads data.prepared instead of fingerprinting the source again."""
     from ..data.sources import prepared_path
-    if cfg.data.mixture:  # each source's own folder
-        return dataclasses.replace(cfg, data=dataclasses.replace(cfg.data, mixture=pinned_mixture(
-            cfg, [prepared_path(one) for one in cfg.source_configs()])))
-    return dataclasses.replace(cfg, data=dataclasses.replace(cfg.data, prepared=str(prepared_path(cfg))))
-
-
-def pinned_mixture(cfg: Config, folders: list) -> list[dict]:
-    """data.mixture's entries, each with its source's prepared folder."""
-    return [{**s.entry, "prepared": str(folder)} for s, folder in zip(cfg.data.sources, folders)]
+    pinned = cfg.data.pinned([prepared_path(one) for one in cfg.source_configs()])  # each source's own folder
+    return dataclasses.replace(cfg, data=dataclasses.replace(cfg.data, **pinned))
 
 
 def freeze(cfg: Config, path: Path, source: str | os.PathLike) -> None:
@@ -306,10 +299,8 @@ def run_local(config: str | os.PathLike, overrides: list[str] | tuple[str, ...] 
     from ..data.prepare import prepare
     # The ranks train from this folder, found once here: none of them reads the source's files.
     folders = [prepare(one) for one in cfg.source_configs()]
-    if cfg.data.mixture:  # each source's folder in its entry
-        overrides.append(f"data.mixture={json.dumps(pinned_mixture(cfg, folders))}")
-    else:
-        overrides.append(f"data.prepared={json.dumps(str(folders[0]))}")  # quoted: any path is YAML text
+    # data.prepared, or each data.mixture entry's; quoted: any path is YAML text
+    overrides += [f"data.{key}={json.dumps(value)}" for key, value in cfg.data.pinned(folders).items()]
     print(f"run_dir: {cfg.run_dir}", flush=True)
     env = {**os.environ, "OMP_NUM_THREADS": thread_share(nproc)}
     if nproc == 1:  # a group of one: not a rank of an outer launcher (srun, torchrun) we run in

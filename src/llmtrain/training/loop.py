@@ -20,8 +20,8 @@ import torch
 import torch.distributed as dist
 
 from ..config import Config, ConfigError, UserError, dump_yaml
-from ..data import mixture
-from ..data.loader import Prefetcher, SampleRows, StepSampler, TokenStream, open_prepared, open_split
+from ..data.loader import Prefetcher, StepSampler, TokenStream
+from ..data.run import Prepared, Sampler, TrainData, locate
 from ..data.tokenizer import load_tokenizer
 from ..metrics import peak_memory_gib, plural
 from ..model.build import (flops_per_token, model_config, num_params, pretrained_dir, unwrap,
@@ -102,11 +102,8 @@ def train(cfg: Config) -> None:
 def run(cfg: Config, world: World, watch: Watchdog, run_lock: RunLock) -> None:
     t, seq_len = cfg.train, cfg.data.seq_len
     with watch.phase("reading data and tokenizer"):
-        if cfg.data.mixture:  # each source's folder; the manifest stands for them all (data/mixture.py)
-            sources = mixture.open_sources(cfg)
-            folder, manifest = None, mixture.summary_manifest(sources)
-        else:
-            folder, manifest = open_prepared(cfg)
+        prepared = locate(cfg)  # each source's folder (data.dataset: one); the manifest stands for them all
+        manifest = prepared.manifest
         log, hosts = open_run_dir(cfg, world, run_lock)
         watch.log = log
         torch.manual_seed(t.seed + world.rank)
@@ -119,7 +116,7 @@ def run(cfg: Config, world: World, watch: Watchdog, run_lock: RunLock) -> None:
         log.close()
         return
     written = cfg  # as the user wrote it: train.epochs, not the max_steps derived from it
-    cfg = steps_from_epochs(cfg, folder, manifest, log)
+    cfg = steps_from_epochs(cfg, prepared, log)
     t = cfg.train
     if padding := vocab_padding(cfg, config, tokenizer):
         log.info(padding)
@@ -152,27 +149,15 @@ def run(cfg: Config, world: World, watch: Watchdog, run_lock: RunLock) -> None:
     log.info(describe_optimizer(optimizer, t))
 
     dp = world.dims.dp  # the data-parallel ranks share every batch
-    if cfg.data.mixture:  # the sources blended under the global sampler; evaluated one by one
-        train_data, val_data, sampler = mixture.open_mixture(cfg, sources, t.global_batch_size,
-                                                             world.dims.dp_rank(world.rank), dp)
-        for name, data in val_data.items():
-            check_eval_split(cfg, data, world, log, source=name)
-        val_data = val_data or None
-        log.info(mixture.describe(cfg, sampler))
-    else:
-        train_data = open_split(folder, manifest, "train", cfg)
-        val_data = open_split(folder, manifest, "validation", cfg) if "validation" in manifest["splits"] else None
-        check_eval_split(cfg, val_data, world, log)
-        sampler = StepSampler(train_data.num_samples(seq_len), t.global_batch_size, t.seed,
-                              world.dims.dp_rank(world.rank), dp)
-    accum = t.global_batch_size // (t.micro_batch_size * dp)
-    unit = "samples"
-    rows = train_data.readers[0] if cfg.data.mixture else train_data  # a mixture's sources are of one kind
-    if isinstance(rows, SampleRows):  # fine-tuning: a training sample is a row of samples
-        splits = [m["splits"]["train"] for _, _, m in sources] if cfg.data.mixture else [manifest["splits"]["train"]]
-        samples, trained = (sum(s[key] for s in splits) for key in ("samples", "trained_tokens"))
-        unit = f"rows ({samples:,} {cfg.data.format} samples, {trained:,} trained tokens)"
-    log.info(f"data: {sampler.num_samples:,} {unit} of {seq_len} tokens; global batch "
+    data = prepared.open()  # a mixture's sources blended under its sampler; each evaluated on its own
+    train_data, val_data = data.train, data.validation
+    for name, split in val_data.items():
+        check_eval_split(cfg, split, world, log, source=name)
+    sampler = data.sampler(t.global_batch_size, world.dims.dp_rank(world.rank), dp)
+    for line in data.describe(sampler):
+        log.info(line)
+    accum = world.dims.accumulation(t.global_batch_size, t.micro_batch_size)
+    log.info(f"data: {sampler.num_samples:,} {data.unit()} of {seq_len} tokens; global batch "
              f"{t.global_batch_size} = {t.micro_batch_size} x {dp} ranks x {accum} "
              f"accumulation steps")
 
@@ -188,8 +173,8 @@ def run(cfg: Config, world: World, watch: Watchdog, run_lock: RunLock) -> None:
         resumed = checkpointer.load(model, optimizer)  # a refused resume raises here
     if resumed:
         job.restore(resumed)
-        if cfg.data.mixture and sampler.state.changed:
-            log.info(mixture.weights_changed(sampler))
+        for line in sampler.resumed():  # a mixture's changed weights
+            log.info(line)
         apply_settings(optimizer, t)  # the config's weight decay, betas and eps win
     job.step.weights_changed()  # FP8's float8-gathered weights: their scales, before the first forward
     job.provenance = record_start(written, world, hosts)  # only a start that goes ahead replaces them
@@ -223,10 +208,10 @@ class Job:
     optimizer: torch.optim.Optimizer
     scaler: torch.amp.GradScaler
     checkpointer: Checkpointer
-    sampler: StepSampler | mixture.MixtureSampler
+    sampler: Sampler  # either kind answers alike (data/run.py)
     state: RunState
-    train_data: TokenStream | SampleRows | mixture.Mixture
-    val_data: TokenStream | SampleRows | dict | None  # a mixture's: {source: its validation split}
+    train_data: TrainData
+    val_data: dict  # {source: its validation split} (data.dataset's: {None: it}); {}: none
     accum: int  # micro-batches per rank per step
     flops_per_step: float
     reason: str = "done"  # why the loop ended (control.py's reasons)
@@ -260,7 +245,7 @@ def loop(cfg: Config, world: World, watch: Watchdog, log: Log, job: Job) -> None
         while state.step < t.max_steps:
             n = state.step + 1
             hooks.begin(n)
-            due = Due.at(n, t, job.val_data is not None)
+            due = Due.at(n, t, bool(job.val_data))
             lr = lr_at(state.step, t)
             set_lr(job.optimizer, lr)
             # The step's samples: the global batch, drawn alike everywhere; this rank reads its share.
@@ -358,13 +343,13 @@ def check_eval_split(cfg: Config, data: TokenStream | None, world: World, log: L
                         f"train.eval_every: 0")
 
 
-def steps_from_epochs(cfg: Config, folder, manifest: dict, log: Log) -> Config:
+def steps_from_epochs(cfg: Config, prepared: Prepared, log: Log) -> Config:
     """train.epochs as train.max_steps: an epoch is the whole global batches its samples fill
     (the sampler drops the remainder); logged. A config with max_steps is returned as it is."""
     t = cfg.train
     if t.epochs is None:
         return cfg
-    samples = open_split(folder, manifest, "train", cfg).num_samples(cfg.data.seq_len)
+    samples = prepared.train_samples()
     per_epoch = StepSampler(samples, t.global_batch_size, t.seed, 0, 1).steps_per_epoch
     steps = t.epochs * per_epoch
     log.info(f"train.epochs: {t.epochs} x {per_epoch} steps per epoch ({samples:,} samples // "

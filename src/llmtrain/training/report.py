@@ -13,8 +13,8 @@ import torch
 import torch.distributed as dist
 
 from ..config import Config
-from ..data.loader import SampleRows, StepSampler, TokenStream
-from ..data.mixture import MixtureSampler
+from ..data.loader import SampleRows, TokenStream
+from ..data.run import Sampler
 from ..metrics import (MetricsWriter, SampleLog, Slowdown, Throughput, peak_flops, peak_memory_gib,
                        progress_line)
 from ..model.loss import lm_loss
@@ -119,11 +119,12 @@ class Reporter:
 
 
 def log_step(metrics: MetricsWriter, log: Log, speed: dict, state, loss, grad_norm,
-             lr: float, t, world: World, scaler, sampler: "StepSampler | MixtureSampler") -> None:
+             lr: float, t, world: World, scaler, sampler: Sampler) -> None:
     """One metrics line and one progress line: the loss averaged over ranks, and the peak memory
     of the rank that uses the most (one collective for all of it). fp16 adds the loss scale: the
     scaler skips a step with inf/NaN gradients by itself and halves it, which shows there. The
-    epoch: fractional in metrics (1.5: halfway through the second), "epoch 2/3" in the line."""
+    data's position: the epoch fractional in metrics (1.5: halfway through the second), "epoch
+    2/3" in the line; a mixture's tokens and epochs per source, in metrics only."""
     per_rank = distributed.gather_floats(
         [loss.item(), float(grad_norm), peak_memory_gib(world.device)], world.device)
     peak_rank = max(range(world.world_size), key=lambda r: per_rank[r][2])
@@ -132,32 +133,17 @@ def log_step(metrics: MetricsWriter, log: Log, speed: dict, state, loss, grad_no
                    "grad_norm": sum(r[1] for r in per_rank) / world.world_size,
                    "tokens": state.tokens, **speed, "peak_mem_gib": per_rank[peak_rank][2],
                    "peak_mem_rank": peak_rank, "skipped_steps": state.skipped,
-                   **data_position(sampler),
+                   **sampler.position(),
                    **({"loss_scale": scaler.get_scale()} if scaler.is_enabled() else {})})
-    mixed = isinstance(sampler, MixtureSampler)  # each source has its own epochs: in metrics only
-    epoch = None if mixed else (sampler.state.epoch + 1, -(-t.max_steps // sampler.steps_per_epoch))
     log.info(progress_line(state.step, t.max_steps, mean_loss, lr, speed["tokens_per_sec"],
-                           speed["eta_s"], epoch=epoch))
-
-
-def data_position(sampler: "StepSampler | MixtureSampler") -> dict:
-    """Where the data stands, for a train record: the fractional epoch, or a mixture's tokens and
-    epochs per source."""
-    if isinstance(sampler, MixtureSampler):
-        return {"source_tokens": sampler.source_tokens(), "source_epochs": sampler.source_epochs()}
-    return {"epoch": round(sampler.epochs_done(), 4)}
+                           speed["eta_s"], epoch=sampler.progress(t.max_steps)))
 
 
 def evaluation(job, cfg: Config, world: World) -> dict:
-    """An eval record's values: eval_loss, and for a mixture each source's on its own validation
-    split (eval_samples each) as eval_loss_by_source, eval_loss then their mean weighted by the
-    sources' weights (the loss on the blend the run trains on)."""
-    if not isinstance(job.val_data, dict):
-        return {"eval_loss": evaluate(job.model, job.head, job.val_data, cfg, world)}
-    by_source = {name: evaluate(job.model, job.head, data, cfg, world) for name, data in job.val_data.items()}
-    weights = {name: job.sampler.state.weights[name] for name in by_source}
-    mean = sum(weights[n] * loss for n, loss in by_source.items()) / sum(weights.values())
-    return {"eval_loss": mean, "eval_loss_by_source": by_source}
+    """An eval record's values: each source evaluated on its own validation split (eval_samples
+    each), and the record the sampler makes of them (eval_loss; a mixture's by source too)."""
+    losses = {name: evaluate(job.model, job.head, data, cfg, world) for name, data in job.val_data.items()}
+    return job.sampler.eval_record(losses)
 
 
 @torch.no_grad()
