@@ -4,8 +4,6 @@ data-parallel ranks the batch is shared over, and the one-line refusals."""
 from __future__ import annotations
 
 import contextlib
-import subprocess
-import sys
 
 import pytest
 import yaml
@@ -319,27 +317,26 @@ def test_the_layout_of_2048_ranks_cuts_every_role_from_one_mesh_with_groups_per_
     (rank = ((p x 64 + s) x 2 + c) x 8 + t), and the process groups this rank takes part in are
     as many as at 64 ranks: they grow with the mesh's dimensions, not with the ranks (today's
     context-parallel groups, enumerated by hand, were world / (cp x tp) = 128 world-wide splits)."""
-    code = """
-import sys, torch.distributed as dist
-from torch.distributed.distributed_c10d import _world
-from torch.testing._internal.distributed.fake_pg import FakeStore
-from llmtrain.parallel.dims import Layout, ParallelDims
-world, rank, shard = int(sys.argv[1]), int(sys.argv[2]), int(sys.argv[3])
-dist.init_process_group("fake", store=FakeStore(), rank=rank, world_size=world)
-before = len(_world.pg_map)
-layout = Layout(ParallelDims(world, "fsdp", shard=shard, context=2, tensor=8, pipeline=2), rank, "cpu")
-meshes = {role: layout.mesh(role) for role in ("batch", "loss", "fsdp", "fsdp_tp", "pp", "cp", "tp")}
-print(len(_world.pg_map) - before)
-for role, mesh in meshes.items():
-    print(role, mesh.mesh.flatten().tolist(), mesh.get_local_rank(), layout.coordinate(role))
-print("fsdp_mesh", layout.fsdp_mesh().mesh.flatten().tolist())
-"""
+    import torch.distributed as dist
+    from torch.distributed.distributed_c10d import _world
+    from torch.testing._internal.distributed.fake_pg import FakeStore
+
+    from llmtrain.parallel import dims
+    from llmtrain.parallel.dims import Layout
+
     def run(world, rank, shard):
-        proc = subprocess.run([sys.executable, "-c", code, str(world), str(rank), str(shard)], capture_output=True,
-                              text=True, timeout=300)
-        assert proc.returncode == 0, proc.stderr[-2000:]
-        lines = proc.stdout.split("\n")
-        return int(lines[0]), {line.split(" ", 1)[0]: line.split(" ", 1)[1] for line in lines[1:] if line}
+        dist.init_process_group("fake", store=FakeStore(), rank=rank, world_size=world)
+        try:
+            before = len(_world.pg_map)
+            layout = Layout(ParallelDims(world, "fsdp", shard=shard, context=2, tensor=8, pipeline=2), rank, "cpu")
+            meshes = {role: layout.mesh(role) for role in ("batch", "loss", "fsdp", "fsdp_tp", "pp", "cp", "tp")}
+            roles = {role: f"{mesh.mesh.flatten().tolist()} {mesh.get_local_rank()} {layout.coordinate(role)}"
+                     for role, mesh in meshes.items()}
+            roles["fsdp_mesh"] = str(layout.fsdp_mesh().mesh.flatten().tolist())
+            return len(_world.pg_map) - before, roles
+        finally:
+            dist.destroy_process_group()
+            dims._meshes.cache_clear()  # its meshes hold this group's subgroups
 
     groups, roles = run(2048, 1234, 64)
     p, rest = divmod(1234, 1024)
