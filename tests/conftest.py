@@ -6,9 +6,11 @@ from __future__ import annotations
 import contextlib
 import fcntl
 import functools
+import hashlib
 import io
 import json
 import os
+import shutil
 import subprocess
 import sys
 import tempfile
@@ -54,10 +56,14 @@ def pytest_sessionfinish(session):
 # with its share of this order. The longest work comes first, the fresh-clone test (setup.sh's
 # pip install, then two demos) before all, so that no worker is left alone with a long test at
 # the end, and a worker that runs out of tests takes half of the other's queue. (A fixture that
-# both workers share, like test_slurm's preemption trials, runs once under a file lock.)
+# both workers share, like test_slurm's preemption trials, runs once under a file lock.) After the
+# list, only modules of short tests: the local launches of test_scripts.py, last in file order,
+# were the tail (modules by their time in a --durations run of the suite, 2026-11-27).
 LONGEST_FIRST = ("test_scripts.py::test_setup_", "test_slurm.py", "test_sweep.py::test_a_local_",
                  "test_bigmodel.py", "test_tensor_parallel.py", "test_context_parallel.py", "test_control.py",
-                 "test_checkpoint.py", "test_train.py", "test_finetune.py", "test_optimizers.py")
+                 "test_checkpoint.py", "test_train.py", "test_finetune.py", "test_optimizers.py", "test_scripts.py",
+                 "test_observe.py", "test_float8.py", "test_download.py", "test_export.py", "test_estimate.py",
+                 "test_mixture.py", "test_cli.py", "test_plan.py", "test_status.py")
 
 
 def pytest_collection_modifyitems(items):
@@ -135,6 +141,41 @@ def prepared_home(tmp_path_factory, name: str, cfg: dict):
         yield root, config
     finally:
         mp.undo()
+
+
+def reference_run(tmp_path_factory, name: str, cfg: dict, *sets: str) -> Path:
+    """The run directory of one process training `cfg` (with `--set` `sets`): the curve a test
+    holds another layout to (tensor parallel, context parallel). Made once per pytest run and
+    shared: test_tensor_parallel.py and test_context_parallel.py hold their layouts to the same
+    one, and a module whose tests xdist splits between its workers made its references on both
+    (module fixtures run on each worker). The first worker to ask trains it in a home of its own,
+    under a file lock; another waits and reads it. Keyed by name and content: another config
+    gets another run."""
+    key = hashlib.sha256(json.dumps([name, cfg, sets], sort_keys=True).encode()).hexdigest()[:12]
+    root = shared_folder(tmp_path_factory, "references") / f"{name}-{key}"
+    root.mkdir(exist_ok=True)
+    run = root / "home" / "runs" / name
+    with open(root / "lock", "w") as lock, pytest.MonkeyPatch.context() as mp:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        if not (root / "made").exists():
+            mp.setenv("LLMTRAIN_HOME", str(root / "home"))
+            config = root / "config.yaml"
+            config.write_text(yaml.safe_dump(cfg))
+            cli("prepare", "--config", config, check=True)
+            shutil.rmtree(run, ignore_errors=True)  # a worker that failed here left a part
+            cli("train", "--config", config, "--set", f"run.name={name}", *(x for s in sets for x in ("--set", s)),
+                check=True)
+            (root / "made").touch()
+    return run
+
+
+def shared_folder(tmp_path_factory, name: str) -> Path:
+    """A folder of this pytest run that all its xdist workers see (each worker's basetemp is a
+    folder of the run's; without workers, the basetemp itself)."""
+    base = tmp_path_factory.getbasetemp()
+    folder = (base.parent if os.environ.get("PYTEST_XDIST_WORKER") else base) / name
+    folder.mkdir(exist_ok=True)
+    return folder
 
 
 @pytest.fixture

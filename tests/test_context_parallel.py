@@ -15,7 +15,7 @@ import yaml
 from torch.distributed.device_mesh import DeviceMesh
 from transformers import AutoConfig, AutoModelForCausalLM
 
-from conftest import assert_same_curve, cli, losses, prepared_home, run_dir, tiny_config, torchrun
+from conftest import assert_same_curve, cli, losses, prepared_home, reference_run, run_dir, tiny_config, torchrun
 from llmtrain.data.loader import Batch
 from llmtrain.model.attention import (_gathered_order, causal_attention, causal_chunks, context_chunks, context_mask,
                                       context_parallel_attention)
@@ -125,25 +125,31 @@ def setup(tmp_path_factory):
         yield home
 
 
+def single(tmp_path_factory, *sets: str):
+    """One process's curve of this module's config (with `sets`): test_tensor_parallel.py's
+    reference run, whose checkpoints every 5 steps change no loss; made once per pytest run."""
+    config = tiny_config(train={"max_steps": 10, "eval_every": 5, "checkpoint_every": 5})
+    return reference_run(tmp_path_factory, "single", config, *sets)
+
+
 @pytest.mark.slow
-def test_cp2_gives_one_process_curve_with_and_without_document_masking(setup):
+def test_cp2_gives_one_process_curve_with_and_without_document_masking(setup, tmp_path_factory):
     """2 ranks, each half of every sequence (with accumulation: 2 micro-batches a step), under DDP
     (over the world: the context-parallel ranks hold the same weights). A checkpoint the cp 2 run
     wrote at step 5 resumes in one process (cp 1): steps 6-10 are one process's."""
     _, config = setup
-    for name, extra in (("plain", []), ("documents", ["--set", "data.document_masking=true"])):
-        cli("train", "--config", config, "--set", f"run.name={name}-single", *extra, check=True)
+    for name, extra in (("plain", []), ("documents", ["data.document_masking=true"])):
         torchrun(2, "train", "--config", config, "--set", f"run.name={name}-cp2", "--set", "parallel.cp=2",
-                 "--set", "train.checkpoint_every=5", *extra)
-        assert_same_curve(run_dir(setup, f"{name}-cp2"), run_dir(setup, f"{name}-single"), tol=1e-4)
+                 "--set", "train.checkpoint_every=5", *(x for s in extra for x in ("--set", s)))
+        assert_same_curve(run_dir(setup, f"{name}-cp2"), single(tmp_path_factory, *extra), tol=1e-4)
     log = (run_dir(setup, "plain-cp2") / "logs" / "rank-0.log").read_text()
     assert "ddp over 2 ranks (mesh: cp 2)" in log and "global batch 8 = 4 x 1 ranks x 2 accumulation steps" in log
     ckpt = run_dir(setup, "plain-cp2") / "checkpoints" / "step-00000005"
     cli("train", "--config", config, "--set", "run.name=cp2-then-single", "--set", f"train.resume={ckpt}", check=True)
-    single = {(k, s): v for k, s, v in losses(run_dir(setup, "plain-single"))}
+    single_losses = {(k, s): v for k, s, v in losses(single(tmp_path_factory))}
     resumed = losses(run_dir(setup, "cp2-then-single"))
     assert [s for _, s, _ in resumed][0] == 6 and resumed[-1][1] == 10
-    assert max(abs(v - single[k, s]) for k, s, v in resumed) <= 1e-4, (resumed, single)
+    assert max(abs(v - single_losses[k, s]) for k, s, v in resumed) <= 1e-4, (resumed, single_losses)
 
 
 @pytest.mark.slow
@@ -163,14 +169,12 @@ def test_packed_fine_tuning_rows_under_cp2_lose_what_one_process_loses(tmp_path,
 
 
 @pytest.mark.slow
-def test_fsdp_over_cp2_x_tp2_on_four_processes_gives_one_process_curve(setup):
+def test_fsdp_over_cp2_x_tp2_on_four_processes_gives_one_process_curve(setup, tmp_path_factory):
     """4 ranks, one data-parallel rank: 2 context-parallel halves of each sequence, each split by
     tensor parallel; FSDP2 shards the weights over the context-parallel pair."""
     _, config = setup
-    if not (run_dir(setup, "plain-single") / "metrics.jsonl").exists():  # run alone (-k): make it
-        cli("train", "--config", config, "--set", "run.name=plain-single", check=True)
     torchrun(4, "train", "--config", config, "--set", "run.name=cp2-tp2", "--set", "parallel.cp=2",
              "--set", "parallel.tp=2", "--set", "parallel.strategy=fsdp")
     d = run_dir(setup, "cp2-tp2")
-    assert_same_curve(d, run_dir(setup, "plain-single"), tol=1e-4)
+    assert_same_curve(d, single(tmp_path_factory), tol=1e-4)
     assert "fsdp over 4 ranks (mesh: cp 2 x tp 2)" in (d / "logs" / "rank-0.log").read_text()

@@ -73,6 +73,7 @@ def download(env, *args, **kw) -> subprocess.CompletedProcess:
                           capture_output=True, text=True, env=env, timeout=120, **kw)
 
 
+@pytest.mark.slow  # it trains: `llmtrain train` (a new process) on what it downloaded, offline
 def test_fresh_download_then_skip_then_force(env, config, hub):
     first = download(env, "--config", config)
     assert first.returncode == 0, first.stderr

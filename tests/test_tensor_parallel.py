@@ -9,7 +9,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from conftest import assert_same_curve, cli, losses, prepared_home, run_dir, tiny_config, torchrun
+from conftest import assert_same_curve, cli, losses, prepared_home, reference_run, run_dir, tiny_config, torchrun
 
 pytestmark = pytest.mark.slow
 
@@ -20,18 +20,21 @@ QWEN3_TIED = {"model_type": "qwen3", "hidden_size": 64, "intermediate_size": 128
               "tie_word_embeddings": True}
 
 
+# 10 steps, 2 evaluations; test_context_parallel.py holds its layouts to this config's single process too.
+CONFIG = tiny_config(train={"max_steps": 10, "eval_every": 5, "checkpoint_every": 5})
+
+
 @pytest.fixture(scope="module")
 def setup(tmp_path_factory):
-    with prepared_home(tmp_path_factory, "tp", tiny_config(train={"max_steps": 10, "eval_every": 5,
-                                                                  "checkpoint_every": 5})) as home:
+    with prepared_home(tmp_path_factory, "tp", CONFIG) as home:
         yield home
 
 
 @pytest.fixture(scope="module")
-def single(setup):
-    """One process (micro batch 4, 2 accumulation steps): the curve every layout must give."""
-    cli("train", "--config", setup[1], "--set", "run.name=single", check=True)
-    return run_dir(setup, "single")
+def single(tmp_path_factory):
+    """One process (micro batch 4, 2 accumulation steps): the curve every layout must give
+    (made once per pytest run: conftest.reference_run)."""
+    return reference_run(tmp_path_factory, "single", CONFIG)
 
 
 def test_tp2_gives_one_process_curve_and_splits_the_model(setup, single):
@@ -96,8 +99,8 @@ def test_a_tp_checkpoint_resumes_under_fsdp_and_exports_the_same_model(setup, si
     assert max(abs(loss - reference[kind, step]) for kind, step, loss in curve) <= 1e-4
 
     out = setup[0] / "exported"
-    for name in ("tp2", "single"):
-        cli("export", "--run-dir", run_dir(setup, name), "--out", out / name, check=True)
+    for name, run in (("tp2", tp2), ("single", single)):
+        cli("export", "--run-dir", run, "--out", out / name, check=True)
     a, b = (load_file(out / name / "model.safetensors") for name in ("tp2", "single"))
     assert sorted(a) == sorted(b) and all(a[k].shape == b[k].shape for k in a)
     assert max((a[k] - b[k]).abs().max().item() for k in a) < 1e-4
