@@ -3,6 +3,7 @@ other, and a loss that is the mean over every trained token of the step however 
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import random
@@ -237,7 +238,8 @@ def test_rows_in_more_shard_files_than_open_files_read_whole(tmp_path, monkeypat
 
 def test_unpacked_rows_are_cut_to_the_longest_sample_and_lose_the_same(tmp_path, monkeypatch):
     """data.packing: false: a micro-batch of rows is cut after its longest sample, rounded up to
-    64 inputs (the full row at most); the tokens cut are padding, the loss and gradients the same."""
+    a multiple of 8 inputs (the full row at most); the tokens cut are padding, the loss and
+    gradients the same."""
     cfg, manifest, rows, _ = prepared_rows(tmp_path, monkeypatch, "unpacked", packing=False, seq_len=128)
     folder, _ = open_prepared(cfg)
     [shard] = manifest["splits"]["train"]["shards"]
@@ -248,10 +250,15 @@ def test_unpacked_rows_are_cut_to_the_longest_sample_and_lose_the_same(tmp_path,
     restart = full.positions[:, 1:] == 0  # a row's padding restarts the positions
     length = np.where(restart.any(axis=1), restart.argmax(axis=1) + 1, 129)
     short, longest = np.argsort(length)[:8], np.argsort(length)[-8:]
-    assert length[short].max() <= 65 < length[longest].max()
+    assert length[short].max() + 8 < length[longest].max()  # two different widths
     model = tiny_llama()
-    for indices, width in ((short, 65), (longest, 129)):
+    for indices in (short, longest):
         batch = rows.batch(indices, 128)
+        # The longest sample's inputs (its last token is a target only) rounded up to a multiple
+        # of 8: at most 7 padded inputs past it; the whole row of 129 at most.
+        inputs = int(length[indices].max()) - 1
+        width = min(129, -(-inputs // 8) * 8 + 1)
+        assert 0 <= width - 1 - inputs < 8 and width < 129
         assert batch.tokens.shape == batch.trained.shape == batch.positions.shape == (8, width)
         uncut = Batch(full.tokens[indices], full.trained[indices], full.positions[indices])
         assert batch.targets() == uncut.targets() == rows.targets(indices, 128)
@@ -264,6 +271,13 @@ def test_unpacked_rows_are_cut_to_the_longest_sample_and_lose_the_same(tmp_path,
             grads.append(model.model.layers[0].self_attn.q_proj.weight.grad.clone())
         assert abs(losses[0] - losses[1]) < 1e-6
         assert torch.allclose(grads[0], grads[1], atol=1e-7, rtol=1e-5)
+    # Tensor and context parallel cut each batch's length into 2 x cp x tp pieces: under cp 2 x
+    # tp 4 the width is rounded up to a multiple of 16 instead (8 under cp 2 x tp 2).
+    for cp, tp, multiple in ((2, 2, 8), (2, 4, 16)):
+        layout = dataclasses.replace(cfg, parallel=dataclasses.replace(cfg.parallel, cp=cp, tp=tp))
+        inputs = int(length[short].max()) - 1
+        width = open_split(folder, manifest, "train", layout).batch(short, 128).tokens.shape[1]
+        assert width == min(129, -(-inputs // multiple) * multiple + 1), (cp, tp, width)
 
 
 # ---------------------------------------------------------------------------------------------

@@ -21,6 +21,7 @@ descriptors per rank nor thousands of opens per rank at start-up.
 from __future__ import annotations
 
 import copy
+import math
 import queue
 import resource
 import threading
@@ -32,6 +33,7 @@ from typing import TYPE_CHECKING, Callable
 import numpy as np
 
 from ..config import Config, UserError
+from ..parallel.dims import ParallelDims
 from .sources import prepared_path, read_manifest
 
 if TYPE_CHECKING:
@@ -39,12 +41,12 @@ if TYPE_CHECKING:
 
 MAX_MAPPED_FILES = 4096  # per split reader, whatever the open-file limit (each map is also a kernel mapping)
 # Unpacked fine-tuning rows are cut to the micro-batch's longest sample, rounded up to this many
-# inputs: at most 63 padded tokens a row where a full row pads up to seq_len. The model sees a
-# few distinct lengths, not one per batch: torch.compile (train.compile's layers, flex
-# attention) marks the length dynamic when it sees a second one (automatic_dynamic_shapes), so
-# it compiles twice however many there are; a multiple of 64 keeps each length whole tiles of
-# the matmul kernels.
-PAD_MULTIPLE = 64
+# inputs (or to the layout's sequence split where that is coarser: row_multiple): at most 7
+# padded tokens a row where a full row pads up to seq_len, and whole tiles of the tensor-core
+# matmuls. The model sees several lengths, not one: torch.compile (train.compile's layers, flex
+# attention) marks the length dynamic when it sees a second one (automatic_dynamic_shapes), so it
+# compiles twice however many there are.
+PAD_MULTIPLE = 8
 
 
 class DataNotPrepared(UserError):
@@ -210,8 +212,9 @@ class SampleRows:
     holding one or several samples, with their trained flags and positions. A batch of unpacked
     rows (one sample each) is cut to its longest sample (see batch())."""
 
-    def __init__(self, folder: Path, manifest: dict, split: str):
+    def __init__(self, folder: Path, manifest: dict, split: str, multiple: int = PAD_MULTIPLE):
         info = manifest["splits"][split]
+        self.multiple = multiple  # an unpacked batch's inputs are rounded up to this (row_multiple)
         width = info["row_tokens"]
         self.row_tokens = width
         self.packed = manifest["samples"]["packing"]
@@ -238,7 +241,7 @@ class SampleRows:
             shard = int(np.searchsorted(self.starts, i, side="right")) - 1
             rows.append((self.shards[shard], int(i) - self.starts[shard]))
         positions = np.stack([maps["positions"][r] for maps, r in rows])
-        width = self.row_tokens if self.packed or whole else unpacked_width(positions)
+        width = self.row_tokens if self.packed or whole else unpacked_width(positions, self.multiple)
         tokens, trained = (np.stack([maps[key][r, :width] for maps, r in rows]) for key in ("tokens", "trained"))
         return Batch(tokens.astype(np.int64), trained.astype(bool), positions[:, :width].astype(np.int64))
 
@@ -250,22 +253,29 @@ class SampleRows:
         return int(self.row_targets[np.asarray(indices, dtype=np.int64)].sum())
 
 
-def unpacked_width(positions: np.ndarray) -> int:
+def unpacked_width(positions: np.ndarray, multiple: int = PAD_MULTIPLE) -> int:
     """How many tokens of rows holding one sample each a batch needs: the longest sample's,
-    its inputs rounded up to a multiple of PAD_MULTIPLE, at most the whole row. A row's sample
+    its inputs rounded up to a multiple of `multiple`, at most the whole row. A row's sample
     is its first segment: its padding restarts the positions at 0 (data/samples.py), read
     here on the host, where the rows are."""
     restart = positions[:, 1:] == 0
     length = np.where(restart.any(axis=1), restart.argmax(axis=1) + 1, positions.shape[1])
-    inputs = -(-(int(length.max()) - 1) // PAD_MULTIPLE) * PAD_MULTIPLE
+    inputs = -(-(int(length.max()) - 1) // multiple) * multiple
     return min(positions.shape[1], inputs + 1)
+
+
+def row_multiple(cfg: Config) -> int:
+    """What an unpacked batch's inputs are rounded up to: PAD_MULTIPLE, or a multiple of it that
+    the layout's sequence split divides (tensor and context parallel cut every batch's length
+    into ParallelDims.seq_len_divisor pieces)."""
+    return math.lcm(PAD_MULTIPLE, ParallelDims.from_config(cfg, cfg.world_size).seq_len_divisor)
 
 
 def open_split(folder: Path, manifest: dict, split: str, cfg: Config) -> "TokenStream | SampleRows":
     """A split of prepared data, as the trainer reads it (the open-file limit raised first)."""
     raise_open_file_limit()
     if "samples" in manifest:
-        return SampleRows(folder, manifest, split)
+        return SampleRows(folder, manifest, split, row_multiple(cfg))
     eos = manifest["tokenizer"]["eos_token_id"] if cfg.data.document_masking else None
     return TokenStream(folder, manifest, split, document_eos=eos)
 

@@ -155,7 +155,7 @@ class Mixture:
         batch = Batch(**fields)
         first = self.readers[0]
         if isinstance(first, SampleRows) and not first.packed:
-            width = unpacked_width(batch.positions)
+            width = unpacked_width(batch.positions, first.multiple)
             batch = Batch(**{k: v[:, :width] for k, v in batch.fields().items()})
         return batch
 

@@ -203,9 +203,6 @@ class ParallelDims:
             else:
                 p.append(f"data.seq_len: must be divisible by 2 x parallel.cp x parallel.tp = {chunks} (got "
                          f"{d.seq_len}); each context-parallel rank takes 2 of 2 x cp chunks of a sequence")
-        elif chunks > 1 and usable and d.samples and not d.packing and 64 % chunks:
-            p.append(f"data.packing: unpacked samples are cut to a multiple of 64 tokens, which 2 x parallel.cp x "
-                     f"parallel.tp = {chunks} must divide; set data.packing: true or lower parallel.cp / parallel.tp")
         if self.context > 1 and cfg.model.attn_implementation != "sdpa":
             p.append(f"model.attn_implementation: context parallel attends with sdpa over the gathered keys and "
                      f"values (got {cfg.model.attn_implementation}); set model.attn_implementation: sdpa")
