@@ -9,7 +9,9 @@ fp32, fused AdamW, clipping, and compares the median tokens/s of the steady-stat
 first window of each round, with warm-up, is dropped). Targets: >= 0.98x the plain loop, >= 1.0x
 the HF Trainer. --startup N: the wall time of N one-step runs of each, process start to exit
 (median). --variant adds a side: llmtrain with those `--set` overrides (an A/B of its settings,
-interleaved with the rest). Needs an environment from setup.sh.
+interleaved with the rest). --checkout DIR adds a side: llmtrain from another checkout's src/ (a
+`git worktree add DIR REV`), with its own prepared data, in the same environment (an A/B of two
+commits). Needs an environment from setup.sh.
 """
 
 from __future__ import annotations
@@ -31,8 +33,9 @@ REPO = Path(__file__).resolve().parents[1]
 LAYERS, HIDDEN, SEQ, MICRO, STEPS, WINDOW = 4, 256, 256, 8, 50, 10
 
 
-def llmtrain_config(tmp: Path, nproc: int) -> Path:
-    """The demo's data and tokenizer, the benchmark's model and batch."""
+def llmtrain_config(tmp: Path, nproc: int, name: str = "") -> Path:
+    """The demo's data and tokenizer, the benchmark's model and batch; `name` keeps a checkout's
+    run and prepared data apart from this one's."""
     demo = yaml.safe_load((REPO / "configs" / "demo.yaml").read_text())
     demo["model"]["tokenizer"] = str(REPO / "configs" / "demo" / "tokenizer")
     demo["model"]["architecture"] = {
@@ -42,8 +45,9 @@ def llmtrain_config(tmp: Path, nproc: int) -> Path:
     demo["data"].update(dataset=str(REPO / "configs" / "demo" / "stories.txt"), seq_len=SEQ)
     demo["train"].update(max_steps=STEPS, global_batch_size=MICRO * nproc, micro_batch_size=MICRO,
                          log_every=WINDOW, eval_every=0, warmup_steps=1, precision="fp32")
-    demo["run"] = {"name": f"bench-{nproc}", "dir": str(tmp / "runs")}
-    path = tmp / f"bench-{nproc}.yaml"
+    demo["data"]["prepared_dir"] = str(tmp / f"prepared{name}")
+    demo["run"] = {"name": f"bench-{nproc}{name}", "dir": str(tmp / "runs")}
+    path = tmp / f"bench-{nproc}{name}.yaml"
     path.write_text(yaml.safe_dump(demo))
     return path
 
@@ -74,10 +78,19 @@ def llmtrain_command(config: Path, nproc: int, steps: int, overrides: tuple[str,
     return cmd
 
 
-def run_llmtrain(config: Path, nproc: int, overrides: tuple[str, ...] = ()) -> list[float]:
-    run_dir = Path(yaml.safe_load(config.read_text())["run"]["dir"]) / f"bench-{nproc}"
+def checkout_env(checkout: Path | None) -> dict[str, str] | None:
+    """The environment that imports llmtrain from `checkout`'s src/ (None: this one's)."""
+    if checkout is None:
+        return None
+    return {**os.environ, "PYTHONPATH": os.pathsep.join([str(checkout / "src"), os.environ.get("PYTHONPATH", "")])}
+
+
+def run_llmtrain(config: Path, nproc: int, overrides: tuple[str, ...] = (), checkout: Path | None = None) -> list[float]:
+    run = yaml.safe_load(config.read_text())["run"]
+    run_dir = Path(run["dir"]) / run["name"]
     shutil.rmtree(run_dir, ignore_errors=True)  # a fresh run each round, not a resume of the last
-    subprocess.run(llmtrain_command(config, nproc, STEPS, overrides), capture_output=True, text=True, check=True)
+    subprocess.run(llmtrain_command(config, nproc, STEPS, overrides), capture_output=True, text=True, check=True,
+                   env=checkout_env(checkout))
     lines = [json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().splitlines()]
     return [x["tokens_per_sec"] for x in lines if x["kind"] == "train"][1:]
 
@@ -96,6 +109,8 @@ def main() -> None:
     ap.add_argument("--startup", type=int, default=0, help="one-step runs of each to time (0: none)")
     ap.add_argument("--variant", action="append", default=[], metavar="KEY=VALUE,...",
                     help="another llmtrain side with these overrides (repeatable)")
+    ap.add_argument("--checkout", action="append", default=[], type=Path, metavar="DIR",
+                    help="another llmtrain side from DIR/src, a checkout of another commit (repeatable)")
     args = ap.parse_args()
     if "LLMTRAIN_HOME" not in os.environ:
         sys.exit("bench: source the env.sh that setup.sh wrote first")
@@ -109,6 +124,11 @@ def main() -> None:
                     "llmtrain": lambda: run_llmtrain(config, nproc)}
             for variant in args.variant:
                 runs[f"llmtrain {variant}"] = lambda v=variant: run_llmtrain(config, nproc, tuple(v.split(",")))
+            for i, checkout in enumerate(args.checkout):
+                other = llmtrain_config(Path(tmp), nproc, name=f"-checkout{i}")
+                subprocess.run([sys.executable, "-m", "llmtrain", "prepare", "--config", str(other)],
+                               capture_output=True, check=True, env=checkout_env(checkout))
+                runs[f"llmtrain at {checkout}"] = lambda c=checkout, o=other: run_llmtrain(o, nproc, checkout=c)
             windows = {name: [] for name in runs}
             order = list(runs)
             for r in range(args.rounds):  # interleaved, each side first in turn: drift hits all alike
@@ -123,6 +143,10 @@ def main() -> None:
             for variant in args.variant:
                 m = median[f"llmtrain {variant}"]
                 print(f"  llmtrain with {variant}: {m / median['llmtrain']:.3f}x the default, "
+                      f"{m / median['plain loop']:.3f}x the plain loop", flush=True)
+            for checkout in args.checkout:
+                m = median[f"llmtrain at {checkout}"]
+                print(f"  llmtrain at {checkout}: this checkout is {median['llmtrain'] / m:.3f}x it; it is "
                       f"{m / median['plain loop']:.3f}x the plain loop", flush=True)
             if args.startup:
                 run_dir = Path(tmp) / "runs" / f"bench-{nproc}"
