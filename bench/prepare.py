@@ -9,8 +9,9 @@ document per line) and prepares it with a byte-level BPE of 8,192 tokens trained
 does: `llmtrain prepare --config FILE` in a process of its own (load, split off validation,
 tokenize in data.num_proc processes, pack into shards; a fresh folder and datasets cache each
 round). Two figures for it: end to end (process start to exit: Python's and the libraries'
-imports, ~3 s here, included) and prepare's own time after start-up (the manifest's `seconds`:
-what a 100B-token corpus is made of). The reference, in a fresh process each round, interleaved:
+imports included) and prepare's own time after start-up (the manifest's `seconds`: what a
+100B-token corpus is made of; it includes whatever of the tokenizer's load, in a forked process
+while the source is read, is left when the read is done). The reference, in a fresh process each round, interleaved:
 the backend tokenizer's `encode_batch_fast` over the same lines (1,000 a call) with its own threads on every
 core (what the tokenizer alone can do on this machine), and on one thread (times the cores:
 the ceiling for processes that do nothing but tokenize), plus the EOS the prepared stream

@@ -526,6 +526,44 @@ def test_demo_tokenizer_gets_no_bos_on_auto(home, tmp_path, write_config, tokeni
     assert "each document is tokenized as: text <|endoftext|> (data.add_bos: auto)" in lines
 
 
+@pytest.mark.parametrize("split_special_tokens", [False, True])
+def test_text_gets_the_ids_transformers_gives_from_a_process_that_never_imports_it(
+        home, tmp_path, write_config, split_special_tokens):
+    """Plain text is tokenized with the tokenizer transformers builds, loaded in a forked process
+    and sent as the tokenizers library's JSON: prepare's own process imports neither transformers
+    nor torch (~3 s of start-up), and every id is still AutoTokenizer's, in the train and the
+    validation split (one pool), the text of a special token in a document included, whichever
+    way the tokenizer's split_special_tokens (a setting its JSON does not carry) reads it."""
+    AutoTokenizer.from_pretrained(DEMO / "tokenizer", split_special_tokens=split_special_tokens) \
+        .save_pretrained(tmp_path / "tokenizer")
+    reference = AutoTokenizer.from_pretrained(tmp_path / "tokenizer")
+    docs = [d + " <|endoftext|> The end." if i % 3 == 0 else d for i, d in enumerate(DOCS)]
+    src = tmp_path / "docs.txt"
+    src.write_text("\n".join(docs) + "\n")
+    path = write_config(tiny_config(model={"tokenizer": str(tmp_path / "tokenizer")},
+                                    data={"dataset": str(src), "num_proc": 2, "validation_fraction": 0.1}))
+    run = subprocess.run([sys.executable, "-c", PREPARE_AND_LIST_MODULES, path], capture_output=True,
+                         text=True, check=True)
+    assert run.stdout.split()[-2:] == ["transformers:False", "torch:False"]
+
+    folder, manifest = open_prepared(load_config(path))
+    held = np.zeros(len(docs), dtype=bool)  # the seeded sample held out (see load_splits)
+    held[np.random.default_rng(0).choice(len(docs), 30, replace=False)] = True
+    for split, mask in (("train", ~held), ("validation", held)):
+        ids = reference([d for d, m in zip(docs, mask) if m], add_special_tokens=False)["input_ids"]
+        stream = TokenStream(folder, manifest, split)
+        assert stream.read(0, stream.num_tokens).tolist() == [t for x in ids for t in x + [reference.eos_token_id]]
+
+
+PREPARE_AND_LIST_MODULES = """
+import sys
+from llmtrain.config import load_config
+from llmtrain.data.prepare import prepare
+prepare(load_config(sys.argv[1]))
+print(*(f"{name}:{name in sys.modules}" for name in ("transformers", "torch")))
+"""
+
+
 # ---------------------------------------------------------------------------------------------
 # Data as researchers hold it: a text that is one document, a validation set of its own
 

@@ -7,11 +7,13 @@ data.validation (a split or files) or holds out a share of the documents, and wr
 split as one contiguous token stream cut into shards: worker processes tokenize contiguous
 chunks of documents with the model's fast tokenizer, BOS before (data.add_bos) and EOS after
 every document, each chunk straight into its shard file (fine-tuning samples: data/samples.py
-lays them out in rows). Everything is written into `<final>.tmp-<host>-<pid>` and renamed at
-the end, so a crash never leaves a folder that looks prepared; a folder whose manifest exists
-is reused. The datasets library's own files (its Arrow copy of the source, the held-out
-indices, tokenized samples) go to `scratch/` inside the temporary folder and are removed with
-it: a 100B-token corpus leaves no terabyte in the datasets cache.
+lays them out in rows). For plain text the tokenizer is loaded in a forked process while the
+source is read (tokenizer.TokenizerLoad: transformers' import pulls in torch, ~3 s). Everything
+is written into `<final>.tmp-<host>-<pid>` and renamed at the end, so a crash never leaves a
+folder that looks prepared; a folder whose manifest exists is reused. The datasets library's
+own files (its Arrow copy of the source, the held-out indices, tokenized samples) go to
+`scratch/` inside the temporary folder and are removed with it: a 100B-token corpus leaves no
+terabyte in the datasets cache.
 
 A prepare killed with no cleanup (SIGKILL: the out-of-memory killer, a time limit) leaves its
 temporary folder. The next prepare of the same data continues it where its process is certainly
@@ -69,17 +71,12 @@ def prepare(cfg: Config, log=print) -> Path:
         log(f"prepared data is up to date: {final}")
         return final
 
-    from .tokenizer import load_tokenizer
+    from .tokenizer import TokenizerLoad, load_tokenizer
 
     tok_dir = local_path(tokenizer_source(cfg), "models")
-    tokenizer = load_tokenizer(cfg)
-    if not tokenizer.is_fast:
-        raise PrepareError(f"model.tokenizer: {tok_dir} has no fast tokenizer (tokenizer.json)")
-    if tokenizer.eos_token_id is None:
-        raise PrepareError(f"model.tokenizer: {tok_dir} defines no eos_token")
-
-    bos = bos_to_add(cfg, tokenizer, tok_dir)
-    encode = samples.encoder(cfg, tokenizer, bos) if cfg.data.samples else None
+    # Fine-tuning samples need transformers' tokenizer (its chat template); plain text needs only
+    # its backend, loaded in a forked process while this one reads the source (TokenizerLoad).
+    tokenizer = checked(load_tokenizer(cfg), tok_dir) if cfg.data.samples else None
     t0 = time.time()
     adopted = abandoned(final, log)
     tmp = final.with_name(f"{final.name}.tmp-{socket.gethostname()}-{os.getpid()}")
@@ -108,37 +105,41 @@ def prepare(cfg: Config, log=print) -> Path:
     # where they would stay on the shared filesystem for good.
     scratch = tmp / "scratch"
     scratch.mkdir()
-    dtype = np.uint16 if len(tokenizer) <= np.iinfo(np.uint16).max + 1 else np.uint32
-    manifest = {
-        "format": FORMAT_VERSION,
-        "fingerprint": fp,
-        "source": source_record(cfg),
-        "tokenizer": {"path": str(tok_dir), "vocab_size": len(tokenizer),
-                      "eos_token_id": tokenizer.eos_token_id, "added_bos_token_id": bos,
-                      "sha256": tokenizer_sha256(tok_dir)},
-        "dtype": np.dtype(dtype).name,
-        "splits": {},
-    }
+    load = TokenizerLoad(cfg) if tokenizer is None else None
     try:
         splits = load_splits(cfg, scratch)
+        if load is not None:
+            tokenizer = checked(load.result(), tok_dir)
+        bos = bos_to_add(cfg, tokenizer, tok_dir)
+        dtype = np.uint16 if len(tokenizer) <= np.iinfo(np.uint16).max + 1 else np.uint32
+        manifest = {
+            "format": FORMAT_VERSION,
+            "fingerprint": fp,
+            "source": source_record(cfg),
+            "tokenizer": {"path": str(tok_dir), "vocab_size": len(tokenizer),
+                          "eos_token_id": tokenizer.eos_token_id, "added_bos_token_id": bos,
+                          "sha256": tokenizer_sha256(tok_dir)},
+            "dtype": np.dtype(dtype).name,
+            "splits": {},
+        }
         log(describe_layout(cfg, tokenizer, bos))
         if cfg.data.samples:
             manifest["samples"] = {"train_on": cfg.data.train_on, "truncation": cfg.data.truncation,
                                    "packing": cfg.data.packing, "seq_len": cfg.data.seq_len}
-        for split, ds in splits.items():
-            if cfg.data.samples:
+            encode = samples.encoder(cfg, tokenizer, bos)
+            for split, ds in splits.items():
                 ids, trained, offsets = samples.flatten(tokenize(ds, cfg, scratch / split, encode))
-                part = samples.write_rows(ids, trained, offsets, tmp, split, dtype, cfg.data.seq_len + 1,
-                                          pad_id(tokenizer), cfg.data.packing, cfg.data.truncation,
-                                          SHARD_TOKENS)
-                log(samples.summary(split, part, cfg.data.seq_len, cfg.data.truncation))
-            else:
-                part = write_stream(ds, tokenizer, cfg, tmp, split, dtype, tokenizer.eos_token_id, bos)
-                if part.get("no_text"):
-                    n = part["no_text"]
+                manifest["splits"][split] = samples.write_rows(
+                    ids, trained, offsets, tmp, split, dtype, cfg.data.seq_len + 1, pad_id(tokenizer),
+                    cfg.data.packing, cfg.data.truncation, SHARD_TOKENS)
+                log(samples.summary(split, manifest["splits"][split], cfg.data.seq_len, cfg.data.truncation))
+        else:
+            manifest["splits"] = write_streams(splits, tokenizer, cfg, tmp, dtype, tokenizer.eos_token_id, bos)
+            for split, part in manifest["splits"].items():
+                if n := part.get("no_text"):
                     log(f"{split}: {n:,} record{'s' if n != 1 else ''} with no text skipped "
                         f"(no {cfg.data.text_field!r} field, or null)")
-            manifest["splits"][split] = part
+        for split, ds in splits.items():
             manifest["splits"][split]["dataset_fingerprint"] = ds._fingerprint
         shutil.rmtree(scratch)  # the datasets above map its files: unlinked, still readable
         used = {s["file"] for part in manifest["splits"].values() for s in part.get("shards", [])}
@@ -156,6 +157,8 @@ def prepare(cfg: Config, log=print) -> Path:
                 raise
             shutil.rmtree(tmp)
     except BaseException as e:
+        if load is not None:
+            load.cancel()
         # Measured before the cleanup frees the space: a short write's error may not say why.
         full = isinstance(e, Exception) and not isinstance(e, UserError) and disk_full(e, tmp.parent)
         shutil.rmtree(tmp, ignore_errors=True)
@@ -172,6 +175,15 @@ def prepare(cfg: Config, log=print) -> Path:
     counts = ", ".join(f"{s} {m['tokens']:,} tokens" for s, m in manifest["splits"].items())
     log(f"prepared {final} ({counts}) in {time.time() - t0:.1f}s")
     return final
+
+
+def checked(tokenizer, tok_dir: Path):
+    """The tokenizer, if prepare can tokenize with it: a fast one that defines an EOS."""
+    if not tokenizer.is_fast:
+        raise PrepareError(f"model.tokenizer: {tok_dir} has no fast tokenizer (tokenizer.json)")
+    if tokenizer.eos_token_id is None:
+        raise PrepareError(f"model.tokenizer: {tok_dir} defines no eos_token")
+    return tokenizer
 
 
 def disk_full(e: BaseException, folder: Path) -> bool:
@@ -310,7 +322,7 @@ def _read(src: Path, split: str, key: str, cfg: Config, datasets, scratch: Path)
             raise PrepareError(f"data.{key}: column {field!r} of {src} holds "
                                f"{describe(feature, datasets)}, not text; choose a column of strings "
                                f"(columns: {', '.join(ds.column_names)})")
-        if cfg.data.samples:  # a text record without text is skipped (write_stream counts them)
+        if cfg.data.samples:  # a text record without text is skipped (write_streams counts them)
             _every_record_has(ds, key, field, src)
     return ds.select_columns(list(cfg.data.columns.values()))
 
@@ -505,43 +517,49 @@ def text_bytes(ds) -> int:
     return ds.data.nbytes * len(ds) // max(1, ds.data.num_rows)
 
 
-def write_stream(ds, tokenizer, cfg: Config, folder: Path, split: str, dtype, eos: int,
-                 bos: int | None) -> dict:
-    """A text split as its token stream: every document's ids, BOS before (if given) and EOS
+def write_streams(splits: dict, tokenizer, cfg: Config, folder: Path, dtype, eos: int,
+                  bos: int | None) -> dict:
+    """Each text split as its token stream: every document's ids, BOS before (if given) and EOS
     after each, written straight into the split's shard files, one per chunk of documents. Worker
-    processes take the chunks (contiguous runs of documents, in order) as they free up; the
-    files in chunk order are the stream. Nothing in between: no tokenized copy of the corpus
-    (4 bytes a token) written and read back, no packing pass in one process. Returns the
-    split's manifest part."""
+    processes take the chunks (contiguous runs of documents, in order) as they free up, the
+    validation split's after the train split's in the same pool (not one process alone after
+    it); a split's files in chunk order are its stream. Nothing in between: no tokenized copy of
+    the corpus (4 bytes a token) written and read back, no packing pass in one process. Returns
+    each split's manifest part."""
     from tqdm.auto import tqdm
-    procs = worker_count(ds, cfg)
-    # One chunk per CHUNK_BYTES of text, and with several processes at least 4 a process, so
-    # that none waits long for the last: shard files of ~64M tokens, and a progress bar that
-    # moves on a large corpus.
-    chunks = max(-(-text_bytes(ds) // CHUNK_BYTES), 4 * procs if procs > 1 else 1)
-    bounds = np.linspace(0, len(ds), min(chunks, len(ds)) + 1).astype(int)
-    tasks = [(i, int(a), int(b)) for i, (a, b) in enumerate(zip(bounds[:-1], bounds[1:]))]
-    done = [r for r in (finished_chunk(folder, split, task, dtype) for task in tasks) if r]
-    tasks = [task for task in tasks if task[0] not in {r[0] for r in done}]
-    state = (ds, tokenizer.backend_tokenizer, cfg.data.text_field, folder, split, dtype, eos, bos)
-    bar = tqdm(total=len(ds), desc=f"tokenize {split}" + (f" ({procs} processes)" if procs > 1 else ""),
-               unit=" documents", initial=sum(r[2] for r in done), disable=None)  # None: off unless a terminal
+    tasks, done, procs = [], [], 1
+    for split, ds in splits.items():
+        # A split's chunks as its own size sets them (so its shard files): one per CHUNK_BYTES of
+        # text, and with several processes at least 4 a process, so that none waits long for the
+        # last: shard files of ~64M tokens, and a progress bar that moves on a large corpus.
+        mine = worker_count(ds, cfg)
+        procs = max(procs, mine)
+        chunks = max(-(-text_bytes(ds) // CHUNK_BYTES), 4 * mine if mine > 1 else 1)
+        bounds = np.linspace(0, len(ds), min(chunks, len(ds)) + 1).astype(int)
+        for task in [(i, int(a), int(b), split) for i, (a, b) in enumerate(zip(bounds[:-1], bounds[1:]))]:
+            if (result := finished_chunk(folder, split, task, dtype)) is not None:
+                done.append((split, result))
+            else:
+                tasks.append(task)
+    state = (splits, tokenizer, cfg.data.text_field, folder, dtype, eos, bos)
+    bar = tqdm(total=sum(len(ds) for ds in splits.values()), desc=f"tokenize {' + '.join(splits)}"
+               + (f" ({procs} processes)" if procs > 1 else ""), unit=" documents",
+               initial=sum(r[2] for _, r in done), disable=None)  # None: off unless a terminal
     pool = None
     with bar:
-        if procs == 1:  # here, the tokenizer's own threads on every core
-            _set_chunk_state(*state)
-            results = map(_write_chunk, tasks)
-        else:
-            # Not multiprocessing.Pool: it waits forever for the chunk of a worker that was killed
-            # (out of memory); this pool fails at once and ends the other workers.
-            from concurrent.futures import ProcessPoolExecutor, as_completed
-            results = None
         try:
-            if procs > 1:
+            if procs == 1:  # here, the tokenizer's own threads on every core
+                _set_chunk_state(*state)
+                results = ((task[3], _write_chunk(task)) for task in tasks)
+            else:
+                # Not multiprocessing.Pool: it waits forever for the chunk of a worker that was
+                # killed (out of memory); this pool fails at once and ends the other workers.
+                from concurrent.futures import ProcessPoolExecutor, as_completed
                 pool = ProcessPoolExecutor(procs, initializer=_start_worker, initargs=state)
-                results = (f.result() for f in as_completed([pool.submit(_write_chunk, t) for t in tasks]))
-            for result in results:
-                done.append(result)
+                split_of = {pool.submit(_write_chunk, task): task[3] for task in tasks}
+                results = ((split_of[f], f.result()) for f in as_completed(split_of))
+            for split, result in results:
+                done.append((split, result))
                 bar.update(result[2])
         except BrokenProcessPool:
             raise PrepareError(f"data.num_proc: a tokenizing process of {procs} died (killed: out of "
@@ -550,8 +568,13 @@ def write_stream(ds, tokenizer, cfg: Config, folder: Path, split: str, dtype, eo
             _set_chunk_state()
             if pool is not None:
                 pool.shutdown(cancel_futures=True)
-    # A chunk of records with no text has an empty file, which no memmap opens: it is left out
-    # (prepare removes it with the other chunks the manifest does not name).
+    return {split: stream_part(ds, [r for s, r in done if s == split]) for split, ds in splits.items()}
+
+
+def stream_part(ds, done: list[tuple]) -> dict:
+    """A text split's manifest part from its chunks' results. A chunk of records with no text has
+    an empty file, which no memmap opens: it is left out (prepare removes it with the other
+    chunks the manifest does not name)."""
     shards = [{"file": name, "tokens": tokens} for _, name, _, tokens, _ in sorted(done) if tokens]
     no_text = sum(r[4] for r in done)
     return {"documents": len(ds) - no_text, "tokens": sum(s["tokens"] for s in shards),
@@ -562,7 +585,7 @@ _chunk_state: tuple = ()
 
 
 def _set_chunk_state(*state) -> None:
-    """A worker's share of write_stream: the dataset, tokenizer and where to write (the pool's
+    """A worker's share of write_streams: the splits, tokenizer and where to write (the pool's
     initializer: sent once per process, not once per chunk)."""
     global _chunk_state
     _chunk_state = state
@@ -575,12 +598,13 @@ def _start_worker(*state) -> None:
     _set_chunk_state(*state)
 
 
-def _write_chunk(task: tuple[int, int, int]) -> tuple[int, str, int, int, int]:
-    """Documents [start, stop) as one shard file: (index, file name, records, tokens, records
-    with no text: skipped, not written as an empty document); once it is complete, its
+def _write_chunk(task: tuple[int, int, int, str]) -> tuple[int, str, int, int, int]:
+    """A split's documents [start, stop) as one shard file: (index, file name, records, tokens,
+    records with no text: skipped, not written as an empty document); once it is complete, its
     `.done.json` says so (a killed prepare's continuation keeps it)."""
-    index, start, stop = task
-    ds, backend, field, folder, split, dtype, eos, bos = _chunk_state
+    index, start, stop, split = task
+    splits, tokenizer, field, folder, dtype, eos, bos = _chunk_state
+    ds, backend = splits[split], tokenizer.backend_tokenizer
     name, tokens, no_text = f"{split}-{index:05d}.bin", 0, 0
     with open(folder / name, "wb") as f:
         for at in range(start, stop, ENCODE_DOCS):
@@ -601,10 +625,10 @@ def _write_chunk(task: tuple[int, int, int]) -> tuple[int, str, int, int, int]:
     return index, name, stop - start, tokens, no_text
 
 
-def finished_chunk(folder: Path, split: str, task: tuple[int, int, int], dtype) -> tuple | None:
+def finished_chunk(folder: Path, split: str, task: tuple[int, int, int, str], dtype) -> tuple | None:
     """_write_chunk's result for a chunk a killed prepare finished: its record names the same
     documents and its file holds the tokens it says; else None (the chunk is written again)."""
-    index, start, stop = task
+    index, start, stop, _ = task
     name = f"{split}-{index:05d}.bin"
     try:
         record = json.loads((folder / f"{name}{DONE}").read_text())
