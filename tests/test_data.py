@@ -555,6 +555,29 @@ def test_text_gets_the_ids_transformers_gives_from_a_process_that_never_imports_
         assert stream.read(0, stream.num_tokens).tolist() == [t for x in ids for t in x + [reference.eos_token_id]]
 
 
+def test_a_tokenizer_saved_with_truncation_and_padding_still_gets_every_token(home, tmp_path, write_config):
+    """A tokenizer.json that carries truncation and padding (saved from a fine-tune with its
+    max_length) tokenizes every document whole: the backend would cut each to 8 tokens."""
+    AutoTokenizer.from_pretrained(DEMO / "tokenizer").save_pretrained(tmp_path / "tokenizer")
+    spec = json.loads((tmp_path / "tokenizer" / "tokenizer.json").read_text())
+    spec["truncation"] = {"direction": "Right", "max_length": 8, "strategy": "LongestFirst", "stride": 0}
+    spec["padding"] = {"strategy": {"Fixed": 8}, "direction": "Right", "pad_to_multiple_of": None,
+                       "pad_id": 0, "pad_type_id": 0, "pad_token": "<|endoftext|>"}
+    (tmp_path / "tokenizer" / "tokenizer.json").write_text(json.dumps(spec))
+    reference = AutoTokenizer.from_pretrained(tmp_path / "tokenizer")
+    src = tmp_path / "docs.txt"
+    src.write_text("\n".join(DOCS[:20]) + "\n")
+    path = write_config(tiny_config(model={"tokenizer": str(tmp_path / "tokenizer")},
+                                    data={"dataset": str(src), "validation_fraction": 0},
+                                    train={"eval_every": 0}))
+    prepare(load_config(path), log=lambda *_: None)
+    folder, manifest = open_prepared(load_config(path))
+    ids = reference(DOCS[:20], add_special_tokens=False, truncation=False, padding=False)["input_ids"]
+    assert max(len(x) for x in ids) > 8
+    stream = TokenStream(folder, manifest, "train")
+    assert stream.read(0, stream.num_tokens).tolist() == [t for x in ids for t in x + [reference.eos_token_id]]
+
+
 PREPARE_AND_LIST_MODULES = """
 import sys
 from llmtrain.config import load_config

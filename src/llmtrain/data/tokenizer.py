@@ -62,6 +62,10 @@ class TextTokenizer:
         from tokenizers import Tokenizer
         backend = Tokenizer.from_str(self.backend_json)
         backend.encode_special_tokens = self.encode_special_tokens
+        # A tokenizer.json may carry truncation or padding (a fine-tune's saved for its own
+        # max_length): the backend would apply them to every document, cutting it silently.
+        backend.no_truncation()
+        backend.no_padding()
         return backend
 
     def __getstate__(self) -> dict:
