@@ -77,6 +77,9 @@ def prepare(cfg: Config, log=print) -> Path:
     # Fine-tuning samples need transformers' tokenizer (its chat template); plain text needs only
     # its backend, loaded in a forked process while this one reads the source (TokenizerLoad).
     tokenizer = checked(load_tokenizer(cfg), tok_dir) if cfg.data.samples else None
+    # Started before anything is written: a tokenizer folder that is not there is one line and
+    # leaves nothing behind.
+    load = TokenizerLoad(cfg) if tokenizer is None else None
     t0 = time.time()
     adopted = abandoned(final, log)
     tmp = final.with_name(f"{final.name}.tmp-{socket.gethostname()}-{os.getpid()}")
@@ -95,6 +98,8 @@ def prepare(cfg: Config, log=print) -> Path:
             tmp.mkdir(parents=True)
         (tmp / OWNER).write_text(json.dumps({"job_id": os.environ.get("SLURM_JOB_ID")}) + "\n")
     except OSError as e:
+        if load is not None:
+            load.cancel()
         if disk_full(e, tmp.parent):
             shutil.rmtree(tmp, ignore_errors=True)
             raise full_disk_error(tmp.parent) from None
@@ -105,7 +110,6 @@ def prepare(cfg: Config, log=print) -> Path:
     # where they would stay on the shared filesystem for good.
     scratch = tmp / "scratch"
     scratch.mkdir()
-    load = TokenizerLoad(cfg) if tokenizer is None else None
     try:
         splits = load_splits(cfg, scratch)
         if load is not None:
