@@ -30,6 +30,8 @@ from pathlib import Path
 
 import yaml
 
+from throughput import checkout_env  # bench/throughput.py: llmtrain from another checkout
+
 REPO = Path(__file__).resolve().parents[1]
 MICRO, GLOBAL, SEQ = 8, 16, 128
 
@@ -63,13 +65,6 @@ def llmtrain_config(tmp: Path, base: Path, packing: bool, suffix: str = "") -> P
     path = tmp / f"{name}.yaml"
     path.write_text(yaml.safe_dump(cfg))
     return path
-
-
-def checkout_env(checkout: Path | None) -> dict[str, str] | None:
-    """The environment that imports llmtrain from `checkout`'s src/ (None: this one's)."""
-    if checkout is None:
-        return None
-    return {**os.environ, "PYTHONPATH": os.pathsep.join([str(checkout / "src"), os.environ.get("PYTHONPATH", "")])}
 
 
 def prepare(config: Path, checkout: Path | None = None) -> None:
