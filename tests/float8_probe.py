@@ -123,7 +123,7 @@ def host_syncs(fn, device: torch.device) -> int | None:
 if __name__ == "__main__":
     device, backend, port, folder = torch.device(sys.argv[1]), sys.argv[2], sys.argv[3], sys.argv[4]
     if device.type == "cuda":
-        torch.cuda.set_device(device)
+        torch.cuda.set_device(device.index or 0)  # torch 2.11 wants an index
     dist.init_process_group(backend, init_method=f"tcp://127.0.0.1:{port}", rank=0, world_size=1)
     try:
         print(json.dumps(curves(device, Path(folder))))

@@ -119,3 +119,19 @@ def test_every_import_goes_down_the_layers_and_none_goes_round():
     # environment.py's).
     leaves = set(LAYERS[0]) | {"parallel.dims"}
     assert graph["config.schema"] <= leaves and graph["config.rules"] <= leaves | {"config.schema"}
+
+
+def test_no_function_imports_a_dotted_module_without_as():
+    """`import torch._inductor.config` inside a function binds the name `torch` local to the
+    whole function, so a use of `torch` above it fails (UnboundLocalError), on the path that
+    reaches it only: the GPU path of float8.convert did, on the first GPU run. `from torch._inductor
+    import config` or `import torch.distributed as dist` binds no such name."""
+    import ast
+    found = []
+    for path in sorted((REPO / "src" / "llmtrain").rglob("*.py")):
+        for fn in ast.walk(ast.parse(path.read_text())):
+            if isinstance(fn, (ast.FunctionDef, ast.AsyncFunctionDef)):
+                found += [f"{path.relative_to(REPO)}:{node.lineno}: import {alias.name}"
+                          for node in ast.walk(fn) if isinstance(node, ast.Import)
+                          for alias in node.names if "." in alias.name and alias.asname is None]
+    assert not found, "\n".join(found)

@@ -4,6 +4,7 @@ files and columns, a prepared folder, the checkpoint a run resumes from, install
 from __future__ import annotations
 
 import json
+from importlib.util import find_spec
 from pathlib import Path
 
 from ..data.sources import (by_source, file_suffix, fingerprint, given_prepared, is_glob, is_hub_id, is_split_name,
@@ -148,11 +149,10 @@ def _check_attention(cfg: Config) -> list[str]:
     transformers finds them from the position ids where the batch size is 1 (the varlen kernel;
     _is_packed_sequence in modeling_flash_attention_utils.py is False for any other), and
     otherwise attends causally over the whole row, across them."""
-    import importlib.util
     d, t, p = cfg.data, cfg.train, []
     if cfg.model.attn_implementation != "flash_attention_2":
         return p
-    if importlib.util.find_spec("flash_attn") is None:
+    if find_spec("flash_attn") is None:
         p.append("model.attn_implementation: flash_attention_2 needs the flash-attn package, which is "
                  "not installed in this environment; install it (pip install flash-attn) or use sdpa")
     packed = ("the samples packed in a row (data.packing)" if d.samples and d.packing else
@@ -167,8 +167,7 @@ def _check_attention(cfg: Config) -> list[str]:
 
 def _check_fp8(cfg: Config) -> list[str]:
     """train.fp8 needs torchao (an optional extra): found missing here, not at the job's start."""
-    import importlib.util
-    if cfg.train.fp8 == "none" or importlib.util.find_spec("torchao") is not None:
+    if cfg.train.fp8 == "none" or find_spec("torchao") is not None:
         return []
     return ["train.fp8: needs torchao, which is not installed in this environment; install it with: "
             "pip install 'llmtrain[fp8]' (or bash setup.sh --extras fp8), or set train.fp8: none"]
@@ -177,8 +176,6 @@ def _check_fp8(cfg: Config) -> list[str]:
 def _check_tracking(cfg: Config) -> list[str]:
     """Tracking packages are optional extras: a config that asks for one must find it installed
     (here, on the login node, rather than an hour into the queue)."""
-    import importlib.util
-
     p, mc, pc = [], cfg.metrics, cfg.profile
     try:
         wandb = mc.wandb_spec
@@ -187,7 +184,7 @@ def _check_tracking(cfg: Config) -> list[str]:
         wandb = None
     for key, wanted, package in (("tensorboard", mc.tensorboard, "tensorboard"),
                                  ("wandb", wandb is not None, "wandb")):
-        if wanted and importlib.util.find_spec(package) is None:
+        if wanted and find_spec(package) is None:
             p.append(f"metrics.{key}: the {package} package is not installed in this environment; "
                      f"install it with: pip install 'llmtrain[{package}]' (or bash setup.sh --extras "
                      f"{package}), or turn metrics.{key} off")

@@ -69,8 +69,8 @@ def convert(model: torch.nn.Module, recipe: str, device: torch.device, fsdp: boo
     convert_to_float8_training(model, config=config, module_filter_fn=lambda module, name: module not in kept)
     if recipe == "rowwise" and compiled:
         # Inductor rounds rowwise scales unlike eager without it (pytorch #150859), as torchtitan sets.
-        import torch._inductor.config
-        torch._inductor.config.emulate_precision_casts = True
+        from torch._inductor import config as inductor  # not `import torch._inductor...`: it would make torch local
+        inductor.emulate_precision_casts = True
     return sum(is_float8(m) for m in model.modules())
 
 
