@@ -257,6 +257,13 @@ class ParallelConfig:
     # tail chunk, so the causal work is even) and attend over the whole sequence's keys and values
     # (gathered); the data-parallel degree is world size / (tp x cp)
     cp: int = 1
+    # pipeline parallel: stages of consecutive decoder layers (the embedding and the head count as
+    # one layer each), one a rank, outermost in the layout (the data-parallel degree is then world
+    # size / (pp x tp x cp)); a step's micro-batches (train.micro_batch_size each) flow through
+    # them under pp_schedule: 1f1b (one forward, one backward: at most pp micro-batches' activations
+    # in flight) or gpipe (every forward, then every backward). Llama, Mistral, Qwen2, Qwen3
+    pp: int = 1
+    pp_schedule: Literal["1f1b", "gpipe", "interleaved_1f1b", "zbv", "dualpipev"] = "1f1b"
     backend: Literal["auto", "nccl", "gloo"] = "auto"  # auto: nccl on GPUs, gloo on CPUs
     reshard_after_forward: bool = True  # FSDP2: free gathered params after forward (ZeRO-3)
     prefetch_layers: int = 1  # FSDP2: layers whose all-gather starts ahead of time; 0: FSDP2's implicit

@@ -85,6 +85,18 @@ def pretrained_dir(cfg: Config):
     return local_model_dir(cfg.model.name_or_path, "model.name_or_path")
 
 
+class Absent(torch.nn.Module):
+    """A part of the model another pipeline stage holds (parallel/pipeline.py): no parameters,
+    and its input (the hidden states) passes through. Decoder layers are called with keyword
+    arguments (attention_mask=...), which it takes and ignores. In place of an embedding or a
+    head, its `weight` is None (code that asks which parameter is the head finds none)."""
+
+    weight = None
+
+    def forward(self, hidden_states=None, *args, **kwargs):
+        return hidden_states
+
+
 def decoder_layers(model: torch.nn.Module) -> list[torch.nn.Module]:
     """The repeated transformer blocks, found by the class names HF lists in _no_split_modules."""
     names = set(getattr(model, "_no_split_modules", None) or [])

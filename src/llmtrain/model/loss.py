@@ -36,7 +36,7 @@ import torch
 import torch.nn.functional as F
 
 from .attention import attention_mask, context_chunks, context_masks
-from .build import unwrap
+from .build import Absent, unwrap
 
 CHUNK_LOGIT_BYTES = 256 * 2**20  # one chunk's fp32 logits, at most
 IGNORE = -100  # a target that is not trained (F.cross_entropy's ignore_index)
@@ -62,6 +62,8 @@ def chunk_head(model: torch.nn.Module, config, compile: bool = False, layout=Non
     has tensor parallel, the head's rows are split over its tp group); None (the model unchanged) where the model type is not known to apply the head
     plainly, or the head has a bias."""
     head = unwrap(model).get_output_embeddings()
+    if isinstance(head, Absent):  # the head is another pipeline stage's, and so is the loss
+        return ChunkedHead(head)
     if (getattr(config, "model_type", None) not in CHUNKED_TYPES or not isinstance(head, torch.nn.Linear)
             or head.bias is not None):
         return None

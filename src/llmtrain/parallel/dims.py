@@ -44,12 +44,15 @@ nor torch at import (config/rules.py and the estimator ask it on a login node).
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 from dataclasses import dataclass
 
 from .tensor import problems as plan_problems
 
 SHARDED_STRATEGIES = ("fsdp", "hsdp")
+PIPELINE_SCHEDULES = ("1f1b", "gpipe")  # one stage a rank (interleaved and V schedules: not yet)
+PIPELINE_FAMILIES = frozenset({"llama", "mistral", "qwen2", "qwen3"})  # rotary decoders: embed, layers, norm, head
 LAYOUT = ("pipeline", "replicate", "shard", "context", "tensor")  # outermost first
 MESH_DIMS = ("pp", "replicate", "shard", "cp", "tp")  # the world mesh's dimensions, in LAYOUT's order
 ROLES = {"batch": ("replicate", "shard"), "loss": ("replicate", "shard", "cp"), "fsdp": ("shard", "cp"),
@@ -79,22 +82,22 @@ class ParallelDims:
         """The degrees of `cfg` (a config.Config) on `world_size` ranks. procs_per_node: the processes of one node
         (torchrun's LOCAL_WORLD_SIZE in a job), hsdp's default shard group; None: the slurm
         section's."""
-        strategy, tp, cp = cfg.parallel.strategy, cfg.parallel.tp, cfg.parallel.cp
+        strategy, tp, cp, pp = cfg.parallel.strategy, cfg.parallel.tp, cfg.parallel.cp, cfg.parallel.pp
         known = procs_per_node or 0
-        dp = world_size // (tp * cp) if tp >= 1 and cp >= 1 else 0
+        dp = world_size // (pp * tp * cp) if tp >= 1 and cp >= 1 and pp >= 1 else 0
         stray = cfg.parallel.shard_size is not None
+        common = {"context": cp, "tensor": tp, "pipeline": pp, "per_node": known}
         if strategy == "ddp":
-            return cls(world_size, strategy, replicate=dp, context=cp, tensor=tp, per_node=known, stray_shard_size=stray)
+            return cls(world_size, strategy, replicate=dp, stray_shard_size=stray, **common)
         if strategy == "fsdp":
-            return cls(world_size, strategy, shard=dp, context=cp, tensor=tp, per_node=known, stray_shard_size=stray)
+            return cls(world_size, strategy, shard=dp, stray_shard_size=stray, **common)
         if cfg.parallel.shard_size is not None:
             shard = cfg.parallel.shard_size
-            return cls(world_size, strategy, replicate=dp // shard if shard >= 1 else 0, shard=shard, context=cp,
-                       tensor=tp, per_node=known)
+            return cls(world_size, strategy, replicate=dp // shard if shard >= 1 else 0, shard=shard, **common)
         per_node = procs_per_node or min(world_size, cfg.world_size // max(1, cfg.slurm.nodes))
         shard = _default_shard(dp, per_node // (tp * cp) if dp else 0)
-        return cls(world_size, strategy, replicate=dp // shard if shard else 0, shard=shard, context=cp, tensor=tp,
-                   per_node=known, default_node=per_node)
+        return cls(world_size, strategy, replicate=dp // shard if shard else 0, shard=shard, default_node=per_node,
+                   **common)
 
     def problems(self) -> list[str]:
         """What is wrong with the degrees, one line each, naming the key to change."""
@@ -110,15 +113,20 @@ class ParallelDims:
             ranks = "data-parallel" if self.context == 1 else "data-parallel and context-parallel"
             return [f"parallel.tp: with {self.dp * self.context} {ranks} ranks, tensor parallel needs "
                     f"parallel.strategy fsdp or hsdp (got ddp); or set parallel.tp to the world size {self.world_size}"]
+        pp = self.pipeline
+        if pp < 1 or (self.world_size // tp) % pp:
+            return [f"parallel.pp: must divide the world size / parallel.tp = {self.world_size // tp} (got {pp})"]
         cp = self.context
-        if cp < 1 or (self.world_size // tp) % cp:
-            return [f"parallel.cp: must divide the world size / parallel.tp = {self.world_size // tp} (got {cp})"]
+        if cp < 1 or (self.world_size // (tp * pp)) % cp:
+            of = f"parallel.tp x parallel.pp = {self.world_size // (tp * pp)}" if pp > 1 else f"parallel.tp = {self.world_size // tp}"
+            return [f"parallel.cp: must divide the world size / {of} (got {cp})"]
         if self.strategy == "hsdp" and self.shard == 0 and self.default_node:
-            return [_unset_shard_size(self.world_size // (tp * cp), self.default_node, tp, cp)]
-        if self.strategy == "hsdp" and (self.shard < 1 or (self.world_size // (tp * cp)) % self.shard):
-            if tp * cp > 1:
-                return [f"parallel.shard_size: must divide the {self.world_size // (tp * cp)} data-parallel ranks "
-                        f"(world size {self.world_size} / (parallel.tp {tp} x parallel.cp {cp}); got {self.shard})"]
+            return [_unset_shard_size(self.world_size // (tp * cp * pp), self.default_node, tp, cp)]
+        if self.strategy == "hsdp" and (self.shard < 1 or (self.world_size // (tp * cp * pp)) % self.shard):
+            if tp * cp * pp > 1:
+                return [f"parallel.shard_size: must divide the {self.world_size // (tp * cp * pp)} data-parallel ranks "
+                        f"(world size {self.world_size} / (parallel.pp {pp} x parallel.tp {tp} x parallel.cp {cp}); "
+                        f"got {self.shard})"]
             return [f"parallel.shard_size: must divide the world size {self.world_size} (got {self.shard}); "
                     f"hsdp shards within groups of shard_size ranks and replicates across them"]
         if self.expert < 1 or (self.shard * cp) % self.expert:
@@ -209,15 +217,62 @@ class ParallelDims:
         if self.context > 1 and t.compile:
             p.append("train.compile: not with context parallel yet (its attention gathers keys and values between "
                      "ranks); set train.compile: false with parallel.cp > 1")
+        if self.pipeline > 1 and usable:
+            p += self._pipeline_problems(cfg, dp)
         if par.tp > 1 and not t.chunked_loss:
             p.append("train.chunked_loss: tensor parallel computes the loss from each rank's slice of the "
                      "vocabulary, chunk by chunk; set train.chunked_loss: true (got false)")
         return p
 
+    def _pipeline_problems(self, cfg, dp: int) -> list[str]:
+        """What pipeline parallel needs of the rest of the config (one stage a rank, for now)."""
+        par, t, p = cfg.parallel, cfg.train, []
+        if par.pp_schedule not in PIPELINE_SCHEDULES:
+            p.append(f"parallel.pp_schedule: {par.pp_schedule} places several stages on a rank, which llmtrain does "
+                     f"not do yet; use {' or '.join(PIPELINE_SCHEDULES)}")
+        if self.tensor > 1 or self.context > 1:
+            p.append(f"parallel.pp: not with parallel.tp or parallel.cp yet (got tp {self.tensor}, cp "
+                     f"{self.context}); use pipeline with fsdp, hsdp or ddp")
+        if self.strategy == "ddp" and dp > 1:
+            p.append(f"parallel.strategy: with parallel.pp {self.pipeline} and {dp} data-parallel ranks, use fsdp or "
+                     f"hsdp (each stage's weights gathered once a step); ddp pipelines a single replica only")
+        if t.fp8 != "none":
+            p.append(f"train.fp8: not with parallel.pp yet (got {t.fp8}); set train.fp8: none")
+        return p
+
+    def pipeline_warnings(self, cfg) -> list[str]:
+        """What makes a pipeline run slow without being wrong: fewer micro-batches a step than stages
+        (the pipeline is then mostly idle)."""
+        t = cfg.train
+        if self.pipeline <= 1 or t.micro_batch_size < 1 or self.dp < 1:
+            return []
+        n = self.accumulation(t.global_batch_size, t.micro_batch_size)
+        if n >= self.pipeline:
+            return []
+        return [f"warning: parallel.pp {self.pipeline} with {n} micro-batch{'es' if n != 1 else ''} a step "
+                f"(train.global_batch_size / (train.micro_batch_size x {self.dp} data-parallel ranks)) leaves "
+                f"the pipeline mostly idle; lower train.micro_batch_size or raise train.global_batch_size "
+                f"to at least {self.pipeline} micro-batches"]
+
     def model_problems(self, model_type: str | None, model_config: dict) -> list[str]:
         """What keeps a model (its config.json as a dict) from this layout: its family's
-        tensor-parallel plan, and heads, key/value heads, vocabulary and MLP width that tp divides."""
-        return plan_problems(model_type, model_config, self.tensor) if self.tensor >= 1 else []
+        tensor-parallel plan, and heads, key/value heads, vocabulary and MLP width that tp divides;
+        the pipeline's families, layers and untied head."""
+        p = plan_problems(model_type, model_config, self.tensor) if self.tensor >= 1 else []
+        if self.pipeline <= 1:
+            return p
+        if model_type not in PIPELINE_FAMILIES:
+            p.append(f"parallel.pp: model type {model_type!r} has no pipeline stages in llmtrain yet (families: "
+                     f"{', '.join(sorted(PIPELINE_FAMILIES))}); set parallel.pp: 1")
+        layers = model_config.get("num_hidden_layers") or 0
+        if layers + 2 < self.pipeline:
+            p.append(f"parallel.pp: {self.pipeline} stages need at least {self.pipeline - 2} decoder layers (the "
+                     f"embedding and the head count as one each; the model has {layers}); lower parallel.pp")
+        if model_config.get("tie_word_embeddings", False):  # False: the families' default
+            p.append("parallel.pp: the model ties its input and output embeddings (tie_word_embeddings), which live "
+                     "on the first and the last stage; untie them (model.architecture.tie_word_embeddings: false, "
+                     "training from scratch) or set parallel.pp: 1")
+        return p
 
     @classmethod
     def candidates(cls, cfg, world_size: int, per_node: int, model_type: str | None = None,
@@ -227,7 +282,6 @@ class ParallelDims:
         slots), each passing problems(), the sequence's split and (given the model's config) its
         family's plan. In a fixed order: strategy, then tp, then cp. The estimator lists some of
         them; the planner ranks them."""
-        import dataclasses
         out = []
         for strategy in ("ddp", "fsdp", "hsdp"):
             for tp in [n for n in range(1, per_node + 1) if per_node % n == 0]:
@@ -247,6 +301,9 @@ class ParallelDims:
         'fsdp over 8 ranks (mesh: dp_shard 4 x tp 2)'. hsdp always states both its sizes, a shard
         group of 1 (every rank the whole model's state) included."""
         ranks = f"{self.world_size} rank{'s' if self.world_size != 1 else ''}"
+        if self.pipeline > 1:
+            inner = dataclasses.replace(self, world_size=self.world_size // self.pipeline, pipeline=1).describe()
+            return f"pipeline of {self.pipeline} stages over {ranks}, each {inner}"
         if not self.sharded and self.loss_ranks == 1 and self.tensor > 1:  # nothing for DDP to average
             return f"tensor parallel over {ranks} (mesh: tp {self.tensor}; no data parallelism)"
         if self.tensor > 1 or self.context > 1:

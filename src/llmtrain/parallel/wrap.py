@@ -1,6 +1,6 @@
 """Every wrapping of the model happens here, in one order (parallelize):
 
-    build on the meta device -> LoRA adapters (frozen base stored in the run's precision)
+    build on the meta device -> this rank's pipeline stage (parallel/pipeline.py) -> LoRA adapters (frozen base stored in the run's precision)
       -> FP8 linear layers (parallel/float8.py) -> tensor + sequence parallel (parallel/tensor.py)
       -> [next: expert parallel] -> activation checkpointing -> torch.compile per layer
       -> FSDP2/HSDP (on world.dims' mesh) -> allocate this rank's shards
@@ -47,6 +47,7 @@ from ..model.build import build_model, decoder_layers, pretrained_dir
 from ..model.lora import apply_lora, frozen_weights, init_adapters
 from . import float8
 from .dims import SHARDED_STRATEGIES
+from .pipeline import keep_stage
 from .precision import DTYPES
 from .tensor import apply_tensor_parallel
 from .weights import copy_buffers, init_from_scratch, load_pretrained, local_slices
@@ -63,6 +64,8 @@ def parallelize(cfg: Config, config, world: World, watch=None, resuming: bool = 
     with phase("building"):
         model = build_model(config, cfg, "meta")
         reference = build_model(config, cfg, "meta", buffers="cpu")  # full shapes, real buffers
+        if world.dims.pipeline > 1:  # this rank's stage only: the other stages' parts become Absent
+            keep_stage(model, world.layout)
         if world.dims.context > 1:  # config/rules.py: sdpa only
             context_parallel_attention(model, world.layout.mesh("cp"))
         elif cfg.model.attn_implementation == "sdpa":
@@ -211,6 +214,8 @@ def apply_fsdp(model: torch.nn.Module, cfg: Config, mesh=None) -> None:
     mp = MixedPrecisionPolicy(param_dtype=dtype, reduce_dtype=torch.float32)
     reshard = cfg.parallel.reshard_after_forward
     layers = decoder_layers(model)
+    if cfg.parallel.pp > 1:  # the schedule runs every micro-batch's forward before the backwards
+        reshard = False      # catch up: gathered once a step, not once a micro-batch (as torchtitan)
     for i, layer in enumerate(layers):
         fully_shard(layer, mesh=mesh, mp_policy=mp,
                     reshard_after_forward=reshard and i < len(layers) - 1)
@@ -244,7 +249,7 @@ def _tied(model: torch.nn.Module | None) -> bool:
     if model is None:
         return False
     out, inp = model.get_output_embeddings(), model.get_input_embeddings()
-    return out is not None and out.weight is inp.weight
+    return getattr(out, "weight", None) is not None and out.weight is getattr(inp, "weight", None)
 
 
 @contextlib.contextmanager

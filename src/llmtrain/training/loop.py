@@ -168,6 +168,9 @@ def run(cfg: Config, world: World, watch: Watchdog, run_lock: RunLock) -> None:
               flops_per_token(config, n_params, seq_len, num_params(model, trainable=True))
               * t.global_batch_size * seq_len,
               layout=world.layout)
+    if job.step.pipeline is not None:
+        for line in [job.step.pipeline.describe(), *world.dims.pipeline_warnings(cfg)]:
+            log.info(line)
     checkpointer.estimate_save(model, optimizer)  # the deadline's figure until a save is timed
     with watch.phase("resuming"):
         resumed = checkpointer.load(model, optimizer)  # a refused resume raises here

@@ -142,12 +142,13 @@ def log_step(metrics: MetricsWriter, log: Log, speed: dict, state, loss, grad_no
 def evaluation(job, cfg: Config, world: World) -> dict:
     """An eval record's values: each source evaluated on its own validation split (eval_samples
     each), and the record the sampler makes of them (eval_loss; a mixture's by source too)."""
-    losses = {name: evaluate(job.model, job.head, data, cfg, world) for name, data in job.val_data.items()}
+    losses = {name: evaluate(job.model, job.head, data, cfg, world, job.step.pipeline)
+              for name, data in job.val_data.items()}
     return job.sampler.eval_record(losses)
 
 
 @torch.no_grad()
-def evaluate(model, head, data: TokenStream | SampleRows, cfg: Config, world: World) -> float:
+def evaluate(model, head, data: TokenStream | SampleRows, cfg: Config, world: World, pipeline=None) -> float:
     """Mean loss over the trained targets of the first eval_samples validation samples, whatever
     the world size.
 
@@ -164,9 +165,12 @@ def evaluate(model, head, data: TokenStream | SampleRows, cfg: Config, world: Wo
     for chunk in np.array_split(indices, -(-per_rank // mb)) if per_rank else []:
         batch = data.batch(chunk, seq_len)
         targets += batch.targets()
+        on_device = batch.pinned(world.device).to(world.device)
         with autocast(cfg, world.device):
-            total += lm_loss(model, batch.pinned(world.device).to(world.device), head, normaliser=1.0,
-                             layout=world.layout).double()
+            if pipeline is not None:  # forward only through the stages; every stage gets the sum
+                total += pipeline.loss_sum(on_device).double()
+            else:
+                total += lm_loss(model, on_device, head, normaliser=1.0, layout=world.layout).double()
     model.train()
     # summed over the loss's ranks (a tensor-parallel group's ranks hold the same sums: one of
     # them counts); each of a context-parallel group holds its part of the loss but the whole

@@ -24,6 +24,7 @@ import torch
 from ..config import Config
 from ..model.loss import lm_loss
 from ..parallel import float8
+from ..parallel.pipeline import Pipeline
 from ..parallel.precision import autocast
 from ..parallel.wrap import gradient_sync, reshard
 from ..optimizers import OPTIMIZERS, eval_weights
@@ -40,6 +41,9 @@ class Step:
         # Who decides a skip: the device (the optimizer reads the flag), or the host.
         self.host_decides = scaler.is_enabled() or not OPTIMIZERS[cfg.train.optimizer].skips_on_device
         self.float8_scales = float8.precomputes_scales(model)  # FSDP2 gathers weights in float8
+        self.pipeline = None  # parallel/pipeline.py: this rank's stage and the schedule, where pp > 1
+        if layout is not None and layout.dims.pipeline > 1:
+            self.pipeline = Pipeline(model, head, cfg, layout, scaler, next(model.parameters()).device)
 
     def forward_backward(self, micro_batches, normaliser: float, loss_factor: float = 1.0, norm: bool = True,
                          phase=no_phase) -> tuple[torch.Tensor, torch.Tensor | None]:
@@ -55,6 +59,8 @@ class Step:
         unevenly the trained tokens fall; the mean over ranks of what this returns is that loss.
         `phase`: the profiler's labels (training/profiling.py)."""
         model, cfg, total = self.model, self.cfg, None
+        if self.pipeline is not None:
+            return self._pipelined(micro_batches, normaliser, loss_factor, norm, phase)
         for i, batch in enumerate(micro_batches):
             with gradient_sync(model, i == len(micro_batches) - 1, cfg):
                 with phase("forward"), autocast(cfg, batch.tokens.device):
@@ -71,6 +77,21 @@ class Step:
                 grad_norm = torch.nn.utils.get_total_norm([p.grad for p in model.parameters() if p.grad is not None])
             if hasattr(grad_norm, "full_tensor"):  # FSDP2: a DTensor holding the global norm
                 grad_norm = grad_norm.full_tensor()
+        return total, grad_norm
+
+    def _pipelined(self, micro_batches, normaliser: float, loss_factor: float, norm: bool, phase):
+        """forward_backward under the pipeline's schedule: the loss from the last stage, on every
+        stage; the gradient norm over every stage's parameters, clipped with it."""
+        cfg, params = self.cfg, list(self.model.parameters())
+        with phase("forward"), autocast(cfg, micro_batches[0].tokens.device):  # and backward: the schedule's
+            total = self.pipeline.forward_backward(micro_batches, normaliser, loss_factor)
+        with phase("optimizer"):
+            self.scaler.unscale_(self.optimizer)
+            grad_norm = None
+            if cfg.train.grad_clip > 0 or norm:
+                grad_norm = self.pipeline.grad_norm(params)
+            if cfg.train.grad_clip > 0:
+                torch.nn.utils.clip_grads_with_norm_(params, cfg.train.grad_clip, grad_norm)
         return total, grad_norm
 
     def finite(self, loss: torch.Tensor, grad_norm: torch.Tensor | None) -> torch.Tensor:

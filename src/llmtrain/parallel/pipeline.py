@@ -1,0 +1,214 @@
+"""Pipeline parallel: a Hugging Face decoder cut into stages of consecutive layers, one a rank,
+its micro-batches run by torch's pipelining schedules (1F1B, GPipe).
+
+    keep_stage(model, layout)                  # on the meta skeleton: what this rank does not hold goes
+    pipe = Pipeline(model, head, cfg, layout)  # once wrapped (FSDP2) and allocated
+    loss, norm = pipe.forward_backward(micro_batches, normaliser, ...)   # Step's, under the schedule
+    total = pipe.loss_sum(batch)               # evaluation: forward only, the summed loss
+
+A stage keeps the whole model's skeleton and its parameter names: the decoder layers it does not
+own are replaced in place by `Absent` (no parameters, passes the hidden states through), as are
+the embedding on every stage but the first and the final norm and head on every stage but the
+last. So checkpoints (DCP, by parameter name) hold one model whatever pp was, resume under another
+pp, and export as one folder. The stage's forward is the model's own: the first stage takes token
+ids, the others the hidden states the stage before sent (HF's `inputs_embeds`), and each builds its
+attention mask and rotary positions from the micro-batch's positions (schedules split every tensor
+along the batch only, so document boundaries reach every stage).
+
+Stages are cut by cost: the embedding and the head count as one layer each, and the n + 2 units are
+split as evenly as consecutive runs allow (stage_bounds).
+
+The loss stays exact: the schedule sums the micro-batches' losses without scaling them
+(scale_grads=False), each micro-batch's loss being its summed cross-entropy over the step's
+normaliser, as without a pipeline (training/step.py). The last stage computes it; one all-reduce
+over the pipeline's group gives every stage the step's loss and the gradient norm summed over
+stages (before the clip), so the non-finite skip and the logged loss agree on every rank.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+
+from ..config import ConfigError
+from ..model.attention import attention_mask
+from ..model.build import Absent, unwrap
+from ..model.loss import IGNORE, chunked_cross_entropy
+from .dims import PIPELINE_SCHEDULES, Layout
+
+SCHEDULE_CLASSES = {"1f1b": "1F1B", "gpipe": "GPipe"}  # parallel.pp_schedule -> torch's name
+assert set(SCHEDULE_CLASSES) == set(PIPELINE_SCHEDULES)
+
+
+def stage_bounds(n_layers: int, stages: int) -> list[tuple[int, int]]:
+    """Each stage's decoder layers [start, end), by cost: the embedding (first stage) and the head
+    (last) weigh one layer each, and the n_layers + 2 units are cut into `stages` consecutive runs
+    whose sizes differ by at most one (the earlier stages take the larger: they hold more
+    micro-batches' activations under 1F1B, but the head's logits weigh on the last)."""
+    units, bounds, start = n_layers + 2, [], 0
+    for s in range(stages):
+        size = units // stages + (1 if s < units % stages else 0)
+        end = start + size
+        bounds.append((max(0, start - 1), min(n_layers, end - 1)))  # unit u is layer u - 1
+        start = end
+    return bounds
+
+
+def keep_stage(model: torch.nn.Module, layout: Layout) -> tuple[int, int]:
+    """Replace, in place on the (meta) skeleton, what this rank's stage does not hold by Absent:
+    the other stages' decoder layers, the embedding unless first, the final norm and the head
+    unless last. Returns the stage's layers [start, end). Refuses a model the layout cannot
+    pipeline (its family, too few layers, a tied head) in one line each."""
+    config = model.config
+    problems = layout.dims.model_problems(config.model_type, config.to_dict())
+    problems = [line for line in problems if line.startswith("parallel.pp")]
+    if problems:
+        raise ConfigError(problems)
+    stage, stages = layout.coordinate("pp"), layout.dims.pipeline
+    start, end = stage_bounds(config.num_hidden_layers, stages)[stage]
+    inner = model.model
+    for i in range(len(inner.layers)):
+        if not start <= i < end:
+            inner.layers[i] = Absent()
+    if stage > 0:
+        inner.embed_tokens = Absent()
+    if stage < stages - 1:
+        inner.norm = Absent()
+        model.lm_head = Absent()
+    return start, end
+
+
+def _stage_forward(model, first: bool, x: torch.Tensor, positions: torch.Tensor | None = None):
+    """One stage's forward: token ids (the first stage) or the hidden states the stage before sent,
+    through this stage's layers (HF's own forward; the others pass through); the hidden states
+    on (the last stage: the head's output, or the final hidden states where the loss applies the
+    head itself)."""
+    seq = x.shape[1]
+    extra = {"attention_mask": attention_mask(model, positions, seq, x.device)}
+    if positions is not None:
+        extra["position_ids"] = positions
+    inputs = {"input_ids": x} if first else {"inputs_embeds": x}
+    return type(model).forward(model, **inputs, **extra).logits
+
+
+class Pipeline:
+    """This rank's stage and the schedule that runs a step's micro-batches through all stages."""
+
+    def __init__(self, model: torch.nn.Module, head, cfg, layout: Layout, scaler, device: torch.device):
+        from torch.distributed.pipelining import PipelineStage
+        from torch.distributed.pipelining.schedules import get_schedule_class
+
+        self.cfg, self.layout, self.head, self.scaler = cfg, layout, head, scaler
+        self.stage_index, self.stages = layout.coordinate("pp"), layout.dims.pipeline
+        self.first, self.last = self.stage_index == 0, self.stage_index == self.stages - 1
+        self.model, self.device = model, device
+        inner = unwrap(model)
+        inner.forward = functools.partial(_stage_forward, inner, self.first)
+        self.group = layout.mesh("pp").get_group()
+        self.accum = layout.dims.accumulation(cfg.train.global_batch_size, cfg.train.micro_batch_size)
+        self.normaliser, self.factor, self.losses = 1.0, 1.0, []
+        self.training = True
+
+        def stage():
+            return PipelineStage(model, self.stage_index, self.stages, device, group=self.group)
+
+        schedule = get_schedule_class(SCHEDULE_CLASSES[cfg.parallel.pp_schedule])
+        self.schedule = schedule(stage(), n_microbatches=self.accum, loss_fn=self._loss, scale_grads=False)
+        # evaluation: forward only, one micro-batch a call (its rows padded to micro_batch_size:
+        # a stage's shapes are fixed once inferred), on a stage of its own
+        self.eval_schedule = get_schedule_class("GPipe")(stage(), n_microbatches=1, loss_fn=self._loss,
+                                                         scale_grads=False)
+        self.layers = [i for i, layer in enumerate(inner.model.layers) if not isinstance(layer, Absent)]
+
+    def describe(self) -> str:
+        """The start-up line: this rank's stage and what it holds."""
+        held = (["the embedding"] if self.first else []) + [f"layers {self.layers[0]}-{self.layers[-1]}"
+                                                            if self.layers else "no layer"]
+        held += ["the final norm and head"] if self.last else []
+        return (f"pipeline: stage {self.stage_index} of {self.stages} ({', '.join(held)}); schedule "
+                f"{self.cfg.parallel.pp_schedule}, {self.accum} micro-batches of {self.cfg.train.micro_batch_size} a step")
+
+    def _loss(self, out: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        """A micro-batch's loss on the last stage: its summed cross-entropy over the step's
+        normaliser (training: scaled for fp16 and by the fault injector's factor)."""
+        targets = targets.flatten()
+        if self.head is None:
+            total = F.cross_entropy(out.float().flatten(0, 1), targets, ignore_index=IGNORE, reduction="sum")
+            loss = total / self.normaliser
+        else:
+            loss = chunked_cross_entropy(out.flatten(0, 1), self.head.linear.weight, targets,
+                                         chunk_fn=self.head.chunk_fn, normaliser=self.normaliser)
+        loss = loss * self.factor
+        self.losses.append(loss.detach())
+        return self.scaler.scale(loss) if self.training else loss
+
+    def _run(self, schedule, tokens, targets, positions, n: int) -> torch.Tensor:
+        """One call of `schedule` over a rank's batch of `n` micro-batches; returns the sum of their
+        losses, the same on every stage (the last stage's, by one all-reduce over the pipeline group)."""
+        self.losses = []
+        args = (tokens,) if self.first else ()
+        kwargs = {"positions": positions} if positions is not None else {}
+        run = schedule.step if self.training else schedule.eval
+        run(*args, target=targets if self.last else None, **kwargs)
+        # the last n: a stage's first call infers its shapes with one more forward, on empty tensors
+        losses = self.losses[-n:] if self.last else []
+        total = torch.stack(losses).sum() if losses else torch.zeros((), device=tokens.device)
+        dist.all_reduce(total, group=self.group)  # only the last stage's is not zero
+        return total
+
+    def forward_backward(self, micro_batches, normaliser: float, loss_factor: float = 1.0):
+        """The step's forward and backward under the schedule: returns this rank's part of the step's
+        loss (as Step.forward_backward). Gradients are reduced by FSDP2 at the last micro-batch's
+        backward (the stage tells it)."""
+        self.normaliser, self.factor, self.training = max(normaliser, 1e-9), loss_factor, True
+        tokens = torch.cat([b.tokens for b in micro_batches])
+        return self._run(self.schedule, tokens[:, :-1], _targets(micro_batches), _positions(micro_batches),
+                         len(micro_batches))
+
+    @torch.no_grad()
+    def loss_sum(self, batch) -> torch.Tensor:
+        """An evaluation batch's summed loss (normaliser 1), forward only through the stages; the
+        batch's rows padded to train.micro_batch_size with untrained rows."""
+        self.normaliser, self.factor, self.training = 1.0, 1.0, False
+        try:
+            rows, mb = batch.tokens.shape[0], self.cfg.train.micro_batch_size
+            tokens, targets, positions = batch.tokens[:, :-1], _targets([batch]), _positions([batch])
+            if rows < mb:
+                pad = mb - rows
+                tokens = torch.cat([tokens, tokens[:1].expand(pad, -1)])
+                targets = torch.cat([targets, torch.full_like(targets[:1], IGNORE).expand(pad, -1)])
+                if positions is not None:
+                    positions = torch.cat([positions, positions[:1].expand(pad, -1)])
+            return self._run(self.eval_schedule, tokens, targets, positions, 1)
+        finally:
+            self.training = True
+
+    def grad_norm(self, parameters) -> torch.Tensor:
+        """The gradient norm over every stage's parameters: each stage's (over its FSDP2 shards),
+        squared, summed over the pipeline group."""
+        grads = [p.grad for p in parameters if p.grad is not None]
+        norm = torch.nn.utils.get_total_norm(grads) if grads else torch.zeros((), device=self.device)
+        if hasattr(norm, "full_tensor"):
+            norm = norm.full_tensor()
+        squared = norm.float() ** 2
+        dist.all_reduce(squared, group=self.group)
+        return squared.sqrt()
+
+
+def _targets(micro_batches) -> torch.Tensor:
+    parts = []
+    for b in micro_batches:
+        targets = b.tokens[:, 1:]
+        if b.trained is not None:
+            targets = targets.masked_fill(~b.trained[:, 1:], IGNORE)
+        parts.append(targets)
+    return torch.cat(parts)
+
+
+def _positions(micro_batches) -> torch.Tensor | None:
+    if micro_batches[0].positions is None:
+        return None
+    return torch.cat([b.positions[:, :-1] for b in micro_batches])
