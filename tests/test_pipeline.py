@@ -44,9 +44,16 @@ def test_the_layout_refuses_what_the_pipeline_does_not_do_yet_in_one_line_each(t
     assert _problems(tmp_path, pp=2) == []
     assert _problems(tmp_path, 4, pp=2, strategy="fsdp") == []
     assert _problems(tmp_path, pp=3) == ["parallel.pp: must divide the world size / parallel.tp = 2 (got 3)"]
-    assert _problems(tmp_path, pp=2, pp_schedule="interleaved_1f1b") == [
-        "parallel.pp_schedule: interleaved_1f1b places several stages on a rank, which llmtrain does not do yet; "
-        "use 1f1b or gpipe"]
+    assert _problems(tmp_path, pp=2, pp_schedule="zbv") == [
+        "parallel.pp_schedule: zbv needs its V-shaped stage placement, which llmtrain does not do yet; "
+        "use 1f1b, gpipe, interleaved_1f1b"]
+    assert _problems(tmp_path, pp=2, pp_schedule="interleaved_1f1b") == []  # 2 stages a rank by default
+    assert _problems(tmp_path, pp=2, pp_schedule="interleaved_1f1b", pp_stages_per_rank=1) == [
+        "parallel.pp_stages_per_rank: interleaved_1f1b holds at least 2 stages a rank (got 1); set 2 or more, "
+        "or parallel.pp_schedule: 1f1b"]
+    assert _problems(tmp_path, pp=2, pp_stages_per_rank=2)[0].startswith(
+        "parallel.pp_stages_per_rank: 1f1b holds one stage a rank (got 2)")
+
     assert _problems(tmp_path, 4, pp=2, strategy="ddp") == [
         "parallel.strategy: with parallel.pp 2 and 2 data-parallel ranks, use fsdp or hsdp (each stage's weights "
         "gathered once a step); ddp pipelines a single replica only"]
@@ -100,6 +107,8 @@ def test_pp2_1f1b_gives_one_process_curve_resumes_in_one_process_and_exports(set
     log0, log1 = ((pp2 / "logs" / f"rank-{r}.log").read_text() for r in (0, 1))
     assert ("pipeline: stage 0 of 2 (the embedding, layers 0-0); schedule 1f1b, 2 micro-batches of 4 a step"
             in log0)
+    # the whole model's count on every stage, as one process states it (and the FLOPs per token from it)
+    assert "model: 139,584 parameters, pipeline of 2 stages over 2 ranks" in log0
     assert "pipeline: stage 1 of 2 (layers 1-1, the final norm and head)" in log1
     # The step-5 checkpoint (saved by 2 stages) resumes in one process: steps 6-10 as the uninterrupted run.
     cli("train", "--config", setup[1], "--set", "run.name=pp2-then-1", "--set", "slurm.procs_per_node=1",
@@ -130,6 +139,19 @@ def test_gpipe_and_document_masks_under_pp2_give_one_process_curves(setup, singl
              "--set", "data.document_masking=true")
     assert_same_curve(run_dir(setup, "pp2-docs"), masked, tol=1e-4)
     assert abs(losses(masked)[-1][2] - losses(single)[-1][2]) > 1e-3  # the masks made a difference
+
+
+@pytest.mark.slow
+def test_interleaved_1f1b_two_stages_a_rank_gives_one_process_curve(setup, tmp_path_factory):
+    """4 layers as 4 stages over 2 ranks: rank 0 stages 0 and 2, rank 1 stages 1 and 3."""
+    deeper = ["model.architecture.num_hidden_layers=4"]
+    single4 = reference_run(tmp_path_factory, "single-4-layers", CONFIG, *deeper)
+    torchrun(2, "train", "--config", setup[1], "--set", "run.name=interleaved", "--set", "parallel.pp=2",
+             "--set", "parallel.pp_schedule=interleaved_1f1b", "--set", deeper[0])
+    d = run_dir(setup, "interleaved")
+    assert_same_curve(d, single4, tol=1e-4)
+    assert ("pipeline: stage 1 of 4 (layers 1-2); stage 3 of 4 (the final norm and head); schedule "
+            "interleaved_1f1b") in (d / "logs" / "rank-1.log").read_text()
 
 
 @pytest.mark.slow

@@ -261,9 +261,13 @@ class ParallelConfig:
     # one layer each), one a rank, outermost in the layout (the data-parallel degree is then world
     # size / (pp x tp x cp)); a step's micro-batches (train.micro_batch_size each) flow through
     # them under pp_schedule: 1f1b (one forward, one backward: at most pp micro-batches' activations
-    # in flight) or gpipe (every forward, then every backward). Llama, Mistral, Qwen2, Qwen3
+    # in flight), gpipe (every forward, then every backward) or interleaved_1f1b (several stages a
+    # rank). Llama, Mistral, Qwen2, Qwen3
     pp: int = 1
     pp_schedule: Literal["1f1b", "gpipe", "interleaved_1f1b", "zbv", "dualpipev"] = "1f1b"
+    # interleaved_1f1b: stages a rank holds (rank r: stages r, r + pp, ...; a smaller bubble for more
+    # point-to-point sends); None: 2 for interleaved_1f1b, 1 for the others
+    pp_stages_per_rank: Optional[int] = None
     backend: Literal["auto", "nccl", "gloo"] = "auto"  # auto: nccl on GPUs, gloo on CPUs
     reshard_after_forward: bool = True  # FSDP2: free gathered params after forward (ZeRO-3)
     prefetch_layers: int = 1  # FSDP2: layers whose all-gather starts ahead of time; 0: FSDP2's implicit

@@ -51,7 +51,7 @@ from dataclasses import dataclass
 from .tensor import problems as plan_problems
 
 SHARDED_STRATEGIES = ("fsdp", "hsdp")
-PIPELINE_SCHEDULES = ("1f1b", "gpipe")  # one stage a rank (interleaved and V schedules: not yet)
+PIPELINE_SCHEDULES = ("1f1b", "gpipe", "interleaved_1f1b")  # (the V-shaped zbv, dualpipev: not yet)
 PIPELINE_FAMILIES = frozenset({"llama", "mistral", "qwen2", "qwen3"})  # rotary decoders: embed, layers, norm, head
 LAYOUT = ("pipeline", "replicate", "shard", "context", "tensor")  # outermost first
 MESH_DIMS = ("pp", "replicate", "shard", "cp", "tp")  # the world mesh's dimensions, in LAYOUT's order
@@ -70,6 +70,7 @@ class ParallelDims:
     tensor: int = 1
     pipeline: int = 1
     expert: int = 1
+    stages_per_rank: int = 1  # pipeline stages a rank holds (interleaved schedules: 2 or more)
 
     per_node: int = 0  # the processes of one node, where known (0: not known)
     # hsdp without parallel.shard_size: the node size its default shard group came from (0: the
@@ -86,7 +87,8 @@ class ParallelDims:
         known = procs_per_node or 0
         dp = world_size // (pp * tp * cp) if tp >= 1 and cp >= 1 and pp >= 1 else 0
         stray = cfg.parallel.shard_size is not None
-        common = {"context": cp, "tensor": tp, "pipeline": pp, "per_node": known}
+        v = cfg.parallel.pp_stages_per_rank or (2 if cfg.parallel.pp_schedule == "interleaved_1f1b" else 1)
+        common = {"context": cp, "tensor": tp, "pipeline": pp, "stages_per_rank": v, "per_node": known}
         if strategy == "ddp":
             return cls(world_size, strategy, replicate=dp, stray_shard_size=stray, **common)
         if strategy == "fsdp":
@@ -227,9 +229,16 @@ class ParallelDims:
     def _pipeline_problems(self, cfg, dp: int) -> list[str]:
         """What pipeline parallel needs of the rest of the config (one stage a rank, for now)."""
         par, t, p = cfg.parallel, cfg.train, []
+        v = self.stages_per_rank
         if par.pp_schedule not in PIPELINE_SCHEDULES:
-            p.append(f"parallel.pp_schedule: {par.pp_schedule} places several stages on a rank, which llmtrain does "
-                     f"not do yet; use {' or '.join(PIPELINE_SCHEDULES)}")
+            p.append(f"parallel.pp_schedule: {par.pp_schedule} needs its V-shaped stage placement, which llmtrain "
+                     f"does not do yet; use {', '.join(PIPELINE_SCHEDULES)}")
+        elif par.pp_schedule == "interleaved_1f1b" and v < 2:
+            p.append(f"parallel.pp_stages_per_rank: interleaved_1f1b holds at least 2 stages a rank (got {v}); "
+                     f"set 2 or more, or parallel.pp_schedule: 1f1b")
+        elif par.pp_schedule != "interleaved_1f1b" and v != 1:
+            p.append(f"parallel.pp_stages_per_rank: {par.pp_schedule} holds one stage a rank (got {v}); set "
+                     f"parallel.pp_schedule: interleaved_1f1b, or leave parallel.pp_stages_per_rank unset")
         if self.tensor > 1 or self.context > 1:
             p.append(f"parallel.pp: not with parallel.tp or parallel.cp yet (got tp {self.tensor}, cp "
                      f"{self.context}); use pipeline with fsdp, hsdp or ddp")
@@ -238,6 +247,9 @@ class ParallelDims:
                      f"hsdp (each stage's weights gathered once a step); ddp pipelines a single replica only")
         if t.fp8 != "none":
             p.append(f"train.fp8: not with parallel.pp yet (got {t.fp8}); set train.fp8: none")
+        if t.precision == "fp16":  # each stage's loss scaler would find its own overflows and skip alone
+            p.append("train.precision: fp16 not with parallel.pp yet (its loss scaler skips steps stage by stage); "
+                     "use bf16")
         return p
 
     def pipeline_warnings(self, cfg) -> list[str]:
@@ -265,9 +277,10 @@ class ParallelDims:
             p.append(f"parallel.pp: model type {model_type!r} has no pipeline stages in llmtrain yet (families: "
                      f"{', '.join(sorted(PIPELINE_FAMILIES))}); set parallel.pp: 1")
         layers = model_config.get("num_hidden_layers") or 0
-        if layers + 2 < self.pipeline:
-            p.append(f"parallel.pp: {self.pipeline} stages need at least {self.pipeline - 2} decoder layers (the "
-                     f"embedding and the head count as one each; the model has {layers}); lower parallel.pp")
+        stages = self.pipeline * self.stages_per_rank
+        if layers + 2 < stages:
+            p.append(f"parallel.pp: {stages} stages need at least {stages - 2} decoder layers (the embedding and the "
+                     f"head count as one each; the model has {layers}); lower parallel.pp")
         if model_config.get("tie_word_embeddings", False):  # False: the families' default
             p.append("parallel.pp: the model ties its input and output embeddings (tie_word_embeddings), which live "
                      "on the first and the last stage; untie them (model.architecture.tie_word_embeddings: false, "

@@ -39,7 +39,7 @@ from ..model.build import Absent, unwrap
 from ..model.loss import IGNORE, chunked_cross_entropy
 from .dims import PIPELINE_SCHEDULES, Layout
 
-SCHEDULE_CLASSES = {"1f1b": "1F1B", "gpipe": "GPipe"}  # parallel.pp_schedule -> torch's name
+SCHEDULE_CLASSES = {"1f1b": "1F1B", "gpipe": "GPipe", "interleaved_1f1b": "Interleaved1F1B"}  # -> torch's name
 assert set(SCHEDULE_CLASSES) == set(PIPELINE_SCHEDULES)
 
 
@@ -57,31 +57,38 @@ def stage_bounds(n_layers: int, stages: int) -> list[tuple[int, int]]:
     return bounds
 
 
-def keep_stage(model: torch.nn.Module, layout: Layout) -> tuple[int, int]:
-    """Replace, in place on the (meta) skeleton, what this rank's stage does not hold by Absent:
-    the other stages' decoder layers, the embedding unless first, the final norm and the head
-    unless last. Returns the stage's layers [start, end). Refuses a model the layout cannot
-    pipeline (its family, too few layers, a tied head) in one line each."""
+def stages_of(layout: Layout) -> list[int]:
+    """The stages this rank holds: its pipeline coordinate r, and with v stages a rank (interleaved
+    schedules) r + pp, r + 2 pp, ... (looped placement)."""
+    r, pp = layout.coordinate("pp"), layout.dims.pipeline
+    return [r + k * pp for k in range(layout.dims.stages_per_rank)]
+
+
+def keep_stage(model: torch.nn.Module, layout: Layout) -> list[tuple[int, int]]:
+    """Replace, in place on the (meta) skeleton, what this rank's stages do not hold by Absent:
+    the other stages' decoder layers, the embedding unless it holds the first stage, the final
+    norm and the head unless the last. Returns its stages' layers [start, end). Refuses a model
+    the layout cannot pipeline (its family, too few layers, a tied head) in one line each."""
     config = model.config
     problems = layout.dims.model_problems(config.model_type, config.to_dict())
     problems = [line for line in problems if line.startswith("parallel.pp")]
     if problems:
         raise ConfigError(problems)
-    stage, stages = layout.coordinate("pp"), layout.dims.pipeline
-    start, end = stage_bounds(config.num_hidden_layers, stages)[stage]
+    mine, total = stages_of(layout), layout.dims.pipeline * layout.dims.stages_per_rank
+    bounds = [stage_bounds(config.num_hidden_layers, total)[s] for s in mine]
     inner = model.model
     for i in range(len(inner.layers)):
-        if not start <= i < end:
+        if not any(start <= i < end for start, end in bounds):
             inner.layers[i] = Absent()
-    if stage > 0:
+    if 0 not in mine:
         inner.embed_tokens = Absent()
-    if stage < stages - 1:
+    if total - 1 not in mine:
         inner.norm = Absent()
         model.lm_head = Absent()
-    return start, end
+    return bounds
 
 
-def _stage_forward(model, first: bool, x: torch.Tensor, positions: torch.Tensor | None = None):
+def _stage_forward(model, x: torch.Tensor, positions: torch.Tensor | None = None, first: bool = True):
     """One stage's forward: token ids (the first stage) or the hidden states the stage before sent,
     through this stage's layers (HF's own forward; the others pass through); the hidden states
     on (the last stage: the head's output, or the final hidden states where the loss applies the
@@ -94,42 +101,86 @@ def _stage_forward(model, first: bool, x: torch.Tensor, positions: torch.Tensor 
     return type(model).forward(model, **inputs, **extra).logits
 
 
+ABSENT = Absent()
+
+
+class _Part(torch.nn.Module):
+    """One of several stages a rank holds (interleaved schedules): the model's forward with only
+    this stage's layers (and the final norm and head only on the last stage) in place for the
+    call; the rank's other stages' layers pass through meanwhile. Holds its layers as submodules
+    so that its parameters are its stage's (the model keeps the names)."""
+
+    def __init__(self, model, bounds: tuple[int, int], first: bool, last: bool):
+        super().__init__()
+        inner = model.model
+        self.start, self.end, self.first, self.last = *bounds, first, last
+        self.held = torch.nn.ModuleList([inner.layers[i] for i in range(*bounds)])
+        self._model = [model]  # not a submodule: its parameters are the rank's, not this stage's
+
+    def forward(self, x: torch.Tensor, positions: torch.Tensor | None = None):
+        model = self._model[0]
+        inner, swapped = model.model, {}
+        for i in range(len(inner.layers)):
+            if not self.start <= i < self.end:
+                swapped[("layers", i)] = inner.layers[i]
+                inner.layers._modules[str(i)] = ABSENT
+        if not self.last:
+            swapped["norm"], swapped["lm_head"] = inner.norm, model.lm_head
+            inner._modules["norm"], model._modules["lm_head"] = ABSENT, ABSENT
+        try:
+            return model(x, positions, first=self.first)
+        finally:
+            for key, module in swapped.items():
+                if key == "norm":
+                    inner._modules["norm"] = module
+                elif key == "lm_head":
+                    model._modules["lm_head"] = module
+                else:
+                    inner.layers._modules[str(key[1])] = module
+
+
 class Pipeline:
-    """This rank's stage and the schedule that runs a step's micro-batches through all stages."""
+    """This rank's stages and the schedule that runs a step's micro-batches through all stages."""
 
     def __init__(self, model: torch.nn.Module, head, cfg, layout: Layout, scaler, device: torch.device):
         from torch.distributed.pipelining import PipelineStage
         from torch.distributed.pipelining.schedules import get_schedule_class
 
         self.cfg, self.layout, self.head, self.scaler = cfg, layout, head, scaler
-        self.stage_index, self.stages = layout.coordinate("pp"), layout.dims.pipeline
-        self.first, self.last = self.stage_index == 0, self.stage_index == self.stages - 1
+        self.mine, self.stages = stages_of(layout), layout.dims.pipeline * layout.dims.stages_per_rank
+        self.first, self.last = 0 in self.mine, self.stages - 1 in self.mine
         self.model, self.device = model, device
         inner = unwrap(model)
-        inner.forward = functools.partial(_stage_forward, inner, self.first)
+        inner.forward = functools.partial(_stage_forward, inner)
         self.group = layout.mesh("pp").get_group()
         self.accum = layout.dims.accumulation(cfg.train.global_batch_size, cfg.train.micro_batch_size)
         self.normaliser, self.factor, self.losses = 1.0, 1.0, []
         self.training = True
+        self.bounds = [stage_bounds(inner.config.num_hidden_layers, self.stages)[s] for s in self.mine]
 
-        def stage():
-            return PipelineStage(model, self.stage_index, self.stages, device, group=self.group)
+        def stages():
+            if len(self.mine) == 1:  # the model itself: FSDP2's reduction deferred to the last micro-batch
+                inner.forward = functools.partial(_stage_forward, inner, first=self.first)
+                return PipelineStage(model, self.mine[0], self.stages, device, group=self.group)
+            return [PipelineStage(_Part(inner, b, s == 0, s == self.stages - 1), s, self.stages, device,
+                                  group=self.group) for s, b in zip(self.mine, self.bounds)]
 
         schedule = get_schedule_class(SCHEDULE_CLASSES[cfg.parallel.pp_schedule])
-        self.schedule = schedule(stage(), n_microbatches=self.accum, loss_fn=self._loss, scale_grads=False)
+        self.schedule = schedule(stages(), n_microbatches=self.accum, loss_fn=self._loss, scale_grads=False)
         # evaluation: forward only, one micro-batch a call (its rows padded to micro_batch_size:
-        # a stage's shapes are fixed once inferred), on a stage of its own
-        self.eval_schedule = get_schedule_class("GPipe")(stage(), n_microbatches=1, loss_fn=self._loss,
-                                                         scale_grads=False)
-        self.layers = [i for i, layer in enumerate(inner.model.layers) if not isinstance(layer, Absent)]
+        # a stage's shapes are fixed once inferred), on stages of its own
+        evaluation = get_schedule_class("GPipe" if len(self.mine) == 1 else "LoopedBFS")
+        self.eval_schedule = evaluation(stages(), n_microbatches=1, loss_fn=self._loss, scale_grads=False)
 
     def describe(self) -> str:
-        """The start-up line: this rank's stage and what it holds."""
-        held = (["the embedding"] if self.first else []) + [f"layers {self.layers[0]}-{self.layers[-1]}"
-                                                            if self.layers else "no layer"]
-        held += ["the final norm and head"] if self.last else []
-        return (f"pipeline: stage {self.stage_index} of {self.stages} ({', '.join(held)}); schedule "
-                f"{self.cfg.parallel.pp_schedule}, {self.accum} micro-batches of {self.cfg.train.micro_batch_size} a step")
+        """The start-up line: this rank's stages and what they hold."""
+        parts = []
+        for s, (start, end) in zip(self.mine, self.bounds):
+            held = (["the embedding"] if s == 0 else []) + ([f"layers {start}-{end - 1}"] if end > start else [])
+            held += ["the final norm and head"] if s == self.stages - 1 else []
+            parts.append(f"stage {s} of {self.stages} ({', '.join(held)})")
+        return (f"pipeline: {'; '.join(parts)}; schedule {self.cfg.parallel.pp_schedule}, {self.accum} "
+                f"micro-batches of {self.cfg.train.micro_batch_size} a step")
 
     def _loss(self, out: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
         """A micro-batch's loss on the last stage: its summed cross-entropy over the step's
@@ -212,3 +263,13 @@ def _positions(micro_batches) -> torch.Tensor | None:
     if micro_batches[0].positions is None:
         return None
     return torch.cat([b.positions[:, :-1] for b in micro_batches])
+
+
+def summed_over_stages(counts: list[int], layout: Layout, device) -> list[int]:
+    """Counts each stage makes of its own part (parameters, trainable ones) summed over the
+    pipeline's stages: the whole model's, for the start-up line and the FLOPs per token."""
+    if layout.dims.pipeline <= 1:
+        return counts
+    t = torch.tensor(counts, dtype=torch.int64, device=device)
+    dist.all_reduce(t, group=layout.mesh("pp").get_group())
+    return [int(x) for x in t.tolist()]

@@ -220,7 +220,8 @@ def apply_fsdp(model: torch.nn.Module, cfg: Config, mesh=None) -> None:
         fully_shard(layer, mesh=mesh, mp_policy=mp,
                     reshard_after_forward=reshard and i < len(layers) - 1)
     fully_shard(model, mesh=mesh, mp_policy=mp, reshard_after_forward=False)
-    prefetch_layers(layers, cfg.parallel.prefetch_layers)
+    # a rank's layers of several pipeline stages are not run one after the other: FSDP2's implicit
+    prefetch_layers(layers, cfg.parallel.prefetch_layers if cfg.parallel.pp_schedule != "interleaved_1f1b" else 0)
 
 
 def reshard(model: torch.nn.Module) -> None:

@@ -28,6 +28,7 @@ from ..model.build import (flops_per_token, model_config, num_params, pretrained
                            vocab_padding)
 from ..model.loss import chunk_head
 from ..parallel.float8 import describe as describe_fp8
+from ..parallel.pipeline import summed_over_stages
 from ..parallel.precision import configure_matmul_precision, grad_scaler
 from ..parallel.wrap import parallelize
 from ..optimizers import apply_settings, build_optimizer, lr_at, set_lr
@@ -136,15 +137,16 @@ def run(cfg: Config, world: World, watch: Watchdog, run_lock: RunLock) -> None:
                  f"a plain linear layer it applies last); the loss takes the full logits")
     optimizer = build_optimizer(model, t, world.device)
     scaler = grad_scaler(cfg, world.device)
-    n_params = num_params(model)
+    # a pipeline stage holds its part of the model: the whole model's counts are the stages' sum
+    n_params, n_trainable = summed_over_stages([num_params(model), num_params(model, trainable=True)],
+                                               world.layout, world.device)
     log.info(f"model: {n_params:,} parameters, {world.dims.describe()} on "
              f"{world.device.type}, {t.precision}")
     if t.fp8 != "none":
         log.info(describe_fp8(unwrap(model), t.fp8, t.precision, world.device.type, world.dims.tensor, t.compile))
     if cfg.model.lora is not None:
         lora = cfg.model.lora_spec
-        trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)
-        log.info(f"LoRA: {trainable:,} trainable parameters ({trainable / n_params:.2%}), rank {lora.rank}, "
+        log.info(f"LoRA: {n_trainable:,} trainable parameters ({n_trainable / n_params:.2%}), rank {lora.rank}, "
                  f"alpha {lora.alpha:g} on {', '.join(lora.target_modules)}; the base is frozen")
     log.info(describe_optimizer(optimizer, t))
 
@@ -165,7 +167,7 @@ def run(cfg: Config, world: World, watch: Watchdog, run_lock: RunLock) -> None:
     checkpointer = Checkpointer(cfg, world, log, compat_info(cfg, config, manifest),
                                 hf_files=(config, tokenizer))
     job = Job(cfg, model, head, optimizer, scaler, checkpointer, sampler, state, train_data, val_data, accum,
-              flops_per_token(config, n_params, seq_len, num_params(model, trainable=True))
+              flops_per_token(config, n_params, seq_len, n_trainable)
               * t.global_batch_size * seq_len,
               layout=world.layout)
     if job.step.pipeline is not None:
