@@ -190,3 +190,24 @@ def test_an_exception_in_stage_1_ends_both_processes_within_seconds(setup, tmp_p
     assert took < 60, took  # the start-up included; stage 0 is not left waiting for the collective timeout
     metrics = [json.loads(x) for x in (run_dir(setup, "pp2-fails") / "metrics.jsonl").read_text().splitlines()]
     assert [r["step"] for r in metrics if r["kind"] == "train"] == [1, 2]
+
+
+def test_the_estimate_holds_a_stages_gathered_weights_unsharded_gradients_and_forwards_in_flight(tmp_path):
+    """The first rank of 1F1B holds pp forwards' activations, of GPipe every micro-batch's; under
+    FSDP2 a stage's weights stay gathered and, with accumulation, its gradients unsharded in fp32
+    until the last micro-batch (torch's pipelining defers the reduce-scatter)."""
+    from llmtrain.login.estimate import estimate, in_flight
+    assert [in_flight("1f1b", 4, r, 8) for r in range(4)] == [4, 3, 2, 1]
+    assert in_flight("gpipe", 4, 0, 8) == 8 and in_flight("1f1b", 4, 0, 2) == 2
+    assert [in_flight("interleaved_1f1b", 4, r, 8, 2) for r in (0, 3)] == [11, 5]  # torch's warm-up, plus one
+    path = tmp_path / "c.yaml"
+    path.write_text(yaml.safe_dump(tiny_config(parallel={"pp": 2, "strategy": "fsdp"},
+                                               train={"global_batch_size": 16, "micro_batch_size": 2})))
+    one_step = estimate(load_config(path, ["train.global_batch_size=4"], world_size=4), 4)  # 1 micro-batch
+    accumulating = estimate(load_config(path, world_size=4), 4)  # 4 micro-batches
+    gpipe = estimate(load_config(path, ["parallel.pp_schedule=gpipe"], world_size=4), 4)
+    assert "pipeline rank" in accumulating.phase and "2 micro-batch forwards in flight" in accumulating.phase
+    assert "4 micro-batch forwards in flight" in gpipe.phase and gpipe.activations > accumulating.activations
+    # the stage's whole fp32 gradient (about half the model) on top of its shard
+    assert accumulating.gradients - one_step.gradients >= 4 * 0.4 * accumulating.params
+    assert accumulating.param_copies >= 4 * 0.4 * accumulating.params  # fp32 run: the gathered stage

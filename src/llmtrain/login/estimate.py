@@ -248,6 +248,8 @@ def estimate(cfg: Config, world_size: int | None = None, micro_batch: int | None
     micro = micro_batch or cfg.train.micro_batch_size
     t, par = cfg.train, cfg.parallel
     dims = dims_of(cfg, world)
+    if dims.pipeline > 1:
+        return _pipelined(cfg, dims, whole, world, micro)
     tp, cp = dims.tensor, dims.context
     shard = dims.param_shards  # FSDP2 shards over the context-parallel ranks too
     m = _split(whole, tp)  # one rank's part of a tensor-parallel group's
@@ -322,6 +324,67 @@ def estimate(cfg: Config, world_size: int | None = None, micro_batch: int | None
                     param_copies=copies, activations=activations, loss=loss_bytes, comm=comm,
                     phase=phase, params=whole.params, trainable=whole.trainable, world_size=world,
                     shard_size=shard, micro_batch=micro, tp=tp)
+
+
+def in_flight(schedule: str, pp: int, rank: int, micro_batches: int, stages_per_rank: int = 1) -> int:
+    """Stage forwards whose activations a pipeline rank holds at once, at most: GPipe runs every
+    micro-batch's forward before the first backward; 1F1B holds pp - rank; interleaved 1F1B
+    (torch's warm-up) (v - 1) pp + 2 (pp - 1 - rank) + 1 forwards of one of its v stages."""
+    if schedule == "gpipe":
+        return micro_batches
+    if schedule == "1f1b":
+        return min(micro_batches, pp - rank)
+    return min(micro_batches * stages_per_rank, (stages_per_rank - 1) * pp + 2 * (pp - 1 - rank) + 1)
+
+
+def _pipelined(cfg: Config, dims: ParallelDims, whole: ModelShape, world: int, micro: int) -> Estimate:
+    """A pipeline's ranks (parallel/pipeline.py): each its stages' layers (the first also the
+    embedding, the last the final norm, the head and the loss), the worst of the first and last.
+    FSDP2 keeps a stage's parameters gathered from the first forward to the step's end
+    (reshard_after_forward off under pp), and under 1F1B and GPipe its gradients unsharded in fp32
+    until the last micro-batch's backward; a rank holds in_flight micro-batches' activations."""
+    from ..parallel.pipeline import stage_bounds
+    t, par = cfg.train, cfg.parallel
+    pp, v = dims.pipeline, dims.stages_per_rank
+    sharded, shard = dims.sharded, dims.param_shards
+    p = PRECISION_BYTES[t.precision]
+    res = p if sharded else 4
+    autocast = not sharded and p < 4
+    tokens = dims.tokens_per_rank(micro, cfg.data.seq_len)
+    accum = dims.accumulation(t.global_batch_size, micro)
+    bounds = stage_bounds(whole.layers, pp * v)
+    embedding = whole.root - whole.head if whole.head_linear else whole.root  # a tied head is refused
+    per_layer = tokens * _layer_bytes(whole, p, res, autocast, cfg)
+    hidden = whole.layers * whole.layer_matrix_params / max(1, whole.trainable)
+    worst = None
+    for rank in sorted({0, pp - 1}):
+        stages = [rank + k * pp for k in range(v)]
+        layers = sum(bounds[s][1] - bounds[s][0] for s in stages)
+        held = layers * whole.layer + (embedding if 0 in stages else 0) + (
+            whole.root - embedding if pp * v - 1 in stages else 0)
+        trainable = held if whole.trainable == whole.params else round(held * whole.trainable / whole.params)
+        checkpointed = cfg.model.activation_checkpointing
+        kept_layer = tokens * res * whole.hidden if checkpointed else per_layer
+        forwards = in_flight(par.pp_schedule, pp, rank, accum, v)
+        activations = forwards * max(1, layers // v) * kept_layer + (per_layer if checkpointed else 0) \
+            + tokens * (p * whole.intermediate + 8 * whole.hidden)
+        loss = _loss_bytes(whole, tokens, p, res, autocast) if pp * v - 1 in stages else 0
+        params = 4 * -(-held // shard)
+        gradients = 4 * -(-trainable // shard)
+        copies, unsharded = 0, 0
+        if sharded:
+            copies = p * held  # gathered for the whole step
+            if v == 1 and accum > 1:  # reduce-scattered at the last micro-batch only
+                unsharded = 4 * trainable
+        optimizer = round(state_bytes(t.optimizer, 1, hidden) * -(-trainable // shard))
+        est = Estimate(parameters=params, gradients=gradients + unsharded, optimizer=optimizer, param_copies=copies,
+                       activations=activations, loss=loss, comm=0,
+                       phase=f"pipeline rank {rank} of {pp} ({forwards} micro-batch forwards in flight)",
+                       params=whole.params, trainable=whole.trainable, world_size=world, shard_size=shard,
+                       micro_batch=micro)
+        if worst is None or est.total > worst.total:
+            worst = est
+    return worst
 
 
 def _muon_step(m: ModelShape, ranks: int, stacked: bool, tp: int, hidden: int) -> int:
@@ -493,7 +556,7 @@ def alternatives(cfg: Config, world: int, shape: ModelShape, usable_gib: float |
         for ac in (False, True):
             alt = dataclasses.replace(
                 cfg, parallel=dataclasses.replace(cfg.parallel, strategy=strategy, tp=tp, cp=cp, shard_size=(
-                    cfg.parallel.shard_size if strategy == "hsdp" else None)),
+                    cfg.parallel.shard_size if strategy == "hsdp" else None), pp=1, pp_stages_per_rank=None),
                 model=dataclasses.replace(cfg.model, activation_checkpointing=ac,
                                           activation_checkpointing_every=1))
             try:
@@ -505,6 +568,19 @@ def alternatives(cfg: Config, world: int, shape: ModelShape, usable_gib: float |
             if strategy == "hsdp":
                 name += f" ({shard_size(alt, world)}-way shards)"
             cells.append(f"  {name:<38} {total:>8.2f} GiB{fits}")
+    for pp in (2, 4, 8):  # fsdp (ddp with one replica) x pipeline, 1F1B: the stages' worst rank
+        if world % pp or shape.layers + 2 < pp:
+            continue
+        strategy = "ddp" if world == pp else "fsdp"
+        alt = dataclasses.replace(cfg, parallel=dataclasses.replace(
+            cfg.parallel, strategy=strategy, tp=1, cp=1, pp=pp, pp_schedule="1f1b", pp_stages_per_rank=None,
+            shard_size=None))
+        try:
+            total = estimate(alt, world, shape=shape).total / GIB
+        except UserError:
+            continue
+        fits = "" if usable_gib is None else (" fits" if total <= usable_gib else " too big")
+        cells.append(f"  {f'{strategy} x pp {pp} (1f1b)':<38} {total:>8.2f} GiB{fits}")
     return [f"other setups, {world} ranks (total per GPU):", *cells]
 
 

@@ -301,7 +301,8 @@ class ParallelDims:
                 cp = 1
                 while tp * cp <= world_size:
                     shard_size = cfg.parallel.shard_size if strategy == "hsdp" else None  # the user's, for hsdp
-                    par = dataclasses.replace(cfg.parallel, strategy=strategy, tp=tp, cp=cp, shard_size=shard_size)
+                    par = dataclasses.replace(cfg.parallel, strategy=strategy, tp=tp, cp=cp, shard_size=shard_size,
+                                              pp=1, pp_stages_per_rank=None)
                     dims = cls.from_config(dataclasses.replace(cfg, parallel=par), world_size, per_node)
                     if (not dims.problems() and cfg.data.seq_len % dims.seq_len_divisor == 0
                             and not (model_config and dims.model_problems(model_type, model_config))):
