@@ -57,8 +57,9 @@ def test_the_layout_refuses_what_the_pipeline_does_not_do_yet_in_one_line_each(t
     assert _problems(tmp_path, 4, pp=2, strategy="ddp") == [
         "parallel.strategy: with parallel.pp 2 and 2 data-parallel ranks, use fsdp or hsdp (each stage's weights "
         "gathered once a step); ddp pipelines a single replica only"]
-    assert _problems(tmp_path, 4, pp=2, tp=2, strategy="fsdp")[0].startswith(
-        "parallel.pp: not with parallel.tp or parallel.cp yet (got tp 2, cp 1)")
+    assert _problems(tmp_path, 4, pp=2, tp=2, strategy="fsdp") == []
+    assert _problems(tmp_path, 4, pp=2, cp=2, strategy="fsdp")[0].startswith(
+        "parallel.pp: not with parallel.cp yet (got cp 2)")
 
 
 def test_a_tied_head_and_an_unknown_family_are_refused_by_check_config(tmp_path):
@@ -142,6 +143,27 @@ def test_gpipe_and_document_masks_under_pp2_give_one_process_curves(setup, singl
 
 
 @pytest.mark.slow
+def test_packed_and_unpacked_fine_tuning_rows_under_pp2_give_one_process_curves(tmp_path, monkeypatch):
+    """Chat samples: packed rows (each sample its own document: every stage masks by the positions)
+    and unpacked rows (cut to their batch's longest sample; under pp padded back to seq_len with
+    untrained tokens, since a stage's shapes are fixed once inferred)."""
+    from test_finetune import sft_config
+    monkeypatch.setenv("LLMTRAIN_HOME", str(tmp_path / "home"))
+    cfg = sft_config(tmp_path)
+    cfg["train"].update(global_batch_size=8, micro_batch_size=2, max_steps=4, eval_every=2)
+    config = tmp_path / "sft.yaml"
+    config.write_text(yaml.safe_dump(cfg))
+    runs = tmp_path / "home" / "runs"
+    for packing in ("true", "false"):  # packing is a setting of the prepared data
+        common = ["--config", config, "--set", f"data.packing={packing}"]
+        cli("prepare", *common, check=True)
+        cli("train", *common, "--set", f"run.name=one-{packing}", "--set", "slurm.procs_per_node=1", check=True)
+        torchrun(2, "train", *common, "--set", f"run.name=pp2-{packing}", "--set", "parallel.pp=2")
+        assert_same_curve(runs / f"pp2-{packing}", runs / f"one-{packing}", tol=1e-4)
+    assert losses(runs / "one-true") != losses(runs / "one-false")  # different rows, different batches
+
+
+@pytest.mark.slow
 def test_interleaved_1f1b_two_stages_a_rank_gives_one_process_curve(setup, tmp_path_factory):
     """4 layers as 4 stages over 2 ranks: rank 0 stages 0 and 2, rank 1 stages 1 and 3."""
     deeper = ["model.architecture.num_hidden_layers=4"]
@@ -155,7 +177,7 @@ def test_interleaved_1f1b_two_stages_a_rank_gives_one_process_curve(setup, tmp_p
 
 
 @pytest.mark.slow
-def test_pp2_x_fsdp2_on_four_processes_gives_one_process_curve(setup, single):
+def test_pp2_x_fsdp2_and_pp2_x_tp2_on_four_processes_give_one_process_curve(setup, single):
     """2 stages x 2 FSDP2 shards: each stage's weights gathered once a step (not per micro-batch),
     its gradients reduce-scattered at the last micro-batch; one process's curve."""
     torchrun(4, "train", "--config", setup[1], "--set", "run.name=pp2-fsdp", "--set", "parallel.pp=2",
@@ -163,6 +185,11 @@ def test_pp2_x_fsdp2_on_four_processes_gives_one_process_curve(setup, single):
     d = run_dir(setup, "pp2-fsdp")
     assert_same_curve(d, single, tol=1e-4)
     assert "global batch 8 = 2 x 2 ranks x 2 accumulation steps" in (d / "logs" / "rank-0.log").read_text()
+    # 2 stages x tensor parallel 2: hidden states sent as each rank's slice of the sequence, the
+    # last stage's loss from its slice of the vocabulary
+    torchrun(4, "train", "--config", setup[1], "--set", "run.name=pp2-tp2", "--set", "parallel.pp=2",
+             "--set", "parallel.tp=2")
+    assert_same_curve(run_dir(setup, "pp2-tp2"), single, tol=1e-4)
 
 
 STAGE_1_FAILS = """

@@ -108,7 +108,14 @@ def lm_loss(model: torch.nn.Module, batch, head: ChunkedHead | None = None,
             extra["position_ids"] = positions
         elif head is not None and head.tp_mesh is not None:  # HF would count this rank's slice of the sequence
             extra["position_ids"] = torch.arange(seq, device=tokens.device)[None]
-    out = model(input_ids=inputs, **extra).logits
+    return hidden_loss(model(input_ids=inputs, **extra).logits, targets, head, normaliser)
+
+
+def hidden_loss(out: torch.Tensor, targets: torch.Tensor, head: ChunkedHead | None = None,
+                normaliser: float | None = None) -> torch.Tensor:
+    """lm_loss from the model's output: the logits (`head` None), or the final hidden states the
+    head is applied to in chunks (under tensor parallel each rank's slice of the sequence,
+    gathered here). The last pipeline stage's loss too (parallel/pipeline.py)."""
     targets = targets.flatten()
     if head is None:
         total = F.cross_entropy(out.float().flatten(0, 1), targets, ignore_index=IGNORE, reduction="sum")

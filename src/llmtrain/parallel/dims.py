@@ -239,9 +239,9 @@ class ParallelDims:
         elif par.pp_schedule != "interleaved_1f1b" and v != 1:
             p.append(f"parallel.pp_stages_per_rank: {par.pp_schedule} holds one stage a rank (got {v}); set "
                      f"parallel.pp_schedule: interleaved_1f1b, or leave parallel.pp_stages_per_rank unset")
-        if self.tensor > 1 or self.context > 1:
-            p.append(f"parallel.pp: not with parallel.tp or parallel.cp yet (got tp {self.tensor}, cp "
-                     f"{self.context}); use pipeline with fsdp, hsdp or ddp")
+        if self.context > 1:
+            p.append(f"parallel.pp: not with parallel.cp yet (got cp {self.context}); use pipeline with tp, fsdp, "
+                     f"hsdp or ddp")
         if self.strategy == "ddp" and dp > 1:
             p.append(f"parallel.strategy: with parallel.pp {self.pipeline} and {dp} data-parallel ranks, use fsdp or "
                      f"hsdp (each stage's weights gathered once a step); ddp pipelines a single replica only")

@@ -31,12 +31,11 @@ import functools
 
 import torch
 import torch.distributed as dist
-import torch.nn.functional as F
 
 from ..config import ConfigError
 from ..model.attention import attention_mask
 from ..model.build import Absent, unwrap
-from ..model.loss import IGNORE, chunked_cross_entropy
+from ..model.loss import IGNORE, hidden_loss
 from .dims import PIPELINE_SCHEDULES, Layout
 
 SCHEDULE_CLASSES = {"1f1b": "1F1B", "gpipe": "GPipe", "interleaved_1f1b": "Interleaved1F1B"}  # -> torch's name
@@ -88,15 +87,18 @@ def keep_stage(model: torch.nn.Module, layout: Layout) -> list[tuple[int, int]]:
     return bounds
 
 
-def _stage_forward(model, x: torch.Tensor, positions: torch.Tensor | None = None, first: bool = True):
-    """One stage's forward: token ids (the first stage) or the hidden states the stage before sent,
-    through this stage's layers (HF's own forward; the others pass through); the hidden states
-    on (the last stage: the head's output, or the final hidden states where the loss applies the
-    head itself)."""
-    seq = x.shape[1]
+def _stage_forward(model, x: torch.Tensor, positions: torch.Tensor | None = None, first: bool = True,
+                   seq: int = 0, tp: int = 1):
+    """One stage's forward: token ids (the first stage) or the hidden states the stage before sent
+    (under tensor parallel this rank's slice of the sequence), through this stage's layers (HF's
+    own forward; the others pass through); the hidden states on (the last stage: the head's
+    output, or the final hidden states where the loss applies the head itself). `seq`: the
+    sequence's length (every row is seq_len wide under pp)."""
     extra = {"attention_mask": attention_mask(model, positions, seq, x.device)}
     if positions is not None:
         extra["position_ids"] = positions
+    elif tp > 1:  # HF would count this rank's slice of the sequence
+        extra["position_ids"] = torch.arange(seq, device=x.device)[None]
     inputs = {"input_ids": x} if first else {"inputs_embeds": x}
     return type(model).forward(model, **inputs, **extra).logits
 
@@ -151,7 +153,9 @@ class Pipeline:
         self.first, self.last = 0 in self.mine, self.stages - 1 in self.mine
         self.model, self.device = model, device
         inner = unwrap(model)
-        inner.forward = functools.partial(_stage_forward, inner)
+        self.seq = cfg.data.seq_len
+        forward = functools.partial(_stage_forward, inner, seq=self.seq, tp=layout.dims.tensor)
+        inner.forward = forward
         self.group = layout.mesh("pp").get_group()
         self.accum = layout.dims.accumulation(cfg.train.global_batch_size, cfg.train.micro_batch_size)
         self.normaliser, self.factor, self.losses = 1.0, 1.0, []
@@ -160,7 +164,7 @@ class Pipeline:
 
         def stages():
             if len(self.mine) == 1:  # the model itself: FSDP2's reduction deferred to the last micro-batch
-                inner.forward = functools.partial(_stage_forward, inner, first=self.first)
+                inner.forward = functools.partial(forward, first=self.first)
                 return PipelineStage(model, self.mine[0], self.stages, device, group=self.group)
             return [PipelineStage(_Part(inner, b, s == 0, s == self.stages - 1), s, self.stages, device,
                                   group=self.group) for s, b in zip(self.mine, self.bounds)]
@@ -185,14 +189,7 @@ class Pipeline:
     def _loss(self, out: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
         """A micro-batch's loss on the last stage: its summed cross-entropy over the step's
         normaliser (training: scaled for fp16 and by the fault injector's factor)."""
-        targets = targets.flatten()
-        if self.head is None:
-            total = F.cross_entropy(out.float().flatten(0, 1), targets, ignore_index=IGNORE, reduction="sum")
-            loss = total / self.normaliser
-        else:
-            loss = chunked_cross_entropy(out.flatten(0, 1), self.head.linear.weight, targets,
-                                         chunk_fn=self.head.chunk_fn, normaliser=self.normaliser)
-        loss = loss * self.factor
+        loss = hidden_loss(out, targets, self.head, self.normaliser) * self.factor
         self.losses.append(loss.detach())
         return self.scaler.scale(loss) if self.training else loss
 
@@ -215,6 +212,7 @@ class Pipeline:
         loss (as Step.forward_backward). Gradients are reduced by FSDP2 at the last micro-batch's
         backward (the stage tells it)."""
         self.normaliser, self.factor, self.training = max(normaliser, 1e-9), loss_factor, True
+        micro_batches = [_full_width(b, self.seq) for b in micro_batches]
         tokens = torch.cat([b.tokens for b in micro_batches])
         return self._run(self.schedule, tokens[:, :-1], _targets(micro_batches), _positions(micro_batches),
                          len(micro_batches))
@@ -225,6 +223,7 @@ class Pipeline:
         batch's rows padded to train.micro_batch_size with untrained rows."""
         self.normaliser, self.factor, self.training = 1.0, 1.0, False
         try:
+            batch = _full_width(batch, self.seq)
             rows, mb = batch.tokens.shape[0], self.cfg.train.micro_batch_size
             tokens, targets, positions = batch.tokens[:, :-1], _targets([batch]), _positions([batch])
             if rows < mb:
@@ -247,6 +246,23 @@ class Pipeline:
         squared = norm.float() ** 2
         dist.all_reduce(squared, group=self.group)
         return squared.sqrt()
+
+
+def _full_width(batch, seq: int):
+    """`batch` with rows of seq + 1 tokens: a stage's shapes are fixed once inferred, and unpacked
+    fine-tuning rows are cut to their batch's longest sample (data/loader.py). The tail is not
+    trained and is its own document (positions from 0), so it changes no loss and no attention."""
+    n, width = batch.tokens.shape
+    if width == seq + 1:
+        return batch
+    pad = seq + 1 - width
+    tokens = torch.cat([batch.tokens, batch.tokens.new_zeros((n, pad))], dim=1)
+    trained = batch.trained if batch.trained is not None else torch.ones_like(batch.tokens, dtype=torch.bool)
+    trained = torch.cat([trained, trained.new_zeros((n, pad))], dim=1)
+    tail = torch.arange(pad, device=batch.tokens.device).expand(n, pad)
+    positions = (batch.positions if batch.positions is not None
+                 else torch.arange(width, device=batch.tokens.device).expand(n, width))
+    return type(batch)(tokens=tokens, trained=trained, positions=torch.cat([positions, tail.to(positions.dtype)], dim=1))
 
 
 def _targets(micro_batches) -> torch.Tensor:

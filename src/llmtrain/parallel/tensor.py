@@ -75,16 +75,21 @@ def apply_tensor_parallel(model: "torch.nn.Module", layers: "list[torch.nn.Modul
     frozen = {name for name, param in model.named_parameters() if not param.requires_grad}
     adapters = _detach_adapters(layers)  # the styles split a linear layer's every parameter
     embedding, head = model.get_input_embeddings(), model.get_output_embeddings()
-    tied = head is not None and head.weight is embedding.weight
+    # (a pipeline stage holds the embedding, the final norm and the head only where it is the first
+    # or the last: the others are placeholders without weights, model/build.Absent)
+    held = lambda module: getattr(module, "weight", None) is not None  # noqa: E731
+    tied = held(head) and head.weight is embedding.weight
     decoder = model.get_decoder()
-    # The embedding: each rank looks up its vocabulary rows; the sum is scattered over the sequence.
-    parallelize_module(embedding, mesh, RowwiseParallel(input_layouts=Replicate(), output_layouts=Shard(1)))
-    # Its reduce-scatter is asynchronous: the output is an AsyncCollectiveTensor. A torch.compile'd
-    # layer unwraps such an input with trigger_wait(), which (torch 2.13) drops its requires_grad, so
-    # the compiled layer sends no gradient back to the embedding (zero under FSDP2, a crash in
-    # Redistribute.backward without it). Wait here, in eager, keeping the gradient's path.
-    embedding.register_forward_hook(_waited)
-    parallelize_module(decoder.norm, mesh, SequenceParallel(use_local_output=True))
+    if held(embedding):
+        # The embedding: each rank looks up its vocabulary rows; the sum is scattered over the sequence.
+        parallelize_module(embedding, mesh, RowwiseParallel(input_layouts=Replicate(), output_layouts=Shard(1)))
+        # Its reduce-scatter is asynchronous: the output is an AsyncCollectiveTensor. A torch.compile'd
+        # layer unwraps such an input with trigger_wait(), which (torch 2.13) drops its requires_grad, so
+        # the compiled layer sends no gradient back to the embedding (zero under FSDP2, a crash in
+        # Redistribute.backward without it). Wait here, in eager, keeping the gradient's path.
+        embedding.register_forward_hook(_waited)
+    if held(decoder.norm):
+        parallelize_module(decoder.norm, mesh, SequenceParallel(use_local_output=True))
     for layer in layers:
         styles = {name: SequenceParallel() for name in plan.norms}
         # attention and MLP take the whole sequence (an all-gather) and give back a slice of it
@@ -104,7 +109,7 @@ def apply_tensor_parallel(model: "torch.nn.Module", layers: "list[torch.nn.Modul
     # The head: its weight split over the vocabulary; model/loss.py applies it (chunk_head).
     if tied:
         head.weight = embedding.weight
-    else:
+    elif held(head):
         head.weight = torch.nn.Parameter(distribute_tensor(head.weight, mesh, [Shard(0)]),
                                          requires_grad=head.weight.requires_grad)
     for name, param in model.named_parameters():
