@@ -4,6 +4,7 @@ GPipe, with FSDP2, with document masks; checkpoints that change pp; a failing st
 from __future__ import annotations
 
 import json
+import re
 import time
 
 import pytest
@@ -111,6 +112,9 @@ def test_pp2_1f1b_gives_one_process_curve_resumes_in_one_process_and_exports(set
     # the whole model's count on every stage, as one process states it (and the FLOPs per token from it)
     assert "model: 139,584 parameters, pipeline of 2 stages over 2 ranks" in log0
     assert "pipeline: stage 1 of 2 (layers 1-1, the final norm and head)" in log1
+    assert "a step (bubble 33% of a step on paper)" in log1  # (p - 1) / (m + p - 1), 2 micro-batches
+    assert re.search(r"pipeline: idle share of step 2 by pipeline rank \(measured, .*\): rank 0 \d+%, "
+                     r"rank 1 \d+%; 33% on paper", log0), log0
     # The step-5 checkpoint (saved by 2 stages) resumes in one process: steps 6-10 as the uninterrupted run.
     cli("train", "--config", setup[1], "--set", "run.name=pp2-then-1", "--set", "slurm.procs_per_node=1",
         "--set", f"train.resume={pp2 / 'checkpoints' / 'step-00000005'}", check=True)

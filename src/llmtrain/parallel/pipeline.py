@@ -27,7 +27,10 @@ stages (before the clip), so the non-finite skip and the logged loss agree on ev
 
 from __future__ import annotations
 
+import contextlib
 import functools
+import time
+from typing import Callable
 
 import torch
 import torch.distributed as dist
@@ -159,7 +162,7 @@ class Pipeline:
         self.group = layout.mesh("pp").get_group()
         self.accum = layout.dims.accumulation(cfg.train.global_batch_size, cfg.train.micro_batch_size)
         self.normaliser, self.factor, self.losses = 1.0, 1.0, []
-        self.training = True
+        self.training, self.steps, self.log = True, 0, None
         self.bounds = [stage_bounds(inner.config.num_hidden_layers, self.stages)[s] for s in self.mine]
 
         def stages():
@@ -176,6 +179,21 @@ class Pipeline:
         evaluation = get_schedule_class("GPipe" if len(self.mine) == 1 else "LoopedBFS")
         self.eval_schedule = evaluation(stages(), n_microbatches=1, loss_fn=self._loss, scale_grads=False)
 
+    def start(self, log: Callable[[str], None]) -> None:
+        """The start-up lines (this rank's stages, the schedule's bubble, a warning where the
+        micro-batches are too few); `log` also gets the measured idle share of every stage after
+        the second step (the first infers the stages' shapes and compiles)."""
+        self.log = log
+        for line in [self.describe(), *self.layout.dims.pipeline_warnings(self.cfg)]:
+            log(line)
+
+    def bubble(self) -> float:
+        """The share of a step each GPU idles while the pipeline fills and drains, on paper:
+        (p - 1) / (v m + p - 1) for m micro-batches, p ranks and v stages a rank (v = 1: 1F1B,
+        GPipe); stages of equal cost and sends taking no time."""
+        p, v = self.layout.dims.pipeline, len(self.mine)
+        return (p - 1) / (v * self.accum + p - 1)
+
     def describe(self) -> str:
         """The start-up line: this rank's stages and what they hold."""
         parts = []
@@ -184,7 +202,8 @@ class Pipeline:
             held += ["the final norm and head"] if s == self.stages - 1 else []
             parts.append(f"stage {s} of {self.stages} ({', '.join(held)})")
         return (f"pipeline: {'; '.join(parts)}; schedule {self.cfg.parallel.pp_schedule}, {self.accum} "
-                f"micro-batches of {self.cfg.train.micro_batch_size} a step")
+                f"micro-batches of {self.cfg.train.micro_batch_size} a step (bubble {self.bubble():.0%} of a step "
+                f"on paper)")
 
     def _loss(self, out: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
         """A micro-batch's loss on the last stage: its summed cross-entropy over the step's
@@ -214,8 +233,58 @@ class Pipeline:
         self.normaliser, self.factor, self.training = max(normaliser, 1e-9), loss_factor, True
         micro_batches = [_full_width(b, self.seq) for b in micro_batches]
         tokens = torch.cat([b.tokens for b in micro_batches])
-        return self._run(self.schedule, tokens[:, :-1], _targets(micro_batches), _positions(micro_batches),
-                         len(micro_batches))
+        self.steps += 1
+        with self._timed(self.steps == 2 and self.log is not None) as busy:
+            total = self._run(self.schedule, tokens[:, :-1], _targets(micro_batches), _positions(micro_batches),
+                              len(micro_batches))
+        if busy:
+            self._report_idle(busy)
+        return total
+
+    @contextlib.contextmanager
+    def _timed(self, on: bool):
+        """Times this rank's stages' forward and backward chunks (the device synchronised around
+        each: one step only) and the whole step; yields [busy seconds, step seconds] (empty: off)."""
+        if not on:
+            yield []
+            return
+        stages = getattr(self.schedule, "_stages", None) or [self.schedule._stage]
+        sync = torch.cuda.synchronize if self.device.type == "cuda" else (lambda: None)
+        busy = [0.0, 0.0]
+
+        def timed(fn):
+            def call(*args, **kwargs):
+                sync()
+                start = time.perf_counter()
+                try:
+                    return fn(*args, **kwargs)
+                finally:
+                    sync()
+                    busy[0] += time.perf_counter() - start
+            return call
+
+        for stage in stages:
+            stage.forward_one_chunk, stage.backward_one_chunk = (timed(stage.forward_one_chunk),
+                                                                 timed(stage.backward_one_chunk))
+        sync()
+        start = time.perf_counter()
+        try:
+            yield busy
+        finally:
+            sync()
+            busy[1] = time.perf_counter() - start
+            for stage in stages:
+                del stage.forward_one_chunk, stage.backward_one_chunk  # the class's methods again
+
+    def _report_idle(self, busy: list[float]) -> None:
+        """Each stage's measured idle share of the timed step (one all-gather over the pipeline's
+        ranks), logged by every rank."""
+        idle = torch.tensor([max(0.0, 1 - busy[0] / max(busy[1], 1e-9))], device=self.device)
+        shares = [torch.zeros_like(idle) for _ in range(self.layout.dims.pipeline)]
+        dist.all_gather(shares, idle, group=self.group)
+        per_rank = ", ".join(f"rank {r} {float(x):.0%}" for r, x in enumerate(shares))
+        self.log(f"pipeline: idle share of step 2 by pipeline rank (measured, the device synchronised around "
+                 f"each stage's work): {per_rank}; {self.bubble():.0%} on paper")
 
     @torch.no_grad()
     def loss_sum(self, batch) -> torch.Tensor:
