@@ -207,8 +207,8 @@ def test_the_cli_prints_the_table_and_the_verdict_for_8b_in_seconds(home, write_
         r"^  (\w[\w +()-]*?) +(\d+\.\d\d) GiB (fits|too big)$", proc.stdout, re.MULTILINE)}
     assert list(others) == ["ddp", "ddp + checkpointing", "fsdp", "fsdp + checkpointing",
                             "hsdp (8-way shards)", "hsdp + checkpointing (8-way shards)",
-                            *(f"fsdp x tp {tp}{ac}" for tp in (2, 4, 8) for ac in ("", " + checkpointing"))
-                            ], proc.stdout
+                            *(f"fsdp x tp {tp}{ac}" for tp in (2, 4, 8) for ac in ("", " + checkpointing")),
+                            "pp 2 (1f1b) x fsdp", "pp 4 (1f1b) x fsdp", "pp 8 (1f1b) x ddp"], proc.stdout
     assert others["fsdp + checkpointing"] == (rows["total"], "fits")
     assert others["ddp"][1] == "too big" and others["ddp"][0] > 120
     assert others["hsdp + checkpointing (8-way shards)"] == others["fsdp + checkpointing"]  # one node

@@ -345,8 +345,9 @@ def _pipelined(cfg: Config, dims: ParallelDims, whole: ModelShape, world: int, m
     until the last micro-batch's backward; a rank holds in_flight micro-batches' activations."""
     from ..parallel.pipeline import stage_bounds
     t, par = cfg.train, cfg.parallel
-    pp, v = dims.pipeline, dims.stages_per_rank
+    pp, v, tp = dims.pipeline, dims.stages_per_rank, dims.tensor
     sharded, shard = dims.sharded, dims.param_shards
+    whole = _split(whole, tp)  # one tensor-parallel rank's part
     p = PRECISION_BYTES[t.precision]
     res = p if sharded else 4
     autocast = not sharded and p < 4
@@ -354,7 +355,7 @@ def _pipelined(cfg: Config, dims: ParallelDims, whole: ModelShape, world: int, m
     accum = dims.accumulation(t.global_batch_size, micro)
     bounds = stage_bounds(whole.layers, pp * v)
     embedding = whole.root - whole.head if whole.head_linear else whole.root  # a tied head is refused
-    per_layer = tokens * _layer_bytes(whole, p, res, autocast, cfg)
+    per_layer = tokens * _layer_bytes(whole, p, res, autocast, cfg, tp)
     hidden = whole.layers * whole.layer_matrix_params / max(1, whole.trainable)
     worst = None
     for rank in sorted({0, pp - 1}):
@@ -364,7 +365,7 @@ def _pipelined(cfg: Config, dims: ParallelDims, whole: ModelShape, world: int, m
             whole.root - embedding if pp * v - 1 in stages else 0)
         trainable = held if whole.trainable == whole.params else round(held * whole.trainable / whole.params)
         checkpointed = cfg.model.activation_checkpointing
-        kept_layer = tokens * res * whole.hidden if checkpointed else per_layer
+        kept_layer = tokens * res * whole.hidden // tp if checkpointed else per_layer
         forwards = in_flight(par.pp_schedule, pp, rank, accum, v)
         activations = forwards * max(1, layers // v) * kept_layer + (per_layer if checkpointed else 0) \
             + tokens * (p * whole.intermediate + 8 * whole.hidden)
@@ -380,8 +381,8 @@ def _pipelined(cfg: Config, dims: ParallelDims, whole: ModelShape, world: int, m
         est = Estimate(parameters=params, gradients=gradients + unsharded, optimizer=optimizer, param_copies=copies,
                        activations=activations, loss=loss, comm=0,
                        phase=f"pipeline rank {rank} of {pp} ({forwards} micro-batch forwards in flight)",
-                       params=whole.params, trainable=whole.trainable, world_size=world, shard_size=shard,
-                       micro_batch=micro)
+                       params=whole.params * tp, trainable=whole.trainable * tp, world_size=world, shard_size=shard,
+                       micro_batch=micro, tp=tp)
         if worst is None or est.total > worst.total:
             worst = est
     return worst
@@ -496,8 +497,9 @@ def report(cfg: Config, gpu_mem_gib: float | None = None,
     every = mc.activation_checkpointing_every
     checkpointing = ("off" if not mc.activation_checkpointing
                      else "every layer" if every == 1 else f"every {every} layers")
-    lines = [f"{shape.model_type}: {shape.params:,} parameters ({shape.trainable:,} trainable); "
-             f"{layout_name(cfg.parallel.strategy, est.tp, cfg.parallel.cp, shard_size(cfg, est.world_size))} on "
+    par = cfg.parallel
+    layout = layout_name(par.strategy, est.tp, par.cp, shard_size(cfg, est.world_size), par.pp, par.pp_schedule)
+    lines = [f"{shape.model_type}: {shape.params:,} parameters ({shape.trainable:,} trainable); {layout} on "
              f"{est.world_size} "
              f"{'GPUs' if cfg.slurm.gpus_per_node else 'ranks'}, "
              f"{t.precision}, micro batch "
@@ -580,7 +582,7 @@ def alternatives(cfg: Config, world: int, shape: ModelShape, usable_gib: float |
         except UserError:
             continue
         fits = "" if usable_gib is None else (" fits" if total <= usable_gib else " too big")
-        cells.append(f"  {f'{strategy} x pp {pp} (1f1b)':<38} {total:>8.2f} GiB{fits}")
+        cells.append(f"  {layout_name(strategy, pp=pp, schedule='1f1b'):<38} {total:>8.2f} GiB{fits}")
     return [f"other setups, {world} ranks (total per GPU):", *cells]
 
 
@@ -600,6 +602,11 @@ def _descriptions(cfg: Config, est: Estimate, shape: ModelShape) -> dict[str, st
         grads = "fp32 shards; unsharded ones in flight (the head's, a layer's)"
         copies = f"{precision}: the root (embeddings, head) and the layers gathered now"
         comm = "the prefetched layer's all-gather, a reduce-scatter input"
+    pipelined = est.phase.startswith("pipeline rank")
+    if pipelined and cfg.parallel.strategy != "ddp":
+        grads = ("fp32 shards, and the stage's unsharded until the last micro-batch" if
+                 cfg.parallel.pp_schedule != "interleaved_1f1b" else "fp32 shards")
+        copies, comm = f"{precision}: the stage's layers, gathered for the whole step", "none outside the stage's sends"
     if est.phase == MUON_STEP:
         comm = "Muon's fp32 updates and results, a stack's whole matrices and Newton-Schulz's work"
     stored = "fp32"
@@ -609,6 +616,7 @@ def _descriptions(cfg: Config, est: Estimate, shape: ModelShape) -> dict[str, st
     head = "the head's fp32 gradient" if shape.head_trainable else "the frozen head: no gradient"
     return {"parameters": f"{stored}, {where}", "gradients": grads,
             "optimizer": OPTIMIZERS[cfg.train.optimizer].about, "param_copies": copies,
-            "activations": "kept for backward, a recomputed layer, backward's own",
+            "activations": ("the micro-batches in flight's, kept for backward; backward's own" if pipelined else
+                            "kept for backward, a recomputed layer, backward's own"),
             "loss": f"a chunk's logits, {head}" if shape.chunked else "the full logits",
             "comm": comm}
