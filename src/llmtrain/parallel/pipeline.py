@@ -1,19 +1,24 @@
-"""Pipeline parallel: a Hugging Face decoder cut into stages of consecutive layers, one a rank,
-its micro-batches run by torch's pipelining schedules (1F1B, GPipe).
+"""Pipeline parallel: a Hugging Face decoder cut into stages of consecutive layers, one a rank
+(or several: interleaved 1F1B), a step's micro-batches run through them by torch's pipelining
+schedules (1F1B, GPipe, interleaved 1F1B).
 
-    keep_stage(model, layout)                  # on the meta skeleton: what this rank does not hold goes
-    pipe = Pipeline(model, head, cfg, layout)  # once wrapped (FSDP2) and allocated
-    loss, norm = pipe.forward_backward(micro_batches, normaliser, ...)   # Step's, under the schedule
-    total = pipe.loss_sum(batch)               # evaluation: forward only, the summed loss
+    keep_stage(model, layout)             # on the meta skeleton: what this rank does not hold goes
+    pipe = Pipeline(model, head, cfg, layout, scaler, device)   # once wrapped (FSDP2) and allocated
+    pipe.start(log.info)                  # the start-up lines; the measured idle share at step 2
+    loss = pipe.forward_backward(micro_batches, normaliser)     # Step's, under the schedule
+    norm = pipe.grad_norm(model.parameters())                    # over every stage's parameters
+    total = pipe.loss_sum(batch)          # evaluation: forward only, the summed loss
 
-A stage keeps the whole model's skeleton and its parameter names: the decoder layers it does not
+A rank keeps the whole model's skeleton and its parameter names: the decoder layers it does not
 own are replaced in place by `Absent` (no parameters, passes the hidden states through), as are
-the embedding on every stage but the first and the final norm and head on every stage but the
-last. So checkpoints (DCP, by parameter name) hold one model whatever pp was, resume under another
-pp, and export as one folder. The stage's forward is the model's own: the first stage takes token
-ids, the others the hidden states the stage before sent (HF's `inputs_embeds`), and each builds its
-attention mask and rotary positions from the micro-batch's positions (schedules split every tensor
-along the batch only, so document boundaries reach every stage).
+the embedding on every rank but the first stage's and the final norm and head on every rank but
+the last stage's. So checkpoints (DCP, by parameter name) hold one model whatever pp was, resume
+under another pp, and export as one folder. A stage's forward is the model's own: the first stage
+takes token ids, the others the hidden states the stage before sent (HF's `inputs_embeds`; under
+tensor parallel each rank's slice of the sequence), and each builds its attention mask and rotary
+positions from the micro-batch's positions (schedules split every tensor along the batch only, so
+document boundaries reach every stage). Where a rank holds several stages, each is a view of its
+one model (_Part) with only that stage's layers in place for the call.
 
 Stages are cut by cost: the embedding and the head count as one layer each, and the n + 2 units are
 split as evenly as consecutive runs allow (stage_bounds).
@@ -124,24 +129,18 @@ class _Part(torch.nn.Module):
 
     def forward(self, x: torch.Tensor, positions: torch.Tensor | None = None):
         model = self._model[0]
-        inner, swapped = model.model, {}
-        for i in range(len(inner.layers)):
-            if not self.start <= i < self.end:
-                swapped[("layers", i)] = inner.layers[i]
-                inner.layers._modules[str(i)] = ABSENT
+        inner = model.model
+        away = [(inner.layers._modules, str(i)) for i in range(len(inner.layers)) if not self.start <= i < self.end]
         if not self.last:
-            swapped["norm"], swapped["lm_head"] = inner.norm, model.lm_head
-            inner._modules["norm"], model._modules["lm_head"] = ABSENT, ABSENT
+            away += [(inner._modules, "norm"), (model._modules, "lm_head")]
+        kept = [(where, key, where[key]) for where, key in away]
+        for where, key, _ in kept:
+            where[key] = ABSENT
         try:
             return model(x, positions, first=self.first)
         finally:
-            for key, module in swapped.items():
-                if key == "norm":
-                    inner._modules["norm"] = module
-                elif key == "lm_head":
-                    model._modules["lm_head"] = module
-                else:
-                    inner.layers._modules[str(key[1])] = module
+            for where, key, module in kept:
+                where[key] = module
 
 
 class Pipeline:
