@@ -242,3 +242,16 @@ def test_the_estimate_holds_a_stages_gathered_weights_unsharded_gradients_and_fo
     # the stage's whole fp32 gradient (about half the model) on top of its shard
     assert accumulating.gradients - one_step.gradients >= 4 * 0.4 * accumulating.params
     assert accumulating.param_copies >= 4 * 0.4 * accumulating.params  # fp32 run: the gathered stage
+
+
+@pytest.mark.slow
+def test_a_stuck_stage_is_named_with_its_rank(setup):
+    """The last stage stops after its backward of step 4 (the fault injector's hang): stage 0
+    finishes the step and waits in the step's agreement; the diagnosis names rank 1 and its stage."""
+    proc = torchrun_unchecked(2, "train", "--config", setup[1], "--set", "run.name=pp2-hang", "--set", "parallel.pp=2",
+                              "--set", "parallel.collective_timeout_s=10", env={"LLMTRAIN_INJECT_HANG_STEP": "4"},
+                              timeout=120)
+    assert proc.returncode != 0
+    lines = {x for x in proc.stderr.splitlines() if x.startswith("error: a collective did not complete")}
+    assert any("rank 1 (pipeline stage 1 of 2) on " in x and "stopped participating" in x for x in lines), \
+        proc.stderr[-3000:]

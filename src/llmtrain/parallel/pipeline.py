@@ -178,11 +178,20 @@ class Pipeline:
         evaluation = get_schedule_class("GPipe" if len(self.mine) == 1 else "LoopedBFS")
         self.eval_schedule = evaluation(stages(), n_microbatches=1, loss_fn=self._loss, scale_grads=False)
 
-    def start(self, log: Callable[[str], None]) -> None:
+    def start(self, log: Callable[[str], None], watch=None) -> None:
         """The start-up lines (this rank's stages, the schedule's bubble, a warning where the
         micro-batches are too few); `log` also gets the measured idle share of every stage after
-        the second step (the first infers the stages' shapes and compiles)."""
+        the second step (the first infers the stages' shapes and compiles). `watch`
+        (training/watchdog.Watchdog): its diagnosis of a stuck collective names each rank's stages."""
         self.log = log
+        if watch is not None:
+            dims = self.layout.dims
+            per_coordinate, total = dims.world_size // dims.pipeline, self.stages
+
+            def place(rank: int) -> str:
+                held = range(rank // per_coordinate, total, dims.pipeline)
+                return f" (pipeline stage{'s' if len(held) > 1 else ''} {', '.join(map(str, held))} of {total})"
+            watch.place = place
         for line in [self.describe(), *self.layout.dims.pipeline_warnings(self.cfg)]:
             log(line)
 

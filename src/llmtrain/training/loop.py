@@ -171,7 +171,7 @@ def run(cfg: Config, world: World, watch: Watchdog, run_lock: RunLock) -> None:
               * t.global_batch_size * seq_len,
               layout=world.layout)
     if job.step.pipeline is not None:
-        job.step.pipeline.start(log.info)  # its stages, its bubble; the measured idle share at step 2
+        job.step.pipeline.start(log.info, watch)  # its stages, its bubble; the idle share at step 2
     checkpointer.estimate_save(model, optimizer)  # the deadline's figure until a save is timed
     with watch.phase("resuming"):
         resumed = checkpointer.load(model, optimizer)  # a refused resume raises here

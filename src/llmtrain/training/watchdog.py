@@ -41,6 +41,7 @@ import sys
 import threading
 import time
 from pathlib import Path
+from typing import Callable
 
 from ..rundir import RunPaths
 from ..files import write_atomic
@@ -71,6 +72,7 @@ class Watchdog:
         self.step_no, self.step_t0, self.stage = 0, None, "compute"
         self.step_time: float | None = None  # when the step under way began (epoch seconds)
         self.diagnosis: str | None = None
+        self.place: Callable[[int], str] = lambda rank: ""  # what a rank holds, for the diagnosis (pipeline stages)
         self._lock = threading.Lock()
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name="llmtrain-watchdog", daemon=True)
@@ -194,9 +196,9 @@ class Watchdog:
                     continue
                 logs.append(f"{self.run_dir}/logs/rank-{rank}.log")
                 if beat is None:
-                    stuck.append(f"rank {rank} (never reported)")
+                    stuck.append(f"rank {rank}{self.place(rank)} (never reported)")
                 else:
-                    stuck.append(f"rank {rank} on {beat['host']} (last heartbeat "
+                    stuck.append(f"rank {rank}{self.place(rank)} on {beat['host']} (last heartbeat "
                                  f"{time.time() - beat['time']:.0f}s ago, at step {beat['step']})")
             if stuck:
                 dumps = (f"its stack dump is in {logs[0]}" if len(logs) == 1
