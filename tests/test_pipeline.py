@@ -194,6 +194,13 @@ def test_pp2_x_fsdp2_and_pp2_x_tp2_on_four_processes_give_one_process_curve(setu
     torchrun(4, "train", "--config", setup[1], "--set", "run.name=pp2-tp2", "--set", "parallel.pp=2",
              "--set", "parallel.tp=2")
     assert_same_curve(run_dir(setup, "pp2-tp2"), single, tol=1e-4)
+    # its step-5 checkpoint (4 ranks: 2 stages, each weight split over 2) in one process: steps 6-10
+    cli("train", "--config", setup[1], "--set", "run.name=pp2-tp2-then-1", "--set", "slurm.procs_per_node=1",
+        "--set", f"train.resume={run_dir(setup, 'pp2-tp2') / 'checkpoints' / 'step-00000005'}", check=True)
+    later = [x for x in losses(single) if x[1] > 5]
+    resumed = losses(run_dir(setup, "pp2-tp2-then-1"))
+    assert [x[:2] for x in resumed] == [x[:2] for x in later]
+    assert max(abs(a[2] - b[2]) for a, b in zip(resumed, later)) <= 1e-4
 
 
 STAGE_1_FAILS = """
