@@ -16,6 +16,9 @@ from llmtrain.config import ConfigError, load_config
 from llmtrain.parallel.dims import ParallelDims
 from llmtrain.parallel.pipeline import stage_bounds
 
+MISTRAL_WINDOW = {"model_type": "mistral", "hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 2,
+                  "num_attention_heads": 4, "num_key_value_heads": 2, "max_position_embeddings": 128,
+                  "sliding_window": 16, "tie_word_embeddings": False}
 # The tensor-parallel tests' config (10 steps, 2 evaluations, 2 layers): its one-process run is shared.
 CONFIG = tiny_config(train={"max_steps": 10, "eval_every": 5, "checkpoint_every": 5})
 
@@ -134,7 +137,7 @@ def test_pp2_1f1b_gives_one_process_curve_resumes_in_one_process_and_exports(set
 
 
 @pytest.mark.slow
-def test_gpipe_and_document_masks_under_pp2_give_one_process_curves(setup, single, tmp_path_factory):
+def test_gpipe_document_masks_and_sliding_windows_under_pp2_give_one_process_curves(setup, single, tmp_path_factory):
     torchrun(2, "train", "--config", setup[1], "--set", "run.name=gpipe", "--set", "parallel.pp=2",
              "--set", "parallel.pp_schedule=gpipe")
     assert_same_curve(run_dir(setup, "gpipe"), single, tol=1e-4)
@@ -144,6 +147,12 @@ def test_gpipe_and_document_masks_under_pp2_give_one_process_curves(setup, singl
              "--set", "data.document_masking=true")
     assert_same_curve(run_dir(setup, "pp2-docs"), masked, tol=1e-4)
     assert abs(losses(masked)[-1][2] - losses(single)[-1][2]) > 1e-3  # the masks made a difference
+    # Mistral's sliding window (16 of 64 tokens): each stage's layers attend within it
+    mistral = [f"model.architecture={json.dumps(MISTRAL_WINDOW)}"]
+    windowed = reference_run(tmp_path_factory, "single-mistral-window", CONFIG, *mistral)
+    torchrun(2, "train", "--config", setup[1], "--set", "run.name=pp2-window", "--set", "parallel.pp=2",
+             "--set", mistral[0])
+    assert_same_curve(run_dir(setup, "pp2-window"), windowed, tol=1e-4)
 
 
 @pytest.mark.slow
