@@ -49,8 +49,8 @@ def test_the_layout_refuses_what_the_pipeline_does_not_do_yet_in_one_line_each(t
     assert _problems(tmp_path, 4, pp=2, strategy="fsdp") == []
     assert _problems(tmp_path, pp=3) == ["parallel.pp: must divide the world size / parallel.tp = 2 (got 3)"]
     assert _problems(tmp_path, pp=2, pp_schedule="zbv") == [
-        "parallel.pp_schedule: zbv needs its V-shaped stage placement, which llmtrain does not do yet; "
-        "use 1f1b, gpipe, interleaved_1f1b"]
+        "parallel.pp_schedule: zbv splits each backward in two passes, which llmtrain's loss does not support "
+        "yet; use 1f1b, gpipe, interleaved_1f1b"]
     assert _problems(tmp_path, pp=2, pp_schedule="interleaved_1f1b") == []  # 2 stages a rank by default
     assert _problems(tmp_path, pp=2, pp_schedule="interleaved_1f1b", pp_stages_per_rank=1) == [
         "parallel.pp_stages_per_rank: interleaved_1f1b holds at least 2 stages a rank (got 1); set 2 or more, "

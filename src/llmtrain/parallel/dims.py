@@ -51,7 +51,7 @@ from dataclasses import dataclass
 from .tensor import problems as plan_problems
 
 SHARDED_STRATEGIES = ("fsdp", "hsdp")
-PIPELINE_SCHEDULES = ("1f1b", "gpipe", "interleaved_1f1b")  # (the V-shaped zbv, dualpipev: not yet)
+PIPELINE_SCHEDULES = ("1f1b", "gpipe", "interleaved_1f1b")  # (zbv, dualpipev: not yet, see _pipeline_problems)
 PIPELINE_FAMILIES = frozenset({"llama", "mistral", "qwen2", "qwen3"})  # rotary decoders: embed, layers, norm, head
 LAYOUT = ("pipeline", "replicate", "shard", "context", "tensor")  # outermost first
 MESH_DIMS = ("pp", "replicate", "shard", "cp", "tp")  # the world mesh's dimensions, in LAYOUT's order
@@ -227,12 +227,14 @@ class ParallelDims:
         return p
 
     def _pipeline_problems(self, cfg, dp: int) -> list[str]:
-        """What pipeline parallel needs of the rest of the config (one stage a rank, for now)."""
+        """What pipeline parallel needs of the rest of the config, and what it does not do yet."""
         par, t, p = cfg.parallel, cfg.train, []
         v = self.stages_per_rank
         if par.pp_schedule not in PIPELINE_SCHEDULES:
-            p.append(f"parallel.pp_schedule: {par.pp_schedule} needs its V-shaped stage placement, which llmtrain "
-                     f"does not do yet; use {', '.join(PIPELINE_SCHEDULES)}")
+            # tried: their V placement runs, but their backward in two passes (input, then weight
+            # gradients) meets the chunked loss, whose backward scales its saved gradients in place
+            p.append(f"parallel.pp_schedule: {par.pp_schedule} splits each backward in two passes, which llmtrain's "
+                     f"loss does not support yet; use {', '.join(PIPELINE_SCHEDULES)}")
         elif par.pp_schedule == "interleaved_1f1b" and v < 2:
             p.append(f"parallel.pp_stages_per_rank: interleaved_1f1b holds at least 2 stages a rank (got {v}); "
                      f"set 2 or more, or parallel.pp_schedule: 1f1b")
