@@ -92,9 +92,7 @@ def lm_loss(model: torch.nn.Module, batch, head: ChunkedHead | None = None,
     `layout` (parallel/dims.Layout) has context parallel, this rank's 2 of the 2 x cp chunks of
     every sequence (attention.context_chunks) and their targets only."""
     tokens = batch.tokens
-    inputs, targets = tokens[:, :-1], tokens[:, 1:]
-    if batch.trained is not None:
-        targets = targets.masked_fill(~batch.trained[:, 1:], IGNORE)
+    inputs, targets = tokens[:, :-1], lm_targets(batch)
     positions = batch.positions[:, :-1] if batch.positions is not None else None
     seq, config = inputs.shape[1], unwrap(model).config
     if layout is not None and layout.dims.context > 1:
@@ -109,6 +107,12 @@ def lm_loss(model: torch.nn.Module, batch, head: ChunkedHead | None = None,
         elif head is not None and head.tp_mesh is not None:  # HF would count this rank's slice of the sequence
             extra["position_ids"] = torch.arange(seq, device=tokens.device)[None]
     return hidden_loss(model(input_ids=inputs, **extra).logits, targets, head, normaliser)
+
+
+def lm_targets(batch) -> torch.Tensor:
+    """Each window's next tokens, IGNORE where a token is not trained."""
+    targets = batch.tokens[:, 1:]
+    return targets.masked_fill(~batch.trained[:, 1:], IGNORE) if batch.trained is not None else targets
 
 
 def hidden_loss(out: torch.Tensor, targets: torch.Tensor, head: ChunkedHead | None = None,

@@ -43,7 +43,7 @@ import torch.distributed as dist
 from ..config import ConfigError
 from ..model.attention import attention_mask
 from ..model.build import Absent, unwrap
-from ..model.loss import IGNORE, hidden_loss
+from ..model.loss import IGNORE, hidden_loss, lm_targets
 from .dims import PIPELINE_SCHEDULES, Layout
 
 SCHEDULE_CLASSES = {"1f1b": "1F1B", "gpipe": "GPipe", "interleaved_1f1b": "Interleaved1F1B"}  # -> torch's name
@@ -343,13 +343,7 @@ def _full_width(batch, seq: int):
 
 
 def _targets(micro_batches) -> torch.Tensor:
-    parts = []
-    for b in micro_batches:
-        targets = b.tokens[:, 1:]
-        if b.trained is not None:
-            targets = targets.masked_fill(~b.trained[:, 1:], IGNORE)
-        parts.append(targets)
-    return torch.cat(parts)
+    return torch.cat([lm_targets(b) for b in micro_batches])
 
 
 def _positions(micro_batches) -> torch.Tensor | None:
