@@ -11,6 +11,7 @@ from ..data.sources import (by_source, file_suffix, fingerprint, given_prepared,
                             local_path, on_disk, source_files, source_record, tokenizer_sha256, tokenizer_source)
 from ..errors import UserError
 from ..files import read_json
+from ..model.moe import problems as moe_problems
 from ..optimizers import OPTIMIZERS
 from ..parallel.tensor import CONFIG_DEFAULTS
 from ..parallel.dims import ParallelDims
@@ -273,6 +274,7 @@ def _check_model(cfg: Config, written: dict | None = None) -> list[str]:
     if model_cfg:
         p += _check_heads(model_cfg, "model.architecture" if m.architecture is not None else "model.name_or_path")
         p += ParallelDims.from_config(cfg, cfg.world_size).model_problems(model_cfg.get("model_type"), model_cfg)
+        p += moe_problems(model_cfg.get("model_type"), model_cfg)
         p += _check_layer_kinds(model_cfg, "model.architecture.layer_types" if m.architecture is not None
                                 else "model.name_or_path")
         max_pos = model_cfg.get("max_position_embeddings")

@@ -51,6 +51,8 @@ def validate(cfg: Config, world_size: int | None = None) -> list[str]:
     for key in ("min_lr", "weight_decay", "grad_clip"):
         if getattr(t, key) < 0:
             p.append(f"train.{key}: must be >= 0 (got {getattr(t, key)})")
+    if t.router_aux_loss_coef is not None and t.router_aux_loss_coef < 0:
+        p.append(f"train.router_aux_loss_coef: must be >= 0 or null, the model's (got {t.router_aux_loss_coef})")
     for key in ("warmup_steps", "eval_every", "checkpoint_every"):
         if getattr(t, key) < 0:
             p.append(f"train.{key}: must be >= 0 (got {getattr(t, key)})")

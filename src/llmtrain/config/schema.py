@@ -224,6 +224,9 @@ class TrainConfig:
     beta2: float = 0.95
     eps: float = 1e-8
     grad_clip: float = 1.0  # max global gradient norm; 0 disables clipping
+    # Mixture-of-Experts models: the load-balancing loss's weight (model/moe.py); None: the model's
+    # config.json router_aux_loss_coef (0.001 Qwen3-MoE and Mixtral, 0.01 OLMoE); 0 turns it off
+    router_aux_loss_coef: Optional[float] = None
     chunked_loss: bool = True  # the loss over chunks of tokens, never all logits at once (model/loss.py)
     compile: bool = False  # torch.compile each decoder layer and the loss's chunks (compiled in the first step)
     precision: Literal["bf16", "fp16", "fp32"] = "bf16"

@@ -27,6 +27,7 @@ others (logit soft-capping or scaling) keep the plain loss.
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import warnings
 from dataclasses import dataclass
@@ -82,7 +83,7 @@ def _passthrough(hidden: torch.Tensor) -> torch.Tensor:
 
 
 def lm_loss(model: torch.nn.Module, batch, head: ChunkedHead | None = None,
-            normaliser: float | None = None, layout=None) -> torch.Tensor:
+            normaliser: float | None = None, layout=None, routers=None) -> torch.Tensor:
     """Next-token cross-entropy summed over the batch's trained targets and divided by
     `normaliser` (None: by their count, the mean). batch: a data.loader.Batch on the device:
     windows of seq_len + 1 tokens, with trained flags (others are not targets) and positions
@@ -90,14 +91,17 @@ def lm_loss(model: torch.nn.Module, batch, head: ChunkedHead | None = None,
     attention.attention_mask). With
     `head` (chunk_head's), the model returns hidden states and the loss is chunked. Where the
     `layout` (parallel/dims.Layout) has context parallel, this rank's 2 of the 2 x cp chunks of
-    every sequence (attention.context_chunks) and their targets only."""
+    every sequence (attention.context_chunks) and their targets only. `routers` (a Mixture-of-
+    Experts model's model/moe.Routers): they collect this forward's routing, padding left out."""
     tokens = batch.tokens
     inputs, targets = tokens[:, :-1], lm_targets(batch)
     positions = batch.positions[:, :-1] if batch.positions is not None else None
     seq, config = inputs.shape[1], unwrap(model).config
+    real = real_tokens(batch) if routers is not None else None
     if layout is not None and layout.dims.context > 1:
         places = context_chunks(seq, layout.coordinate("cp"), layout.dims.context, tokens.device)
         inputs, targets = inputs[:, places], targets[:, places]
+        real = real[:, places] if real is not None else None
         extra = {"position_ids": positions[:, places] if positions is not None else places[None],
                  "attention_mask": context_masks(config, places, seq, positions)}
     else:
@@ -106,7 +110,21 @@ def lm_loss(model: torch.nn.Module, batch, head: ChunkedHead | None = None,
             extra["position_ids"] = positions
         elif head is not None and head.tp_mesh is not None:  # HF would count this rank's slice of the sequence
             extra["position_ids"] = torch.arange(seq, device=tokens.device)[None]
-    return hidden_loss(model(input_ids=inputs, **extra).logits, targets, head, normaliser)
+    with routers.collecting(real) if routers is not None else contextlib.nullcontext():
+        out = model(input_ids=inputs, **extra).logits
+    return hidden_loss(out, targets, head, normaliser)
+
+
+def real_tokens(batch) -> torch.Tensor | None:
+    """The input tokens that are not padding, [n, width - 1] (bool); None where all are. A
+    padded row's padding is its last segment (its positions restart at 0: data/samples.py), one
+    no target of which trains."""
+    if batch.trained is None or batch.positions is None:
+        return None
+    segment = (batch.positions[:, :-1] == 0).cumsum(1)
+    last = segment == segment[:, -1:]
+    padded = ~(batch.trained[:, 1:].bool() & last).any(1, keepdim=True)
+    return ~(last & padded)
 
 
 def lm_targets(batch) -> torch.Tensor:

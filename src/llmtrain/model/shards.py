@@ -35,6 +35,7 @@ from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 from ..config import LoraSpec, UserError
 from ..optimizers import to_eval_weights
 from ..rundir import BUFFERS, META
+from . import moe
 from .lora import is_adapter, merged_weight
 from .weight_files import open_weights, weight_files  # the base's files, read as training reads them
 
@@ -179,6 +180,8 @@ def _merged_layers(checkpoint: Checkpoint, spec: LoraSpec, base: Path, skeleton,
                 by_file.setdefault(files[key], []).append((name, key))
             elif name in buffers:
                 got[name] = cast(buffers[name])
+            elif (fused := _fused_experts(base, files, skeleton, name, shapes[name].shape)) is not None:
+                got[name] = cast(fused)  # experts are frozen under LoRA: the base's, as stored
             else:
                 raise UserError(f"{base} has no tensor named {name!r}; export needs the base folder "
                                 f"the run trained on")
@@ -197,6 +200,23 @@ def _merged_layers(checkpoint: Checkpoint, spec: LoraSpec, base: Path, skeleton,
                     got[name] = cast(weight)
         return {n: got[n] for n in names}
     return read
+
+
+def _fused_experts(base: Path, files: dict, skeleton, name: str, shape) -> torch.Tensor | None:
+    """A fused MoE expert parameter of the base, made from its files' one tensor per expert
+    (model/moe.py); None where `name` is none or the files lack one of its parts."""
+    parts = moe.pieces(skeleton.config.model_type, name, shape)
+    prefix = f"{getattr(skeleton, 'base_model_prefix', '')}."
+    keys = [next((k for k in (key, key.removeprefix(prefix)) if k in files), None) for key, *_ in parts or []]
+    if not parts or None in keys:
+        return None
+    fused = None
+    for key, (_, expert, first, end) in zip(keys, parts):
+        with open_weights(base / files[key]) as read_file:
+            _, weight = read_file(key, lambda s: (slice(None),) * len(s))
+        fused = weight.new_empty(shape) if fused is None else fused
+        fused[expert, first:end] = weight
+    return fused
 
 
 class ShardWriter:

@@ -11,6 +11,7 @@ from pathlib import Path
 import torch
 
 from ..config import UserError
+from ..model import moe
 from ..model.lora import is_adapter
 from ..model.weight_files import open_weights, weight_files
 
@@ -93,29 +94,69 @@ def load_pretrained(model: torch.nn.Module, folder: Path) -> None:
     store_frozen_base). Older folders with only `pytorch_model*.bin` are memory-mapped
     (`torch.load(mmap=True)`): the rank touches only its rows' pages. Keys saved without the
     base model's prefix (`h.0...` for `transformer.h.0...`) are found too, as from_pretrained
-    finds them.
+    finds them. A Mixture-of-Experts model's fused expert tensors are filled from the files' one
+    tensor per expert (model/moe.py): a rank reads only the experts and rows it holds.
     """
     files = weight_files(folder)
     params = {n: p for n, p in model.named_parameters() if not is_adapter(n)}  # adapters: lora.py
     prefix = f"{getattr(model, 'base_model_prefix', '')}."
-    keys = {name: name if name in files else name.removeprefix(prefix) for name in params}
-    missing = [name for name, key in keys.items() if key not in files]
+    model_type = getattr(getattr(model, "config", None), "model_type", None)
+
+    def key_of(name: str) -> str | None:
+        for key in (name, moe.stored_name(model_type, name)):
+            for k in (key, key.removeprefix(prefix)):
+                if k in files:
+                    return k
+        return None
+    # (name, key, where): `where` (expert, first row, end row) for one expert's tensor of a fused
+    # MoE parameter (model/moe.py), None for a tensor stored as the model holds it
+    reads, missing = [], []
+    for name, target in params.items():
+        if (key := key_of(name)) is not None:
+            reads.append((name, key, None))
+        elif (parts := moe.pieces(model_type, name, target.shape)) and all(key_of(k) for k, *_ in parts):
+            mine = local_slices(target.shape, target)
+            reads += [(name, key_of(k), where) for k, *where in parts if _overlaps(mine, *where)]
+        else:
+            missing.append(name)
     if missing:
         raise UserError(f"model.name_or_path: {folder} has no tensor named {missing[0]!r} "
                         f"({len(missing)} missing); its weight files do not match "
                         f"{type(model).__name__}'s parameter names")
-    by_file: dict[str, list[str]] = {}
-    for name, key in keys.items():
-        by_file.setdefault(files[key], []).append(name)
-    for file, names in by_file.items():
+    by_file: dict[str, list] = {}
+    for name, key, where in reads:
+        by_file.setdefault(files[key], []).append((name, key, where))
+    for file, entries in by_file.items():
         with open_weights(folder / file) as read:
-            for name in names:
+            for name, key, where in entries:
                 target = params[name]
-                shape, rows = read(keys[name], lambda shape: local_slices(shape, target))
-                if shape != target.shape:
-                    raise UserError(f"model.name_or_path: {keys[name]} in {folder / file} has "
-                                    f"shape {tuple(shape)}, the model expects {tuple(target.shape)}")
-                _local(target).copy_(rows)
+                if where is None:
+                    shape, rows = read(key, lambda shape: local_slices(shape, target))
+                    expected = target.shape
+                    if shape == expected:
+                        _local(target).copy_(rows)
+                else:
+                    shape, expected = _read_expert(read, key, target, *where)
+                if shape != expected:
+                    raise UserError(f"model.name_or_path: {key} in {folder / file} has "
+                                    f"shape {tuple(shape)}, the model expects {tuple(expected)}")
+
+
+def _overlaps(mine: tuple[slice, ...], expert: int, first: int, end: int) -> bool:
+    """Whether this rank's slices of a fused expert parameter hold any of that expert's rows."""
+    return mine[0].start <= expert < mine[0].stop and max(first, mine[1].start) < min(end, mine[1].stop)
+
+
+def _read_expert(read, key: str, target, expert: int, first: int, end: int):
+    """Copy one expert's file tensor (rows first:end of the fused parameter's expert `expert`)
+    into this rank's part of `target`; returns (its shape, the shape expected)."""
+    mine = local_slices(target.shape, target)
+    lo, hi = max(first, mine[1].start), min(end, mine[1].stop)
+    expected = torch.Size((end - first, target.shape[2]))
+    shape, rows = read(key, lambda shape: (slice(lo - first, hi - first), mine[2]))
+    if shape == expected:
+        _local(target)[expert - mine[0].start, lo - mine[1].start:hi - mine[1].start].copy_(rows)
+    return shape, expected
 
 
 @torch.no_grad()

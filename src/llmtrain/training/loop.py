@@ -27,6 +27,7 @@ from ..metrics import peak_memory_gib, plural
 from ..model.build import (flops_per_token, model_config, num_params, pretrained_dir, unwrap,
                            vocab_padding)
 from ..model.loss import chunk_head
+from ..model.moe import MoE
 from ..parallel.float8 import describe as describe_fp8
 from ..parallel.pipeline import summed_over_stages
 from ..parallel.precision import configure_matmul_precision, grad_scaler
@@ -138,9 +139,15 @@ def run(cfg: Config, world: World, watch: Watchdog, run_lock: RunLock) -> None:
     optimizer = build_optimizer(model, t, world.device)
     scaler = grad_scaler(cfg, world.device)
     # a pipeline stage holds its part of the model: the whole model's counts are the stages' sum
-    n_params, n_trainable = summed_over_stages([num_params(model), num_params(model, trainable=True)],
-                                               world.layout, world.device)
-    log.info(f"model: {n_params:,} parameters, {world.dims.describe()} on "
+    # a Mixture-of-Experts token uses top-k of each layer's experts: FLOPs and MFU count those
+    moe = MoE.of(config, t.router_aux_loss_coef)
+    n_active = (moe.active_params((n, p.numel()) for n, p in unwrap(model).named_parameters())[1]
+                if moe is not None else num_params(model))
+    n_params, n_trainable, n_active = summed_over_stages(
+        [num_params(model), num_params(model, trainable=True), n_active], world.layout, world.device)
+    active = (f" ({n_active:,} active per token: {moe.top_k} of {moe.experts} experts a layer; load-balancing "
+              f"loss at {moe.aux_coef:g})" if moe is not None else "")
+    log.info(f"model: {n_params:,} parameters{active}, {world.dims.describe()} on "
              f"{world.device.type}, {t.precision}")
     if t.fp8 != "none":
         log.info(describe_fp8(unwrap(model), t.fp8, t.precision, world.device.type, world.dims.tensor, t.compile))
@@ -167,7 +174,7 @@ def run(cfg: Config, world: World, watch: Watchdog, run_lock: RunLock) -> None:
     checkpointer = Checkpointer(cfg, world, log, compat_info(cfg, config, manifest),
                                 hf_files=(config, tokenizer))
     job = Job(cfg, model, head, optimizer, scaler, checkpointer, sampler, state, train_data, val_data, accum,
-              flops_per_token(config, n_params, seq_len, n_trainable)
+              flops_per_token(config, n_active, seq_len, min(n_trainable, n_active))
               * t.global_batch_size * seq_len,
               layout=world.layout)
     if job.step.pipeline is not None:

@@ -18,6 +18,7 @@ from ..data.run import Sampler
 from ..metrics import (MetricsWriter, SampleLog, Slowdown, Throughput, peak_flops, peak_memory_gib,
                        progress_line)
 from ..model.loss import lm_loss
+from ..model.moe import imbalance
 from ..parallel.precision import autocast
 from ..parallel.wrap import compile_seconds
 from ..rundir import Log, RunPaths
@@ -91,7 +92,7 @@ class Reporter:
             with self.phase("log"):
                 speed = self.meter.read(state.step)
                 log_step(self.metrics, log, speed, state, loss, grad_norm, lr,
-                         cfg.train, self.world, job.step.scaler, job.sampler)
+                         cfg.train, self.world, job.step.scaler, job.sampler, job.step.routing)
                 if warning := self.slowdown.check(speed["tokens_per_sec"], speed["elapsed_s"]):
                     log.info(warning)
         if due.evals:
@@ -119,21 +120,29 @@ class Reporter:
 
 
 def log_step(metrics: MetricsWriter, log: Log, speed: dict, state, loss, grad_norm,
-             lr: float, t, world: World, scaler, sampler: Sampler) -> None:
+             lr: float, t, world: World, scaler, sampler: Sampler, routing=None) -> None:
     """One metrics line and one progress line: the loss averaged over ranks, and the peak memory
     of the rank that uses the most (one collective for all of it). fp16 adds the loss scale: the
     scaler skips a step with inf/NaN gradients by itself and halves it, which shows there. The
     data's position: the epoch fractional in metrics (1.5: halfway through the second), "epoch
-    2/3" in the line; a mixture's tokens and epochs per source, in metrics only."""
+    2/3" in the line; a mixture's tokens and epochs per source, in metrics only. A Mixture-of-
+    Experts model's `routing` (training/step.py: the step's load-balancing loss and tokens per
+    expert per layer, on the device, read here only): `moe_aux_loss` averaged over ranks,
+    `expert_imbalance` from every rank's tokens (model/moe.imbalance)."""
+    routed = [] if routing is None else [routing[0].item(), *routing[1].flatten().tolist()]
     per_rank = distributed.gather_floats(
-        [loss.item(), float(grad_norm), peak_memory_gib(world.device)], world.device)
+        [loss.item(), float(grad_norm), peak_memory_gib(world.device), *routed], world.device)
     peak_rank = max(range(world.world_size), key=lambda r: per_rank[r][2])
     mean_loss = sum(r[0] for r in per_rank) / world.world_size
+    moe = {}
+    if routing is not None:
+        counts = torch.tensor([r[4:] for r in per_rank]).sum(0).view(routing[1].shape)
+        moe = {"moe_aux_loss": sum(r[3] for r in per_rank) / world.world_size, "expert_imbalance": imbalance(counts)}
     metrics.write({"kind": "train", "step": state.step, "loss": mean_loss, "lr": lr,
                    "grad_norm": sum(r[1] for r in per_rank) / world.world_size,
                    "tokens": state.tokens, **speed, "peak_mem_gib": per_rank[peak_rank][2],
                    "peak_mem_rank": peak_rank, "skipped_steps": state.skipped,
-                   **sampler.position(),
+                   **sampler.position(), **moe,
                    **({"loss_scale": scaler.get_scale()} if scaler.is_enabled() else {})})
     log.info(progress_line(state.step, t.max_steps, mean_loss, lr, speed["tokens_per_sec"],
                            speed["eta_s"], epoch=sampler.progress(t.max_steps)))

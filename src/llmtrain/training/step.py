@@ -22,7 +22,9 @@ from typing import Callable
 import torch
 
 from ..config import Config
+from ..model.build import unwrap
 from ..model.loss import lm_loss
+from ..model.moe import MoE, Routers
 from ..parallel import float8
 from ..parallel.pipeline import Pipeline
 from ..parallel.precision import autocast
@@ -44,6 +46,10 @@ class Step:
         self.pipeline = None  # parallel/pipeline.py: this rank's stage and the schedule, where pp > 1
         if layout is not None and layout.dims.pipeline > 1:
             self.pipeline = Pipeline(model, head, cfg, layout, scaler, next(model.parameters()).device)
+        # A Mixture-of-Experts model's routers: the load-balancing loss joins the training loss
+        self.moe = MoE.of(unwrap(model).config, cfg.train.router_aux_loss_coef)
+        self.routers = Routers(unwrap(model), self.moe) if self.moe is not None else None
+        self.routing = None  # the last step's (load-balancing loss, tokens per expert [layers, E])
 
     def forward_backward(self, micro_batches, normaliser: float, loss_factor: float = 1.0, norm: bool = True,
                          phase=no_phase) -> tuple[torch.Tensor, torch.Tensor | None]:
@@ -59,14 +65,17 @@ class Step:
         unevenly the trained tokens fall; the mean over ranks of what this returns is that loss.
         `phase`: the profiler's labels (training/profiling.py)."""
         model, cfg, total = self.model, self.cfg, None
+        self.routing = None
         if self.pipeline is not None:
             return self._pipelined(micro_batches, normaliser, loss_factor, norm, phase)
         for i, batch in enumerate(micro_batches):
             with gradient_sync(model, i == len(micro_batches) - 1, cfg):
                 with phase("forward"), autocast(cfg, batch.tokens.device):
-                    loss = lm_loss(model, batch, self.head, max(normaliser, 1e-9), self.layout) * loss_factor
+                    loss = lm_loss(model, batch, self.head, max(normaliser, 1e-9), self.layout,
+                                   self.routers) * loss_factor
+                    objective = loss if self.routers is None else loss + self._balancing(len(micro_batches), loss_factor)
                 with phase("backward"):
-                    self.scaler.scale(loss).backward()
+                    self.scaler.scale(objective).backward()
             total = loss.detach() if total is None else total + loss.detach()
         with phase("optimizer"):
             self.scaler.unscale_(self.optimizer)
@@ -78,6 +87,15 @@ class Step:
             if hasattr(grad_norm, "full_tensor"):  # FSDP2: a DTensor holding the global norm
                 grad_norm = grad_norm.full_tensor()
         return total, grad_norm
+
+    def _balancing(self, micro_batches: int, loss_factor: float) -> torch.Tensor:
+        """The micro-batch's load-balancing loss at its weight, a share of the step's: the mean over
+        micro-batches (and, by the gradient reduction, ranks). Its value and the tokens per expert
+        add up in self.routing, on the device."""
+        aux, counts = self.routers.take()
+        share = aux.detach() / micro_batches
+        self.routing = (share, counts) if self.routing is None else (self.routing[0] + share, self.routing[1] + counts)
+        return aux * (self.moe.aux_coef * loss_factor / micro_batches)
 
     def _pipelined(self, micro_batches, normaliser: float, loss_factor: float, norm: bool, phase):
         """forward_backward under the pipeline's schedule: the loss from the last stage, on every
