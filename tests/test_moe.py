@@ -1,0 +1,165 @@
+"""Mixture-of-Experts models as a user meets them: a Qwen3-MoE or Mixtral saved by transformers
+trains from its files with transformers' loss and load-balancing loss at the first step; FSDP on
+2 processes gives one process's curve; MFU counts the experts a token uses; the export loads in
+transformers and generates what `llmtrain generate` does; Muon orthogonalises each expert's
+matrices apart; check-config refuses the families it cannot train."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import yaml
+from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
+
+from conftest import DEMO, assert_same_curve, cli, prepared_home, read_metrics, tiny_config, torchrun
+from llmtrain.config import load_config
+from llmtrain.data.loader import StepSampler, TokenStream, batch_tokens
+from llmtrain.data.run import open_prepared
+from llmtrain.model.moe import MoE, Routers, pieces
+
+# A 2-layer Qwen3-MoE: 8 experts of 32 features a layer, 2 per token.
+QWEN3_MOE = {"model_type": "qwen3_moe", "hidden_size": 64, "intermediate_size": 128, "moe_intermediate_size": 32,
+             "num_experts": 8, "num_experts_per_tok": 2, "num_hidden_layers": 2, "num_attention_heads": 4,
+             "num_key_value_heads": 2, "head_dim": 16, "max_position_embeddings": 128,
+             "tie_word_embeddings": False, "router_aux_loss_coef": 0.01}
+MIXTRAL = {"model_type": "mixtral", "hidden_size": 64, "intermediate_size": 48, "num_local_experts": 4,
+           "num_experts_per_tok": 2, "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2,
+           "max_position_embeddings": 128, "tie_word_embeddings": False, "router_aux_loss_coef": 0.02}
+
+
+def saved(folder, arch: dict):
+    """A model transformers made and saved (its experts one tensor per expert in the files)."""
+    torch.manual_seed(0)
+    config = AutoConfig.for_model(**{**arch, "vocab_size": 512})
+    model = AutoModelForCausalLM.from_config(config)
+    model.save_pretrained(folder)
+    AutoTokenizer.from_pretrained(DEMO / "tokenizer").save_pretrained(folder)
+    return model
+
+
+@pytest.mark.parametrize("arch", [QWEN3_MOE, MIXTRAL], ids=["qwen3_moe", "mixtral"])
+def test_a_saved_moe_model_trains_from_its_files_with_transformers_losses(tmp_path, monkeypatch, arch):
+    """The first step's loss and load-balancing loss are transformers' on that batch (one
+    micro-batch: the aux loss is a micro-batch's), and the files hold one tensor per expert."""
+    monkeypatch.setenv("LLMTRAIN_HOME", str(tmp_path / "home"))
+    model = saved(tmp_path / "model", arch)
+    from safetensors import safe_open
+    with safe_open(tmp_path / "model" / "model.safetensors", "pt") as f:
+        stored = set(f.keys())
+    fused = "model.layers.0.mlp.experts.gate_up_proj"
+    assert fused not in stored and {k for k, *_ in pieces(arch["model_type"], fused, (4, 2, 64))} <= stored
+    cfg = tiny_config(train={"max_steps": 2, "warmup_steps": 0, "eval_every": 0, "global_batch_size": 8,
+                             "micro_batch_size": 8}, slurm={"nodes": 1, "procs_per_node": 1})
+    cfg["model"] = {"name_or_path": str(tmp_path / "model")}
+    path = tmp_path / "c.yaml"
+    path.write_text(yaml.safe_dump(cfg))
+    assert cli("check-config", path).returncode == 0
+    cli("prepare", "--config", path, check=True)
+    out = cli("train", "--config", path, check=True).stdout
+
+    c = load_config(path)
+    data = TokenStream(*open_prepared(c), "train")
+    batch = torch.from_numpy(batch_tokens(data, StepSampler(data.num_samples(64), 8, c.train.seed, 0, 1).next_step(), 64))
+    with torch.no_grad():
+        result = model(input_ids=batch[:, :-1], output_router_logits=True)
+        expected = torch.nn.functional.cross_entropy(result.logits.flatten(0, 1), batch[:, 1:].flatten())
+    first = read_metrics(c.run_dir)[0]
+    assert first["step"] == 1 and abs(first["loss"] - expected.item()) < 1e-5
+    assert abs(first["moe_aux_loss"] - result.aux_loss.item()) < 1e-5, (first, result.aux_loss)
+    assert first["expert_imbalance"] >= 1.0
+    moe = MoE.of(model.config)
+    total, active = moe.active_params((n, p.numel()) for n, p in model.named_parameters())
+    assert f"model: {total:,} parameters ({active:,} active per token: 2 of {moe.experts} experts a layer" in out
+
+
+def test_the_load_balancing_loss_leaves_padding_out():
+    """A row padded at its end (a last segment with no trained target) counts as transformers
+    counts it under an attention mask that hides the padding."""
+    from llmtrain.data.loader import Batch
+    from llmtrain.model.loss import lm_loss
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(AutoConfig.for_model(**{**QWEN3_MOE, "vocab_size": 512}))
+    tokens = torch.randint(0, 512, (2, 17))
+    positions = torch.arange(17).repeat(2, 1)
+    positions[0, 11:] = torch.arange(6)  # row 0: a sample of 11 tokens, then 6 of padding; row 1: one sample
+    trained = torch.ones(2, 17, dtype=torch.bool)
+    trained[0, 11:] = False
+    routers = Routers(model, MoE.of(model.config))
+    with torch.no_grad():
+        lm_loss(model, Batch(tokens, trained, positions), routers=routers)  # no_grad: collected all the same
+        aux, counts = routers.take()
+        mask = torch.ones(2, 16)
+        mask[0, 11:] = 0  # the inputs of row 0's padding
+        expected = model(input_ids=tokens[:, :-1], attention_mask=mask.long(), output_router_logits=True)
+    from transformers.models.qwen3_moe.modeling_qwen3_moe import load_balancing_loss_func
+    hf = load_balancing_loss_func(expected.router_logits, 8, 2, mask)
+    assert abs(aux.item() - hf.item()) < 1e-6 and counts.sum().item() == 2 * 2 * (11 + 16)  # layers x top-k x real inputs
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory):
+    """A from-scratch Qwen3-MoE trained by one process (2 micro-batches a step) and by FSDP over 2
+    (one each), with activation checkpointing; checkpoints at the end."""
+    cfg = tiny_config(model={"architecture": QWEN3_MOE, "activation_checkpointing": True},
+                      train={"max_steps": 6, "warmup_steps": 1, "eval_every": 3, "checkpoint_every": 6,
+                             "peak_tflops": 1.0})
+    with prepared_home(tmp_path_factory, "moe", cfg) as (root, config):
+        cli("train", "--config", config, "--set", "run.name=one", check=True)
+        torchrun(2, "train", "--config", config, "--set", "run.name=fsdp", "--set", "parallel.strategy=fsdp")
+        yield root, config
+
+
+def test_fsdp_on_two_processes_gives_one_process_curve(runs):
+    root, _ = runs
+    one, fsdp = root / "home" / "runs" / "one", root / "home" / "runs" / "fsdp"
+    assert_same_curve(one, fsdp, 1e-5)
+    for a, b in zip(read_metrics(one), read_metrics(fsdp)):
+        if a["kind"] == "train":
+            assert abs(a["moe_aux_loss"] - b["moe_aux_loss"]) < 1e-5
+            assert a["expert_imbalance"] == pytest.approx(b["expert_imbalance"], rel=1e-6)
+
+
+def test_mfu_counts_the_experts_a_token_uses(runs):
+    """FLOPs per token (from the metrics' MFU at train.peak_tflops 1) by hand: 6 per active
+    parameter that multiplies, plus attention's 12 x layers x hidden x seq_len."""
+    root, _ = runs
+    hidden, layers, vocab, seq = 64, 2, 512, 64
+    attention = hidden * 64 + 2 * hidden * 32 + 64 * hidden + 2 * 16  # q, k, v (2 kv heads of 16), o; q/k norms
+    router = 8 * hidden
+    experts_used = 2 * (2 * 32 * hidden + hidden * 32)  # top-2 of 8: gate and up, down
+    per_layer = attention + router + experts_used + 2 * hidden  # + the 2 norms
+    active = layers * per_layer + hidden + vocab * hidden  # + the final norm, the head (the lookup left out)
+    by_hand = 6 * active + 12 * layers * hidden * seq
+    record = next(r for r in read_metrics(root / "home" / "runs" / "one") if r["kind"] == "train")
+    measured = record["mfu"] * 1e12 / record["tokens_per_sec"]
+    assert measured == pytest.approx(by_hand, rel=1e-9)
+    dense = 6 * (layers * (per_layer - experts_used + 8 * 3 * 32 * hidden) + hidden + vocab * hidden)
+    assert dense > 1.5 * by_hand  # every expert counted: 1.58x the FLOPs, MFU 1.58x too high
+
+
+def test_export_of_an_moe_run_generates_as_llmtrain_generate(runs, tmp_path):
+    root, _ = runs
+    run = root / "home" / "runs" / "fsdp"
+    args = ["--prompt", "Once upon a time, Sam went to the", "--max-new-tokens", "12", "--temperature", "0"]
+    ours = cli("generate", "--run-dir", run, *args, check=True).stdout
+    cli("export", "--run-dir", run, "--out", tmp_path / "hf", check=True)
+    model = AutoModelForCausalLM.from_pretrained(tmp_path / "hf", dtype=torch.float32)
+    assert model.config.model_type == "qwen3_moe" and model.model.layers[0].mlp.experts.gate_up_proj.shape == (8, 64, 64)
+    tokenizer = AutoTokenizer.from_pretrained(tmp_path / "hf")
+    ids = tokenizer(args[1], return_tensors="pt").input_ids
+    out = model.generate(ids, max_new_tokens=12, do_sample=False)
+    assert ours.strip() == tokenizer.decode(out[0], skip_special_tokens=True).strip()
+
+
+def test_check_config_refuses_moe_families_it_cannot_train(tmp_path, monkeypatch):
+    monkeypatch.setenv("LLMTRAIN_HOME", str(tmp_path / "home"))
+    cfg = tiny_config(model={"architecture": {"model_type": "deepseek_v3", "n_routed_experts": 8,
+                                              "num_experts_per_tok": 2, "hidden_size": 64,
+                                              "num_attention_heads": 4}})
+    path = tmp_path / "c.yaml"
+    path.write_text(yaml.safe_dump(cfg))
+    proc = cli("check-config", path)
+    assert proc.returncode == 2
+    assert ("model: 'deepseek_v3' is a Mixture-of-Experts family llmtrain does not train yet (its experts' "
+            "layout, router or loss differ; families: mixtral, olmoe, qwen2_moe, qwen3_moe); choose one of "
+            "those") in proc.stderr.splitlines()
