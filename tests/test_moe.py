@@ -163,3 +163,37 @@ def test_check_config_refuses_moe_families_it_cannot_train(tmp_path, monkeypatch
     assert ("model: 'deepseek_v3' is a Mixture-of-Experts family llmtrain does not train yet (its experts' "
             "layout, router or loss differ; families: mixtral, olmoe, qwen2_moe, qwen3_moe); choose one of "
             "those") in proc.stderr.splitlines()
+
+
+def test_muon_orthogonalises_each_experts_gate_up_and_down_apart_and_the_router_takes_adamw():
+    """One Muon step on a Qwen3-MoE: expert e's gate rows move by Muon's update of its gate's
+    gradient alone (as a dense model's gate_proj would), its up rows by its up's, its down by its
+    down's; the routers are in the AdamW group with the embeddings and head."""
+    from types import SimpleNamespace
+    from llmtrain.optimizers import build_optimizer, named_groups
+    from llmtrain.optimizers.muon import newton_schulz
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(AutoConfig.for_model(**{**QWEN3_MOE, "vocab_size": 64}))
+    train = SimpleNamespace(optimizer="muon", optimizer_args={}, lr=0.02, min_lr=0.0, warmup_steps=0,
+                            max_steps=10, lr_schedule="constant", weight_decay=0.0, beta1=0.9, beta2=0.95, eps=1e-8)
+    opt = build_optimizer(model, train, torch.device("cpu"))
+    names = {id(p): n for n, p in model.named_parameters()}
+    groups = {k: [names[id(p)] for p in g["params"]] for k, g in named_groups(opt, train).items()}
+    assert {n for n in groups["embeddings and head"] if "mlp.gate" in n} == {
+        "model.layers.0.mlp.gate.weight", "model.layers.1.mlp.gate.weight"}
+    assert "model.layers.0.mlp.experts.gate_up_proj" in groups["hidden"]
+    for p in model.parameters():
+        p.grad = torch.randn_like(p)
+    experts = model.model.layers[0].mlp.experts
+    before = {n: p.detach().clone() for n, p in experts.named_parameters()}
+    grads = {n: p.grad.clone() for n, p in experts.named_parameters()}
+    opt.step()
+    hidden, inter = 64, 32
+    for e in (0, 5):
+        gate, up = grads["gate_up_proj"][e].split(inter)
+        moved = experts.gate_up_proj.detach()[e] - before["gate_up_proj"][e]
+        scale = 0.02 * 0.2 * max(inter, hidden) ** 0.5
+        expected = -scale * torch.cat([newton_schulz(gate[None])[0], newton_schulz(up[None])[0]])
+        torch.testing.assert_close(moved, expected, rtol=1e-4, atol=1e-6)
+        down = experts.down_proj.detach()[e] - before["down_proj"][e]
+        torch.testing.assert_close(down, -scale * newton_schulz(grads["down_proj"][e][None])[0], rtol=1e-4, atol=1e-6)

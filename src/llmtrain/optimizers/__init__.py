@@ -89,10 +89,10 @@ def _muon(groups: list, t, device: "torch.device") -> "torch.optim.Optimizer":
     return Muon(groups, lr=lr_at(0, t))
 
 
-# Muon orthogonalises the hidden matrices' updates; AdamW steps the embeddings and head (the
-# standard split: with the matrices' weight decay) and the vectors.
+# Muon orthogonalises the hidden matrices' updates (each expert's apart); AdamW steps the
+# embeddings, head and MoE routers (the standard split: with the matrices' weight decay) and the vectors.
 MUON_GROUPS = (ParamGroup("hidden", ("matrix:*",), state_bytes=4),  # 1 fp32 momentum
-               ParamGroup("embeddings and head", ("embedding:*", "head:*")),
+               ParamGroup("embeddings and head", ("embedding:*", "head:*", "router:*")),
                ParamGroup("vectors", ("*",)))
 
 

@@ -7,6 +7,10 @@ Nesterov momentum of its gradient:
     m <- mu m + (1 - mu) g;  u = (1 - mu) g + mu m;  O = NewtonSchulz5(u) ~ U V^T of u's SVD
     W <- W (1 - lr wd) - lr 0.2 sqrt(max(rows, cols)) O
 
+A Mixture-of-Experts layer's experts are matrices each: every expert's gate, up and down is
+orthogonalised apart (transformers fuses gate and up into one [2I, H] per expert: its rows are
+split back, groups.row_blocks), and the routers take AdamW.
+
 0.2 sqrt(max(rows, cols)) gives O the update RMS AdamW's updates have (Moonlight's scaling), so
 train.lr and train.weight_decay mean what they mean for AdamW and one lr serves both parts. The
 embeddings, the output head, norms and biases take AdamW (the standard split), at lr x
@@ -74,6 +78,8 @@ class Muon(torch.optim.Optimizer):
 
     def _muon(self, group: dict, params: list, found_inf, keep) -> None:
         lr, wd, mu = group["lr"], group["weight_decay"], group["momentum"]
+        given = dict(zip(map(id, group["params"]), group.get("row_blocks") or ()))
+        blocks = [given.get(id(p), 1) for p in params]
         updates = []
         for p in params:
             state = self.state[p]
@@ -82,10 +88,10 @@ class Muon(torch.optim.Optimizer):
             g, m = zeroed_if_skipped(found_inf, local(whole_grad(p))), local(state["momentum_buffer"])
             m.lerp_(g, (1 - mu) * keep)
             updates.append(g.lerp(m, mu) if group["nesterov"] else m.clone())
-        for p, o in zip(params, orthogonalised(params, updates, group["ns_steps"])):
+        for p, o, b in zip(params, orthogonalised(params, updates, group["ns_steps"], blocks), blocks):
             w = local(p)
             w.mul_(1 - lr * wd * keep)
-            w.add_(o.to(w.dtype) * keep, alpha=-lr * 0.2 * math.sqrt(max(p.shape[-2:])))
+            w.add_(o.to(w.dtype) * keep, alpha=-lr * 0.2 * math.sqrt(max(p.shape[-2] // b, p.shape[-1])))
 
     def _adamw(self, group: dict, params: list, found_inf, keep) -> None:
         """AdamW, elementwise (so shard by shard), with its step count on the device."""
@@ -107,17 +113,24 @@ class Muon(torch.optim.Optimizer):
             w.add_(m / denom * (keep * -lr / (1 - beta1 ** step)))
 
 
-def orthogonalised(params: list, updates: list, steps: int) -> list[torch.Tensor]:
+def orthogonalised(params: list, updates: list, steps: int, blocks: list[int] | None = None) -> list[torch.Tensor]:
     """NewtonSchulz5 of each parameter's update (this rank's local part in, its local part of
     the orthogonalised whole matrix out). Plain tensors (DDP, one process) are whole already;
     sharded ones (DTensors) go by shape and layout, a stack each (see the module's docstring).
+    A Mixture-of-Experts layer's experts ([experts, rows, cols], FSDP2 shards them by expert:
+    each rank holds whole matrices) are orthogonalised each apart where the rank holds them;
+    `blocks`: how many matrices each parameter's rows stack (2: an expert's fused [gate; up]).
     Each stack is handed out from the rank where the last one ended: started at rank 0 every
     time, the few ranks that got a matrix of one stack got one of every stack (405B on 64 x 8
     ranks: the busiest rank 3x the mean work, half the ranks idle)."""
     out: list = [None] * len(params)
     stacks = defaultdict(list)
     for i, p in enumerate(params):
-        if hasattr(p, "placements"):
+        if p.ndim == 3 and all(pl.is_replicate() or pl.is_shard(0) for pl in getattr(p, "placements", ())):
+            b = blocks[i] if blocks else 1
+            u = updates[i]
+            out[i] = newton_schulz(u.reshape(-1, u.shape[1] // b, u.shape[2]), steps).reshape(u.shape)
+        elif hasattr(p, "placements"):
             stacks[(tuple(p.shape), p.device_mesh, tuple(p.placements))].append(i)
         else:
             out[i] = newton_schulz(updates[i][None], steps)[0]
