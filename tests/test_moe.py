@@ -98,25 +98,36 @@ def test_the_load_balancing_loss_leaves_padding_out():
 
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory):
-    """A from-scratch Qwen3-MoE trained by one process (2 micro-batches a step) and by FSDP over 2
-    (one each), with activation checkpointing; checkpoints at the end."""
+    """A from-scratch Qwen3-MoE with activation checkpointing, trained by one process (2
+    micro-batches a step) and by FSDP over 2 (one each), with AdamW and with Muon; and by one
+    process stopped at step 3 and resumed."""
     cfg = tiny_config(model={"architecture": QWEN3_MOE, "activation_checkpointing": True},
-                      train={"max_steps": 6, "warmup_steps": 1, "eval_every": 3, "checkpoint_every": 6,
-                             "peak_tflops": 1.0})
+                      train={"max_steps": 6, "warmup_steps": 1, "lr_schedule": "constant", "eval_every": 3,
+                             "checkpoint_every": 3, "peak_tflops": 1.0})
     with prepared_home(tmp_path_factory, "moe", cfg) as (root, config):
         cli("train", "--config", config, "--set", "run.name=one", check=True)
         torchrun(2, "train", "--config", config, "--set", "run.name=fsdp", "--set", "parallel.strategy=fsdp")
+        muon = ("--set", "train.optimizer=muon", "--set", "train.lr=0.02")
+        cli("train", "--config", config, "--set", "run.name=muon", *muon, check=True)
+        torchrun(2, "train", "--config", config, "--set", "run.name=fsdp_muon", "--set", "parallel.strategy=fsdp", *muon)
+        for steps in (3, 6):
+            cli("train", "--config", config, "--set", "run.name=resumed", "--set", f"train.max_steps={steps}",
+                check=True)
         yield root, config
 
 
-def test_fsdp_on_two_processes_gives_one_process_curve(runs):
+@pytest.mark.parametrize("a,b,tol", [("one", "fsdp", 1e-5), ("muon", "fsdp_muon", 1e-5), ("one", "resumed", 0.0)])
+def test_fsdp_and_a_resume_give_one_process_curve(runs, a, b, tol):
+    """FSDP over 2 processes (experts sharded with their layer; Muon orthogonalising each rank's
+    whole experts where it holds them) and a run stopped and resumed give the one-process curve:
+    the loss, the load-balancing loss and the imbalance."""
     root, _ = runs
-    one, fsdp = root / "home" / "runs" / "one", root / "home" / "runs" / "fsdp"
-    assert_same_curve(one, fsdp, 1e-5)
-    for a, b in zip(read_metrics(one), read_metrics(fsdp)):
-        if a["kind"] == "train":
-            assert abs(a["moe_aux_loss"] - b["moe_aux_loss"]) < 1e-5
-            assert a["expert_imbalance"] == pytest.approx(b["expert_imbalance"], rel=1e-6)
+    a, b = root / "home" / "runs" / a, root / "home" / "runs" / b
+    assert_same_curve(a, b, tol)
+    for x, y in zip(read_metrics(a), read_metrics(b)):
+        if x["kind"] == "train":
+            assert abs(x["moe_aux_loss"] - y["moe_aux_loss"]) <= tol
+            assert x["expert_imbalance"] == pytest.approx(y["expert_imbalance"], rel=1e-6)
 
 
 def test_mfu_counts_the_experts_a_token_uses(runs):
@@ -197,3 +208,35 @@ def test_muon_orthogonalises_each_experts_gate_up_and_down_apart_and_the_router_
         torch.testing.assert_close(moved, expected, rtol=1e-4, atol=1e-6)
         down = experts.down_proj.detach()[e] - before["down_proj"][e]
         torch.testing.assert_close(down, -scale * newton_schulz(grads["down_proj"][e][None])[0], rtol=1e-4, atol=1e-6)
+
+
+def test_lora_on_an_moe_model_keeps_the_experts_frozen_and_merges_into_its_layout(tmp_path, monkeypatch):
+    """LoRA on the attention of a saved Qwen3-MoE: the experts and routers stay frozen (the
+    optimizer holds only adapters); the merged export writes each expert's tensors as the base
+    stores them (unchanged) and the targets with B A alpha/rank added; transformers loads it."""
+    from safetensors import safe_open
+    monkeypatch.setenv("LLMTRAIN_HOME", str(tmp_path / "home"))
+    saved(tmp_path / "model", QWEN3_MOE)
+    cfg = tiny_config(train={"max_steps": 2, "warmup_steps": 0, "eval_every": 0, "checkpoint_every": 2},
+                      slurm={"nodes": 1, "procs_per_node": 1})
+    cfg["model"] = {"name_or_path": str(tmp_path / "model"),
+                    "lora": {"rank": 4, "alpha": 8, "target_modules": ["q_proj", "v_proj"]}}
+    path = tmp_path / "c.yaml"
+    path.write_text(yaml.safe_dump(cfg))
+    cli("prepare", "--config", path, check=True)
+    out = cli("train", "--config", path, check=True).stdout
+    assert "LoRA: 1,792 trainable parameters" in out  # 2 layers x rank 4 x (q 64+64, v 64+32)
+    run = load_config(path).run_dir
+    cli("export", "--run-dir", run, "--out", tmp_path / "merged", "--merge", check=True)
+    cli("export", "--run-dir", run, "--out", tmp_path / "adapter", check=True)
+    q = "model.layers.1.self_attn.q_proj"
+    with safe_open(tmp_path / "merged" / "model.safetensors", "pt") as merged, \
+            safe_open(tmp_path / "model" / "model.safetensors", "pt") as stored, \
+            safe_open(tmp_path / "adapter" / "adapter_model.safetensors", "pt") as adapter:
+        assert set(merged.keys()) == set(stored.keys())
+        for key in ("model.layers.1.mlp.experts.7.up_proj.weight", "model.layers.0.mlp.gate.weight"):
+            assert torch.equal(merged.get_tensor(key), stored.get_tensor(key))
+        a, b = (adapter.get_tensor(f"base_model.model.{q}.lora_{m}.weight") for m in "AB")
+        assert b.abs().max() > 0
+        torch.testing.assert_close(merged.get_tensor(f"{q}.weight"), stored.get_tensor(f"{q}.weight") + b @ a * 2)
+    assert AutoModelForCausalLM.from_pretrained(tmp_path / "merged").config.model_type == "qwen3_moe"
