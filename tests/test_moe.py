@@ -240,3 +240,11 @@ def test_lora_on_an_moe_model_keeps_the_experts_frozen_and_merges_into_its_layou
         assert b.abs().max() > 0
         torch.testing.assert_close(merged.get_tensor(f"{q}.weight"), stored.get_tensor(f"{q}.weight") + b @ a * 2)
     assert AutoModelForCausalLM.from_pretrained(tmp_path / "merged").config.model_type == "qwen3_moe"
+
+
+def test_the_plot_draws_the_routing_in_a_panel_of_its_own(runs):
+    from matplotlib.image import imread
+    root, _ = runs
+    run = root / "home" / "runs" / "one"
+    assert cli("plot", run, check=True).returncode == 0
+    assert imread(run / "plot.png").shape[:2] == (1040, 1440)  # 3 x 3 panels: the ninth the experts'

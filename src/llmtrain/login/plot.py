@@ -119,7 +119,8 @@ def load_runs(run_dirs: list[str]) -> list[Run]:
 
 
 def figure(runs: list[Run]):
-    """The eight panels of `runs` (a matplotlib Figure, not drawn yet)."""
+    """The eight panels of `runs` (a matplotlib Figure, not drawn yet), a ninth for a mixture's
+    sources, another for an MoE model's routing."""
     try:
         from matplotlib.figure import Figure
         from matplotlib.ticker import EngFormatter, LogFormatter
@@ -133,9 +134,14 @@ def figure(runs: list[Run]):
         def _num_to_string(self, x, vmin, vmax):
             return f"{x:g}"
 
-    mixed = any("source_tokens" in r for run in runs for r in run.train)  # data.mixture: a ninth panel
-    fig = Figure(figsize=(18, 13) if mixed else (20, 9), layout="constrained")
-    axes = fig.subplots(3, 3).flatten() if mixed else fig.subplots(2, 4).flatten()
+    mixed = any("source_tokens" in r for run in runs for r in run.train)  # data.mixture: a panel more
+    routed = any("expert_imbalance" in r for run in runs for r in run.train)  # an MoE model: a panel more
+    panels = 8 + mixed + routed
+    fig = Figure(figsize=(20, 9) if panels == 8 else (18, 13) if panels == 9 else (22, 13), layout="constrained")
+    axes = fig.subplots(*{8: (2, 4), 9: (3, 3), 10: (3, 4)}[panels]).flatten()
+    for ax in axes[panels:]:
+        ax.set_visible(False)
+    extra = iter(axes[8:])
     colors = [f"C{i % 10}" for i in range(len(runs))]
     loss_step, loss_tokens, eval_ax = axes[0], axes[1], axes[2]
     for run, color in zip(runs, colors):
@@ -165,12 +171,22 @@ def figure(runs: list[Run]):
         _empty(eval_ax, "no evaluation yet (train.eval_every)")
 
     if mixed:  # each source's tokens so far: its weight is the slope's share
-        ax = axes[8]
+        ax = next(extra)
         for run, color in zip(runs, colors):
             for (name, points), style in zip(by_source(run.train, "source_tokens").items(), STYLES):
                 ax.plot(*zip(*points), color=color, ls=style, lw=1.2, label=f"{run.label} {name}")
         ax.set(title="Tokens per source (data.mixture)", xlabel="step", ylabel="tokens")
         ax.yaxis.set_major_formatter(EngFormatter())
+        ax.legend(fontsize=8)
+    if routed:  # model/moe.py: the load-balancing loss (top-k when balanced) and the busiest expert's load
+        ax = next(extra)
+        for run, color in zip(runs, colors):
+            for key, style in (("expert_imbalance", "-"), ("moe_aux_loss", "--")):
+                points = [(r["step"], r[key]) for r in run.train if r.get(key) is not None]
+                if points:
+                    ax.plot(*zip(*points), color=color, ls=style, lw=1.2, label=f"{run.label} {key}")
+        ax.set(title="Experts: busiest over mean (worst layer), load-balancing loss", xlabel="step",
+               ylabel="ratio / loss")
         ax.legend(fontsize=8)
     if any(by_source(run.evals, "eval_loss_by_source") for run in runs):
         eval_ax.legend(fontsize=8)
