@@ -248,3 +248,25 @@ def test_the_plot_draws_the_routing_in_a_panel_of_its_own(runs):
     run = root / "home" / "runs" / "one"
     assert cli("plot", run, check=True).returncode == 0
     assert imread(run / "plot.png").shape[:2] == (1040, 1440)  # 3 x 3 panels: the ninth the experts'
+
+
+def test_check_config_knows_the_experts_layout_of_a_pretrained_folder(tmp_path, monkeypatch):
+    """Files that lack the last expert of a layer its config.json describes are refused before the
+    queue, in one line, from the safetensors header alone."""
+    from safetensors.torch import load_file, save_file
+    monkeypatch.setenv("LLMTRAIN_HOME", str(tmp_path / "home"))
+    saved(tmp_path / "model", QWEN3_MOE)
+    cfg = tiny_config(slurm={"nodes": 1, "procs_per_node": 1})
+    cfg["model"] = {"name_or_path": str(tmp_path / "model")}
+    path = tmp_path / "c.yaml"
+    path.write_text(yaml.safe_dump(cfg))
+    assert cli("check-config", path).returncode == 0
+    weights = tmp_path / "model" / "model.safetensors"
+    tensors = load_file(weights)
+    del tensors["model.layers.1.mlp.experts.7.gate_proj.weight"]
+    save_file(tensors, weights, metadata={"format": "pt"})
+    proc = cli("check-config", path)
+    assert proc.returncode == 2 and proc.stderr.splitlines() == [
+        f"model.name_or_path: {tmp_path / 'model'}'s weight files hold no model.layers.1.mlp.experts.7.gate_proj.weight "
+        f"(its config.json has 8 experts in layer 1, stored one tensor per expert or fused as "
+        f"model.layers.1.mlp.experts.gate_up_proj); the files and config.json do not match: download the model again"]

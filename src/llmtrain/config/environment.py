@@ -11,7 +11,7 @@ from ..data.sources import (by_source, file_suffix, fingerprint, given_prepared,
                             local_path, on_disk, source_files, source_record, tokenizer_sha256, tokenizer_source)
 from ..errors import UserError
 from ..files import read_json
-from ..model.moe import problems as moe_problems
+from ..model.moe import problems as moe_problems, stored_problems
 from ..optimizers import OPTIMIZERS
 from ..parallel.tensor import CONFIG_DEFAULTS
 from ..parallel.dims import ParallelDims
@@ -275,6 +275,9 @@ def _check_model(cfg: Config, written: dict | None = None) -> list[str]:
         p += _check_heads(model_cfg, "model.architecture" if m.architecture is not None else "model.name_or_path")
         p += ParallelDims.from_config(cfg, cfg.world_size).model_problems(model_cfg.get("model_type"), model_cfg)
         p += moe_problems(model_cfg.get("model_type"), model_cfg)
+        if m.name_or_path is not None:
+            folder = local_path(m.name_or_path, "models")
+            p += stored_problems(model_cfg.get("model_type"), model_cfg, _stored_names(folder), folder)
         p += _check_layer_kinds(model_cfg, "model.architecture.layer_types" if m.architecture is not None
                                 else "model.name_or_path")
         max_pos = model_cfg.get("max_position_embeddings")
@@ -286,6 +289,20 @@ def _check_model(cfg: Config, written: dict | None = None) -> list[str]:
             p.append(f"model.tokenizer: vocabulary of {tokenizer_vocab_size(tok)} tokens does not fit "
                      f"the model's vocab_size {vocab}")
     return p
+
+
+def _stored_names(folder: Path) -> set[str]:
+    """The tensor names of a model folder's safetensors weights, from the index or the file's
+    header (8 bytes of length, then JSON): no torch, no tensor read. Empty where neither is."""
+    index = read_json(folder / "model.safetensors.index.json")
+    if index is not None:
+        return set(index.get("weight_map", {}))
+    try:
+        with open(folder / "model.safetensors", "rb") as f:
+            header = json.loads(f.read(int.from_bytes(f.read(8), "little")))
+    except (OSError, ValueError):
+        return set()
+    return set(header) - {"__metadata__"}
 
 
 def _check_heads(model_cfg: dict, key: str) -> list[str]:

@@ -64,6 +64,36 @@ def problems(model_type: str | None, config: dict) -> list[str]:
             f"layout, router or loss differ; families: {', '.join(sorted(FAMILIES))}); choose one of those"]
 
 
+def moe_layers(config: dict) -> list[int]:
+    """The decoder layers with experts (Qwen2/3-MoE may keep some dense: mlp_only_layers,
+    decoder_sparse_step)."""
+    layers, step = config.get("num_hidden_layers") or 0, config.get("decoder_sparse_step") or 1
+    dense = set(config.get("mlp_only_layers") or ())
+    return [i for i in range(layers) if i not in dense and (i + 1) % step == 0]
+
+
+def stored_problems(model_type: str, config: dict, names: set[str], folder) -> list[str]:
+    """Whether a pretrained folder's weight files (their tensor names) hold the experts its
+    config.json describes, one tensor per expert or fused: checked on the login node, before
+    the queue, from the index or the safetensors header (no tensor is read)."""
+    stored, experts, layers = FAMILIES.get(model_type), experts_in(config), moe_layers(config)
+    if stored is None or experts <= 1 or not layers or not names:
+        return []
+    def have(key: str) -> bool:  # saved with the base model's prefix or without, as the loader finds them
+        return key in names or key.removeprefix("model.") in names
+
+    for layer in (layers[0], layers[-1]):
+        at = f"model.layers.{layer}.{stored.block}.experts"
+        wanted = [f"{at}.{e}.{stored.gate}.weight" for e in (0, experts - 1)]
+        fused = f"model.layers.{layer}.mlp.experts.gate_up_proj"
+        if not have(fused) and not all(have(key) for key in wanted):
+            missing = next(key for key in wanted if not have(key))
+            return [f"model.name_or_path: {folder}'s weight files hold no {missing} (its config.json has "
+                    f"{experts} experts in layer {layer}, stored one tensor per expert or fused as {fused}); "
+                    f"the files and config.json do not match: download the model again"]
+    return []
+
+
 @dataclass(frozen=True)
 class MoE:
     """A model's experts: E routed experts per MoE layer, top_k per token, the loss's weight."""
