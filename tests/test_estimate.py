@@ -393,3 +393,60 @@ def test_with_fp8_the_table_says_it_counts_memory_as_without(home, write_config)
     assert lines[lines.index(note) - 1].startswith("total "), out["tensorwise"].stdout
     assert "train.fp8" not in out["none"].stdout
     assert table(out["tensorwise"].stdout) == table(out["none"].stdout)
+
+
+# Qwen3-30B-A3B's config.json (Hugging Face, Qwen/Qwen3-30B-A3B): 128 experts a layer, 8 per token.
+QWEN3_30B_A3B = {"model_type": "qwen3_moe", "vocab_size": 151936, "hidden_size": 2048, "intermediate_size": 6144,
+                 "moe_intermediate_size": 768, "num_hidden_layers": 48, "num_attention_heads": 32,
+                 "num_key_value_heads": 4, "head_dim": 128, "num_experts": 128, "num_experts_per_tok": 8,
+                 "norm_topk_prob": True, "max_position_embeddings": 40960, "tie_word_embeddings": False}
+
+
+def test_qwen3_30b_a3b_counts_its_experts_and_what_a_token_uses_on_8_and_16_gpus(home, write_config):
+    """30.5B parameters, 3.3B active (Qwen's model card); the experts' weights, gradients and
+    AdamW state sharded by FSDP2 with their layer: 16 GPUs hold half of what 8 do of each."""
+    cfg = llama(QWEN3_30B_A3B, 8, data={"seq_len": 4096})
+    shape = model_shape(load_config(write_config(cfg)))
+    assert (shape.params, shape.active, shape.experts, shape.top_k) == (30_532_122_624, 3_353_032_704, 128, 8)
+    out = cli("estimate", "--config", write_config(cfg), check=True).stdout
+    assert out.startswith("qwen3_moe: 30,532,122,624 parameters (30,532,122,624 trainable, 3,353,032,704 active "
+                          "per token (8 of 128 experts a layer)); fsdp on 8 GPUs")
+    eight, sixteen = (estimate(load_config(write_config(llama(QWEN3_30B_A3B, n, data={"seq_len": 4096}))))
+                      for n in (8, 16))
+    for row in ("parameters", "optimizer"):
+        assert getattr(sixteen, row) == pytest.approx(getattr(eight, row) / 2, rel=0.01)
+    assert 60 * GIB < eight.total < 72 * GIB and sixteen.total < 0.6 * eight.total  # 66.0 and 35.3 GiB
+    assert "pp 2" not in out  # no pipeline stages for MoE families yet: not offered
+
+
+# A Qwen3-MoE of 8 experts (2 per token) of 256 features, 4 layers x 256 wide, 4 x 256 tokens per
+# micro-batch, fp32 on 2 ranks: the experts' activations (each used expert's input, gate and up,
+# their product, its output) are 42% of DDP's estimated peak.
+PROBED_MOE = {"model_type": "qwen3_moe", "hidden_size": 256, "intermediate_size": 768, "moe_intermediate_size": 256,
+              "num_experts": 8, "num_experts_per_tok": 2, "num_hidden_layers": 4, "num_attention_heads": 4,
+              "num_key_value_heads": 2, "head_dim": 64, "max_position_embeddings": 256, "vocab_size": 4096,
+              "tie_word_embeddings": False}
+MOE_CASES = {"ddp": ["parallel.strategy=ddp"],
+             "fsdp-checkpointed": ["parallel.strategy=fsdp", "model.activation_checkpointing=true"]}
+
+
+@pytest.mark.slow
+def test_an_moe_estimate_is_within_15_percent_of_the_measured_peak(tmp_path, monkeypatch):
+    """The trainer's own step (its router hooks and load-balancing loss included) under torch's
+    memory tracker (tests/memory_probe.py), against the estimate: 0.99-1.01 when written."""
+    monkeypatch.setenv("LLMTRAIN_HOME", str(tmp_path / "home"))
+    config = tmp_path / "config.yaml"
+    config.write_text(yaml.safe_dump(tiny_config(
+        model={"architecture": PROBED_MOE}, data={"seq_len": 256},
+        train={"micro_batch_size": 4, "global_batch_size": 8, "precision": "fp32"})))
+    cli("prepare", "--config", config, check=True)
+    cmd = torchrun_command(2)
+    cmd[-2:] = [str(REPO / "tests" / "memory_probe.py"), str(config), str(tmp_path),
+                *(f"{name}={','.join(overrides)}" for name, overrides in MOE_CASES.items())]
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    ranks = [json.loads((tmp_path / f"rank-{rank}.json").read_text()) for rank in (0, 1)]
+    for case, overrides in MOE_CASES.items():
+        peak = max(r[case]["peak"] for r in ranks)
+        est = estimate(load_config(config, overrides, world_size=2), world_size=2)
+        assert 0.85 <= est.total / peak <= 1.15, (case, est.total / peak, est)

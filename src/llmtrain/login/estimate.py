@@ -26,7 +26,8 @@ layers, vocabulary; Pl, Pr, H: one layer's, the root's (embeddings, final norm, 
 - activations, per layer and token: 2 (4 + r) h (each RMSNorm keeps its fp32 input and its
   normalised values) + 2 p h (the norms' outputs, as the projections keep them; autocast: one
   copy per projection) + p (2 a d + 2 k d) + 4 a (SDPA keeps q, k, v, its output and the fp32
-  log-sum-exp, never the T x T scores; eager attention does: + a T (4 + p)) + 4 p i (gated MLP:
+  log-sum-exp, never the T x T scores; eager attention does: + a T (4 + p)); norms on the
+  heads (Qwen3's q_norm, k_norm) + (4 + p)(a + k) d + 4 p i (gated MLP:
   gate, its activation, up, their product; 2 p i ungated). A checkpointed layer keeps its input,
   r h, and one layer is recomputed at a time; backward holds T (p i + 8 h) of gradients
 - the attention masks, one per kind of layer whose rows hold several documents (fine-tuning
@@ -61,6 +62,14 @@ whole sequence, seq_len^2 / c bytes a row, held by the step (one per kind of lay
 one); each layer attending under it keeps the keys and values repeated to every query head, p 2 a
 d seq_len, and the mask made a bias in p that SDPA saves for backward, p seq_len^2 / c a row.
 
+Mixture-of-Experts layers (model/moe.py): E experts a layer, k of them per token, of width I.
+Their weights, gradients and optimizer state are counted as they are held, whole stacks of E
+(FSDP2 shards them by expert, ceil(E / S) a rank); per token, the MLP's 4 p i becomes k (4 p I +
+2 p h), each used expert's gathered input and output, plus the router's logits and the two fp32
+softmaxes kept for backward (the router's, the load-balancing loss's), E (p + 8); a shared expert
+(Qwen2-MoE) adds its 4 p i. The dispatch is transformers' (its eager loop or grouped GEMM: the same
+tensors kept).
+
 Muon (train.optimizer: muon) adds a moment, its optimizer step: every gradient, the fp32 update
 and result of each hidden-matrix parameter the rank holds (8 bytes each), and the largest stack
 of whole matrices it orthogonalises at once, ceil(k / n) of the k matrices of one shape and
@@ -87,7 +96,7 @@ from dataclasses import dataclass
 
 from ..config import Config, UserError
 from ..optimizers import OPTIMIZERS, state_bytes
-from ..parallel.dims import ParallelDims, layout_name
+from ..parallel.dims import PIPELINE_FAMILIES, ParallelDims, layout_name
 
 GIB = 2**30
 HEADROOM = 0.10  # of a GPU's memory: CUDA context, NCCL buffers, allocator fragmentation
@@ -132,6 +141,27 @@ class ModelShape:
     chunked: bool  # the loss runs in chunks (train.chunked_loss and a plain linear head)
     windows: tuple = (None,)  # each kind of layer's sliding window (model/attention.layer_windows), None: none
     layer_weights: tuple = ()  # (name, rows, cols) of the largest layer's trained matrices: Muon's stacks
+    head_norms: bool = False  # norms on the queries' and keys' heads (Qwen3's q_norm, k_norm)
+    # Mixture-of-Experts (model/moe.py): experts per layer, used per token, their width; 0: dense
+    experts: int = 0
+    top_k: int = 0
+    expert_intermediate: int = 0
+    shared_intermediate: int = 0  # Qwen2-MoE's shared expert, every token's
+    active: int = 0  # parameters a token uses (params for a dense model)
+    layer_expert_params: int = 0  # the largest layer's trained expert stacks [E, rows, cols]
+    expert_weights: tuple = ()  # (row blocks, E, rows, cols) of each: Muon orthogonalises each expert's apart
+
+    @property
+    def mlp_width(self) -> int:
+        """The MLP features one token computes: top-k experts' (and a shared expert's), or the dense MLP's."""
+        if not self.experts:
+            return self.intermediate
+        return self.top_k * self.expert_intermediate + self.shared_intermediate
+
+    @property
+    def hidden_params(self) -> int:
+        """The hidden matrices' parameters that train, experts included: Muon's share."""
+        return self.layers * (self.layer_matrix_params + self.layer_expert_params)
 
 
 @dataclass(frozen=True)
@@ -164,6 +194,8 @@ def model_shape(cfg: Config) -> ModelShape:
     from ..model.build import build_model, decoder_layers, model_config
     from ..model.lora import apply_lora, frozen_weights, is_adapter
     from ..model.loss import chunk_head
+    from ..model.moe import MoE
+    from ..optimizers.groups import row_blocks
 
     # The tokenizer only sizes an inline architecture's vocabulary; a folder's config.json has it.
     config = model_config(cfg, load_tokenizer(cfg) if cfg.model.architecture is not None else None)
@@ -180,6 +212,15 @@ def model_shape(cfg: Config) -> ModelShape:
     head = model.get_output_embeddings().weight
     linear = {id(p) for p in frozen_weights(model, linear_only=True)}  # under autocast, stored in p
     hidden, heads = config.hidden_size, config.num_attention_heads
+    moe = MoE.of(config)
+    experts = {n: p for n, p in largest.items() if p.ndim == 3 and p.requires_grad}
+    moe_shape = {} if moe is None else dict(
+        experts=moe.experts, top_k=moe.top_k,
+        expert_intermediate=getattr(config, "moe_intermediate_size", None) or config.intermediate_size,
+        shared_intermediate=getattr(config, "shared_expert_intermediate_size", None) or 0,
+        active=moe.active_params((n, p.numel()) for n, p in params.items())[1],
+        layer_expert_params=sum(p.numel() for p in experts.values()),
+        expert_weights=tuple((row_blocks(n), *p.shape) for n, p in experts.items()))
     return ModelShape(
         model_type=config.model_type,
         params=sum(p.numel() for p in params.values()),
@@ -202,6 +243,8 @@ def model_shape(cfg: Config) -> ModelShape:
         windows=_windows(config),
         layer_weights=tuple((n.split(".")[-2], *p.shape) for n, p in largest.items()
                             if p.ndim == 2 and p.requires_grad),
+        head_norms=any(n.endswith("q_norm.weight") for n in largest),
+        **{"active": sum(p.numel() for p in params.values()), **moe_shape},
     )
 
 
@@ -279,7 +322,7 @@ def estimate(cfg: Config, world_size: int | None = None, micro_batch: int | None
     checkpointed = -(-L // every) if cfg.model.activation_checkpointing else 0
     kept = (L - checkpointed) * layer_acts + (checkpointed * tokens * res * h + tokens * (4 + res) * h) // tp
     recompute = layer_acts if checkpointed else 0
-    backward = tokens * (p * m.intermediate + 8 * h)
+    backward = tokens * (p * m.mlp_width + 8 * h)
     # cp: a boolean mask of this rank's queries by the whole sequence, each kind of layer's
     mask = _mask_bytes(cfg, micro, masks) if cp == 1 else masks * micro * cfg.data.seq_len ** 2 // cp
     kept += mask
@@ -311,7 +354,7 @@ def estimate(cfg: Config, world_size: int | None = None, micro_batch: int | None
             "the backward of the first layer": (grads, cast, layer_acts + backward + mask, 0, 0),
         }
     # each part's share of this rank's trainable parameters: the hidden matrices and the rest
-    hidden = whole.layers * whole.layer_matrix_params / max(1, whole.trainable)
+    hidden = whole.hidden_params / max(1, whole.trainable)
     if t.optimizer == "muon":  # every gradient there; the updates and a stack of whole matrices
         stacked = sharded or tp > 1  # DTensors: stacks handed out over the ranks that split a matrix
         phases[MUON_STEP] = (grads, 0, 0, 0, _muon_step(
@@ -356,7 +399,7 @@ def _pipelined(cfg: Config, dims: ParallelDims, whole: ModelShape, world: int, m
     bounds = stage_bounds(whole.layers, pp * v)
     embedding = whole.root - whole.head if whole.head_linear else whole.root  # a tied head is refused
     per_layer = tokens * _layer_bytes(whole, p, res, autocast, cfg, tp)
-    hidden = whole.layers * whole.layer_matrix_params / max(1, whole.trainable)
+    hidden = whole.hidden_params / max(1, whole.trainable)
     worst = None
     for rank in sorted({0, pp - 1}):
         stages = [rank + k * pp for k in range(v)]
@@ -368,7 +411,7 @@ def _pipelined(cfg: Config, dims: ParallelDims, whole: ModelShape, world: int, m
         kept_layer = tokens * res * whole.hidden // tp if checkpointed else per_layer
         forwards = in_flight(par.pp_schedule, pp, rank, accum, v)
         activations = forwards * max(1, layers // v) * kept_layer + (per_layer if checkpointed else 0) \
-            + tokens * (p * whole.intermediate + 8 * whole.hidden)
+            + tokens * (p * whole.mlp_width + 8 * whole.hidden)
         loss = _loss_bytes(whole, tokens, p, res, autocast) if pp * v - 1 in stages else 0
         params = 4 * -(-held // shard)
         gradients = 4 * -(-trainable // shard)
@@ -403,6 +446,9 @@ def _muon_step(m: ModelShape, ranks: int, stacked: bool, tp: int, hidden: int) -
     stacks = Counter((name in row, rows, cols) for name, rows, cols in m.layer_weights)
     work = max((4 * (-(-count * m.layers // ranks) if stacked else 1) * (4 * rows * cols + 2 * min(rows, cols) ** 2)
                 for (_, rows, cols), count in stacks.items()), default=0)
+    for blocks, experts, rows, cols in m.expert_weights:  # the rank's experts of one stack, at once
+        held, rows = -(-experts // ranks) * blocks, rows // blocks
+        work = max(work, 4 * held * (4 * rows * cols + 2 * min(rows, cols) ** 2))
     return 8 * hidden + work
 
 
@@ -428,9 +474,14 @@ def _layer_bytes(m: ModelShape, p: int, res: int, autocast: bool, cfg: Config, t
     # autocast casts a norm's output once per projection reading it: all but the two output ones
     norm_outputs = (m.layer_matrices - 2 if autocast else 2) * p * m.hidden
     attention = p * 2 * (m.heads + m.kv_heads) * m.head_dim + 4 * m.heads
+    if m.head_norms:  # each keeps its input in fp32 and its normalised output
+        attention += (4 + p) * (m.heads + m.kv_heads) * m.head_dim
     if cfg.model.attn_implementation == "eager":  # the scores' softmax, fp32 and cast
         attention += m.heads * cfg.data.seq_len * (4 + (p if p < 4 else 0))
-    mlp = (4 if m.gated else 2) * p * m.intermediate
+    mlp = (4 if m.gated else 2) * p * m.mlp_width
+    if m.experts:  # each of its top-k experts' input gathered and its output, p h each; the router's
+        # logits (p) and two softmaxes kept for backward, fp32: the router's, and the balancing loss's
+        mlp += m.top_k * 2 * p * m.hidden + m.experts * (p + 8)
     return norms + norm_outputs + attention + mlp
 
 
@@ -499,7 +550,9 @@ def report(cfg: Config, gpu_mem_gib: float | None = None,
                      else "every layer" if every == 1 else f"every {every} layers")
     par = cfg.parallel
     layout = layout_name(par.strategy, est.tp, par.cp, shard_size(cfg, est.world_size), par.pp, par.pp_schedule)
-    lines = [f"{shape.model_type}: {shape.params:,} parameters ({shape.trainable:,} trainable); {layout} on "
+    experts = (f", {shape.active:,} active per token ({shape.top_k} of {shape.experts} experts a layer)"
+               if shape.experts else "")
+    lines = [f"{shape.model_type}: {shape.params:,} parameters ({shape.trainable:,} trainable{experts}); {layout} on "
              f"{est.world_size} "
              f"{'GPUs' if cfg.slurm.gpus_per_node else 'ranks'}, "
              f"{t.precision}, micro batch "
@@ -571,7 +624,7 @@ def alternatives(cfg: Config, world: int, shape: ModelShape, usable_gib: float |
                 name += f" ({shard_size(alt, world)}-way shards)"
             cells.append(f"  {name:<38} {total:>8.2f} GiB{fits}")
     for pp in (2, 4, 8):  # fsdp (ddp with one replica) x pipeline, 1F1B: the stages' worst rank
-        if world % pp or shape.layers + 2 < pp:
+        if world % pp or shape.layers + 2 < pp or shape.model_type not in PIPELINE_FAMILIES:
             continue
         strategy = "ddp" if world == pp else "fsdp"
         alt = dataclasses.replace(cfg, parallel=dataclasses.replace(
