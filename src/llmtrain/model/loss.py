@@ -110,6 +110,8 @@ def lm_loss(model: torch.nn.Module, batch, head: ChunkedHead | None = None,
             extra["position_ids"] = positions
         elif head is not None and head.tp_mesh is not None:  # HF would count this rank's slice of the sequence
             extra["position_ids"] = torch.arange(seq, device=tokens.device)[None]
+    if real is not None and head is not None and head.tp_mesh is not None:  # MoE layers route this rank's slice
+        real = real.chunk(head.tp_mesh.size(), dim=1)[head.tp_mesh.get_local_rank()]
     with routers.collecting(real) if routers is not None else contextlib.nullcontext():
         out = model(input_ids=inputs, **extra).logits
     return hidden_loss(out, targets, head, normaliser)

@@ -24,6 +24,7 @@ with explicit position ids: HF's model-level code would otherwise count a rank's
 A family is one entry in PLANS: the names of its attention and MLP projections and of the norms
 that work on heads (Qwen3's q_norm, k_norm: each rank normalises its own heads). Another type is
 refused by check-config until it has its entry (a wrong plan would train silently wrong).
+Mixture-of-Experts families split their attention so and leave the MoE block whole (MOE below).
 """
 
 from __future__ import annotations
@@ -47,14 +48,24 @@ class Plan:
     mlp_rows: str = "down_proj"
     norms: tuple[str, ...] = ("input_layernorm", "post_attention_layernorm")  # on the residual stream
     head_norms: tuple[str, ...] = ()  # norms inside the attention over each head's features
+    experts: bool = False  # the MLP is a Mixture-of-Experts block: left whole, on each rank's tokens
 
 
 LLAMA = Plan()
+# A Mixture-of-Experts layer's MLP (router, experts, a shared expert) is not split: each rank of
+# the group routes its own slice of the sequence through its whole copy of the experts (no
+# all-gather before it, no reduce-scatter after), and the copies' gradients, each from its
+# rank's tokens, are summed over the group after backward (sum_partial_grads). Expert parallel
+# is what splits the experts themselves.
+MOE = Plan(mlp_columns=(), mlp_rows="", experts=True)
 PLANS = {
     "llama": LLAMA,
     "mistral": LLAMA,
     "qwen2": LLAMA,
     "qwen3": Plan(head_norms=("q_norm", "k_norm")),
+    "mixtral": MOE,
+    "qwen2_moe": MOE,
+    "qwen3_moe": Plan(mlp_columns=(), mlp_rows="", experts=True, head_norms=("q_norm", "k_norm")),
 }
 
 
@@ -97,12 +108,16 @@ def apply_tensor_parallel(model: "torch.nn.Module", layers: "list[torch.nn.Modul
         mlp = [f"{plan.mlp}.{name}" for name in plan.mlp_columns]
         styles[plan.attention] = style("input", layer, attention)(
             input_kwarg_layouts={"hidden_states": Shard(1)}, desired_input_kwarg_layouts={"hidden_states": Replicate()})
-        styles[plan.mlp] = style("input", layer, mlp)(input_layouts=(Shard(1),), desired_input_layouts=(Replicate(),))
+        if plan.experts:  # this rank's tokens, as a plain tensor; its output joins the residual as it is
+            styles[plan.mlp] = PrepareModuleInput(input_layouts=(Shard(1),), desired_input_layouts=(Shard(1),),
+                                                  use_local_output=True)
+        else:
+            styles[plan.mlp] = style("input", layer, mlp)(input_layouts=(Shard(1),), desired_input_layouts=(Replicate(),))
         for name in attention + mlp:
             styles[name] = style("column", layer, [name])()
         for name in plan.head_norms:  # [batch, seq, heads, head_dim]: each rank its heads
             styles[f"{plan.attention}.{name}"] = SequenceParallel(sequence_dim=2, use_local_output=True)
-        for name in (f"{plan.attention}.{plan.rows}", f"{plan.mlp}.{plan.mlp_rows}"):
+        for name in [f"{plan.attention}.{plan.rows}"] + ([] if plan.experts else [f"{plan.mlp}.{plan.mlp_rows}"]):
             styles[name] = style("row", layer, [name])(output_layouts=Shard(1))
         parallelize_module(layer, mesh, styles)
     _attach_adapters(adapters, plan, mesh)
@@ -117,6 +132,26 @@ def apply_tensor_parallel(model: "torch.nn.Module", layers: "list[torch.nn.Modul
             param.requires_grad_(False)
 
 
+def sum_partial_grads(model: "torch.nn.Module", mesh) -> None:
+    """After backward, under tensor parallel: the gradients of the parameters each rank of the
+    group holds whole and computes on its own tokens (an MoE layer's router and experts), summed
+    over the group (`mesh`, the tp DeviceMesh) in one all-reduce; FSDP2's shards of them too."""
+    import torch
+    import torch.distributed as dist
+    plan = PLANS.get(model.config.model_type)
+    if plan is None or not plan.experts:
+        return
+    grads = [p.grad for name, p in model.named_parameters()
+             if f".{plan.mlp}." in name and p.grad is not None]
+    local = [g.to_local() if hasattr(g, "to_local") else g for g in grads]
+    if not local:
+        return
+    flat = torch.cat([g.reshape(-1) for g in local])
+    dist.all_reduce(flat, group=mesh.get_group())
+    for g, part in zip(local, flat.split([g.numel() for g in local])):
+        g.copy_(part.view_as(g))
+
+
 def split_dims(model: "torch.nn.Module", layers: "list[torch.nn.Module]") -> dict:
     """{projection of `layers`: the dim of its weight that apply_tensor_parallel splits}: 0 for
     the column-parallel ones (each rank its output features), 1 for the row-parallel ones (its
@@ -124,7 +159,7 @@ def split_dims(model: "torch.nn.Module", layers: "list[torch.nn.Module]") -> dic
     plan = PLANS[model.config.model_type]
     names = {**{f"{plan.attention}.{name}": 0 for name in plan.columns},
              **{f"{plan.mlp}.{name}": 0 for name in plan.mlp_columns},
-             f"{plan.attention}.{plan.rows}": 1, f"{plan.mlp}.{plan.mlp_rows}": 1}
+             f"{plan.attention}.{plan.rows}": 1, **({} if plan.experts else {f"{plan.mlp}.{plan.mlp_rows}": 1})}
     return {layer.get_submodule(name): dim for layer in layers for name, dim in names.items()}
 
 
@@ -210,6 +245,9 @@ CONFIG_DEFAULTS = {
     "mistral": {"num_attention_heads": 32, "num_key_value_heads": 8, "intermediate_size": 14336},
     "qwen2": {"num_attention_heads": 32, "num_key_value_heads": 32, "intermediate_size": 22016},
     "qwen3": {"num_attention_heads": 32, "num_key_value_heads": 32, "intermediate_size": 22016},
+    "mixtral": {"num_attention_heads": 32, "num_key_value_heads": 8},
+    "qwen2_moe": {"num_attention_heads": 16, "num_key_value_heads": 16},
+    "qwen3_moe": {"num_attention_heads": 32, "num_key_value_heads": 4},
 }
 
 
@@ -223,7 +261,9 @@ def problems(model_type: str, config: dict, tp: int) -> list[str]:
     given = {**CONFIG_DEFAULTS[model_type], **config}  # what the model will have
     if given.get("num_key_value_heads") is None:  # None or absent in a Llama: one per head
         given["num_key_value_heads"] = given["num_attention_heads"]
-    for key in ("num_attention_heads", "num_key_value_heads", "vocab_size", "intermediate_size"):
+    split = ("num_attention_heads", "num_key_value_heads", "vocab_size") + (() if PLANS[model_type].experts
+                                                                           else ("intermediate_size",))
+    for key in split:
         value = given.get(key)
         if isinstance(value, int) and value % tp:
             return [f"parallel.tp: must divide the model's {key} {value} (got {tp}); each rank "

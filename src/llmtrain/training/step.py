@@ -27,6 +27,7 @@ from ..model.loss import lm_loss
 from ..model.moe import MoE, Routers
 from ..parallel import float8
 from ..parallel.pipeline import Pipeline
+from ..parallel.tensor import sum_partial_grads
 from ..parallel.precision import autocast
 from ..parallel.wrap import gradient_sync, reshard
 from ..optimizers import OPTIMIZERS, eval_weights
@@ -34,6 +35,29 @@ from ..optimizers import OPTIMIZERS, eval_weights
 
 def no_phase(name: str):
     return contextlib.nullcontext()
+
+
+def by_mesh(params) -> dict:
+    """The parameters with gradients, by the DeviceMesh their gradients live on (None: plain
+    tensors). One mesh, but for an MoE model under tensor parallel: its MoE layers' weights are
+    FSDP2's alone (parallel/tensor.py leaves them whole over the tp group), the rest FSDP2 x tp's;
+    torch's norm and clip stack a list's norms, which DTensor refuses across meshes."""
+    groups: dict = {}
+    for p in params:
+        if p.grad is not None:
+            groups.setdefault(getattr(p.grad, "device_mesh", None), []).append(p)
+    return groups
+
+
+def total_grad_norm(params) -> torch.Tensor:
+    """The global 2-norm of the gradients (FSDP2's, DTensors: their norm's full_tensor)."""
+    norms = []
+    for group in by_mesh(params).values():
+        n = torch.nn.utils.get_total_norm([p.grad for p in group])
+        norms.append(n.full_tensor() if hasattr(n, "full_tensor") else n)
+    if len(norms) == 1:
+        return norms[0]
+    return torch.linalg.vector_norm(torch.stack(norms)) if norms else torch.zeros(())
 
 
 class Step:
@@ -78,14 +102,15 @@ class Step:
                     self.scaler.scale(objective).backward()
             total = loss.detach() if total is None else total + loss.detach()
         with phase("optimizer"):
+            if self.routers is not None and self.layout is not None and self.layout.dims.tensor > 1:
+                sum_partial_grads(unwrap(model), self.layout.mesh("tp"))  # the MoE layers', from each rank's tokens
             self.scaler.unscale_(self.optimizer)
             grad_norm = None
+            if cfg.train.grad_clip > 0 or norm:
+                grad_norm = total_grad_norm(model.parameters())
             if cfg.train.grad_clip > 0:
-                grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.train.grad_clip)
-            elif norm:
-                grad_norm = torch.nn.utils.get_total_norm([p.grad for p in model.parameters() if p.grad is not None])
-            if hasattr(grad_norm, "full_tensor"):  # FSDP2: a DTensor holding the global norm
-                grad_norm = grad_norm.full_tensor()
+                for params in by_mesh(model.parameters()).values():
+                    torch.nn.utils.clip_grads_with_norm_(params, cfg.train.grad_clip, grad_norm)
         return total, grad_norm
 
     def _balancing(self, micro_batches: int, loss_factor: float) -> torch.Tensor:
@@ -95,7 +120,10 @@ class Step:
         aux, counts = self.routers.take()
         share = aux.detach() / micro_batches
         self.routing = (share, counts) if self.routing is None else (self.routing[0] + share, self.routing[1] + counts)
-        return aux * (self.moe.aux_coef * loss_factor / micro_batches)
+        # under tensor parallel each rank of the group routes its slice of the sequence, and the
+        # group's gradients are summed (parallel/tensor.sum_partial_grads): each slice's loss, a mean
+        tp = self.layout.dims.tensor if self.layout is not None else 1
+        return aux * (self.moe.aux_coef * loss_factor / micro_batches / tp)
 
     def _pipelined(self, micro_batches, normaliser: float, loss_factor: float, norm: bool, phase):
         """forward_backward under the pipeline's schedule: the loss from the last stage, on every
