@@ -156,7 +156,7 @@ def test_a_model_without_a_tensor_parallel_plan_is_refused(tmp_path):
     with pytest.raises(ConfigError) as e:
         tp_config(tmp_path, "parallel.strategy=fsdp", "parallel.tp=2", model={"architecture": arch})
     assert e.value.problems == ["parallel.tp: no tensor-parallel plan for model type 'gpt2' (known: llama, mistral, "
-                                "qwen2, qwen3); set parallel.tp: 1"]
+                                "mixtral, qwen2, qwen2_moe, qwen3, qwen3_moe); set parallel.tp: 1"]
 
 
 def test_a_local_run_takes_any_tp_dividing_its_processes(tmp_path):
