@@ -67,8 +67,8 @@ Their weights, gradients and optimizer state are counted as they are held, whole
 (FSDP2 shards them by expert, ceil(E / S) a rank); per token, the MLP's 4 p i becomes k (4 p I +
 2 p h), each used expert's gathered input and output, plus the router's logits and the two fp32
 softmaxes kept for backward (the router's, the load-balancing loss's), E (p + 8); a shared expert
-(Qwen2-MoE) adds its 4 p i. The dispatch is transformers' (its eager loop or grouped GEMM: the same
-tensors kept).
+(Qwen2-MoE) adds its 4 p i. Measured on transformers' grouped-GEMM experts (its default): the
+tensors saved for backward are these, to the byte (doc/benchmarks.md).
 
 Muon (train.optimizer: muon) adds a moment, its optimizer step: every gradient, the fp32 update
 and result of each hidden-matrix parameter the rank holds (8 bytes each), and the largest stack
