@@ -113,6 +113,8 @@ def runs(tmp_path_factory):
         for steps in (3, 6):
             cli("train", "--config", config, "--set", "run.name=resumed", "--set", f"train.max_steps={steps}",
                 check=True)
+        torchrun(2, "train", "--config", config, "--set", "run.name=hsdp_bf16", "--set", "parallel.strategy=hsdp",
+                 "--set", "parallel.shard_size=1", "--set", "train.precision=bf16")
         yield root, config
 
 
@@ -128,6 +130,16 @@ def test_fsdp_and_a_resume_give_one_process_curve(runs, a, b, tol):
         if x["kind"] == "train":
             assert abs(x["moe_aux_loss"] - y["moe_aux_loss"]) <= tol
             assert x["expert_imbalance"] == pytest.approx(y["expert_imbalance"], rel=1e-6)
+
+
+def test_hsdp_in_bf16_follows_the_fp32_curve(runs):
+    """Two replicas of the experts (HSDP, 1-way shards) computing in bf16: the fp32 curve within
+    bf16's rounding, the routing metrics logged from both replicas' tokens."""
+    root, _ = runs
+    one, hsdp = read_metrics(root / "home" / "runs" / "one"), read_metrics(root / "home" / "runs" / "hsdp_bf16")
+    train = [(a, b) for a, b in zip(one, hsdp) if a["kind"] == "train"]
+    assert len(train) == 6 and max(abs(a["loss"] - b["loss"]) / a["loss"] for a, b in train) < 0.01, train
+    assert all(abs(a["moe_aux_loss"] - b["moe_aux_loss"]) < 0.02 for a, b in train)
 
 
 def test_mfu_counts_the_experts_a_token_uses(runs):
@@ -300,3 +312,68 @@ def test_tensor_parallel_splits_attention_and_routes_each_ranks_slice_through_wh
     tp, one = read_metrics(c.run_dir), read_metrics(c.run_dir.parent / "one")
     assert abs(tp[0]["loss"] - expected.item()) < 1e-5 and abs(tp[0]["moe_aux_loss"] - aux) < 1e-5
     assert max(abs(a["loss"] - b["loss"]) for a, b in zip(tp, one)) < 1e-3
+
+
+@pytest.mark.parametrize("arch", [
+    QWEN3_MOE, MIXTRAL,
+    {**QWEN3_MOE, "model_type": "qwen2_moe", "shared_expert_intermediate_size": 48, "head_dim": None},
+    {**QWEN3_MOE, "model_type": "olmoe", "head_dim": None}], ids=["qwen3_moe", "mixtral", "qwen2_moe", "olmoe"])
+def test_each_family_loads_its_per_expert_files_into_the_fused_experts(tmp_path, arch):
+    """The sliced loader on a meta skeleton gives every parameter transformers' from_pretrained
+    gives, the fused expert stacks included, from files saved one tensor per expert."""
+    from llmtrain.parallel.weights import load_pretrained
+    saved(tmp_path, {k: v for k, v in arch.items() if v is not None})
+    reference = AutoModelForCausalLM.from_pretrained(tmp_path, dtype=torch.float32)
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(reference.config)
+    model.to_empty(device="cpu")
+    load_pretrained(model, tmp_path)
+    expected = reference.state_dict()
+    assert [n for n, p in model.named_parameters() if not torch.equal(p, expected[n])] == []
+
+
+def test_a_rank_reads_only_the_experts_it_holds(tmp_path, monkeypatch):
+    """Rank 1 of 2 holding the second half of each layer's experts (FSDP2's Shard(0) of the
+    stacks) reads those experts' file tensors and no other's, and fills its shard with them."""
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import Shard, distribute_tensor
+    from torch.testing._internal.distributed.fake_pg import FakeStore
+    from llmtrain.parallel import weights
+    reference = saved(tmp_path, QWEN3_MOE)
+    read = []
+
+    def recording(path):
+        opened = original(path)
+
+        class Recorder:
+            def __enter__(self):
+                inner = opened.__enter__()
+
+                def read_key(key, slices):
+                    read.append(key)
+                    return inner(key, slices)
+                return read_key
+
+            def __exit__(self, *exc):
+                return opened.__exit__(*exc)
+        return Recorder()
+    original = weights.open_weights
+    monkeypatch.setattr(weights, "open_weights", recording)
+    dist.init_process_group("fake", store=FakeStore(), rank=1, world_size=2)
+    try:
+        mesh = init_device_mesh("cpu", (2,))
+        with torch.device("meta"):
+            model = AutoModelForCausalLM.from_config(reference.config)
+        model.to_empty(device="cpu")
+        for experts in (layer.mlp.experts for layer in model.model.layers):
+            for name in ("gate_up_proj", "down_proj"):
+                setattr(experts, name, torch.nn.Parameter(distribute_tensor(getattr(experts, name), mesh, [Shard(0)])))
+        weights.load_pretrained(model, tmp_path)
+    finally:
+        dist.destroy_process_group()
+    experts_read = {int(key.split(".")[5]) for key in read if ".experts." in key}
+    assert experts_read == {4, 5, 6, 7}
+    for ours, theirs in zip(model.model.layers, reference.model.layers):
+        assert torch.equal(ours.mlp.experts.gate_up_proj.to_local(), theirs.mlp.experts.gate_up_proj[4:].detach())
+        assert torch.equal(ours.mlp.experts.down_proj.to_local(), theirs.mlp.experts.down_proj[4:].detach())
