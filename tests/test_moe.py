@@ -118,6 +118,7 @@ def runs(tmp_path_factory):
         yield root, config
 
 
+@pytest.mark.slow  # real torchrun runs
 @pytest.mark.parametrize("a,b,tol", [("one", "fsdp", 1e-5), ("muon", "fsdp_muon", 1e-5), ("one", "resumed", 0.0)])
 def test_fsdp_and_a_resume_give_one_process_curve(runs, a, b, tol):
     """FSDP over 2 processes (experts sharded with their layer; Muon orthogonalising each rank's
@@ -132,6 +133,7 @@ def test_fsdp_and_a_resume_give_one_process_curve(runs, a, b, tol):
             assert x["expert_imbalance"] == pytest.approx(y["expert_imbalance"], rel=1e-6)
 
 
+@pytest.mark.slow  # real torchrun runs
 def test_hsdp_in_bf16_follows_the_fp32_curve(runs):
     """Two replicas of the experts (HSDP, 1-way shards) computing in bf16: the fp32 curve within
     bf16's rounding, the routing metrics logged from both replicas' tokens."""
@@ -142,6 +144,7 @@ def test_hsdp_in_bf16_follows_the_fp32_curve(runs):
     assert all(abs(a["moe_aux_loss"] - b["moe_aux_loss"]) < 0.02 for a, b in train)
 
 
+@pytest.mark.slow  # real torchrun runs
 def test_mfu_counts_the_experts_a_token_uses(runs):
     """FLOPs per token (from the metrics' MFU at train.peak_tflops 1) by hand: 6 per active
     parameter that multiplies, plus attention's 12 x layers x hidden x seq_len."""
@@ -160,6 +163,7 @@ def test_mfu_counts_the_experts_a_token_uses(runs):
     assert dense > 1.5 * by_hand  # every expert counted: 1.58x the FLOPs, MFU 1.58x too high
 
 
+@pytest.mark.slow  # real torchrun runs
 def test_export_of_an_moe_run_generates_as_llmtrain_generate(runs, tmp_path):
     root, _ = runs
     run = root / "home" / "runs" / "fsdp"
@@ -254,6 +258,7 @@ def test_lora_on_an_moe_model_keeps_the_experts_frozen_and_merges_into_its_layou
     assert AutoModelForCausalLM.from_pretrained(tmp_path / "merged").config.model_type == "qwen3_moe"
 
 
+@pytest.mark.slow  # real torchrun runs
 def test_the_plot_draws_the_routing_in_a_panel_of_its_own(runs):
     from matplotlib.image import imread
     root, _ = runs
@@ -284,6 +289,7 @@ def test_check_config_knows_the_experts_layout_of_a_pretrained_folder(tmp_path, 
         f"model.layers.1.mlp.experts.gate_up_proj); the files and config.json do not match: download the model again"]
 
 
+@pytest.mark.slow  # real torchrun runs
 def test_tensor_parallel_splits_attention_and_routes_each_ranks_slice_through_whole_experts(tmp_path, monkeypatch):
     """tp 2 on a saved Qwen3-MoE: the first loss is transformers'; the load-balancing loss is each
     rank's slice of the sequence's, averaged (transformers' over each half of each micro-batch's
