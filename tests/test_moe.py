@@ -37,6 +37,16 @@ def saved(folder, arch: dict):
     return model
 
 
+def transformers_first_step(model, c):
+    """transformers' forward of `model` on the run's first global batch (8 windows of 64 tokens),
+    router logits and aux loss included, and its language-model loss."""
+    data = TokenStream(*open_prepared(c), "train")
+    batch = torch.from_numpy(batch_tokens(data, StepSampler(data.num_samples(64), 8, c.train.seed, 0, 1).next_step(), 64))
+    with torch.no_grad():
+        result = model(input_ids=batch[:, :-1], output_router_logits=True)
+    return result, torch.nn.functional.cross_entropy(result.logits.flatten(0, 1), batch[:, 1:].flatten())
+
+
 @pytest.mark.parametrize("arch", [QWEN3_MOE, MIXTRAL], ids=["qwen3_moe", "mixtral"])
 def test_a_saved_moe_model_trains_from_its_files_with_transformers_losses(tmp_path, monkeypatch, arch):
     """The first step's loss and load-balancing loss are transformers' on that batch (one
@@ -58,11 +68,7 @@ def test_a_saved_moe_model_trains_from_its_files_with_transformers_losses(tmp_pa
     out = cli("train", "--config", path, check=True).stdout
 
     c = load_config(path)
-    data = TokenStream(*open_prepared(c), "train")
-    batch = torch.from_numpy(batch_tokens(data, StepSampler(data.num_samples(64), 8, c.train.seed, 0, 1).next_step(), 64))
-    with torch.no_grad():
-        result = model(input_ids=batch[:, :-1], output_router_logits=True)
-        expected = torch.nn.functional.cross_entropy(result.logits.flatten(0, 1), batch[:, 1:].flatten())
+    result, expected = transformers_first_step(model, c)
     first = read_metrics(c.run_dir)[0]
     assert first["step"] == 1 and abs(first["loss"] - expected.item()) < 1e-5
     assert abs(first["moe_aux_loss"] - result.aux_loss.item()) < 1e-5, (first, result.aux_loss)
@@ -306,11 +312,7 @@ def test_tensor_parallel_splits_attention_and_routes_each_ranks_slice_through_wh
     cli("train", "--config", path, "--set", "run.name=one", check=True)
 
     c = load_config(path)
-    data = TokenStream(*open_prepared(c), "train")
-    batch = torch.from_numpy(batch_tokens(data, StepSampler(data.num_samples(64), 8, c.train.seed, 0, 1).next_step(), 64))
-    with torch.no_grad():
-        result = model(input_ids=batch[:, :-1], output_router_logits=True)
-        expected = torch.nn.functional.cross_entropy(result.logits.flatten(0, 1), batch[:, 1:].flatten())
+    result, expected = transformers_first_step(model, c)
     logits = [layer.view(8, 64, -1) for layer in result.router_logits]
     slices = [tuple(layer[rows, half].reshape(-1, 8) for layer in logits)
               for rows in (slice(0, 4), slice(4, 8)) for half in (slice(0, 32), slice(32, 64))]
