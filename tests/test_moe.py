@@ -248,6 +248,7 @@ def test_lora_on_an_moe_model_keeps_the_experts_frozen_and_merges_into_its_layou
     cli("prepare", "--config", path, check=True)
     out = cli("train", "--config", path, check=True).stdout
     assert "LoRA: 1,792 trainable parameters" in out  # 2 layers x rank 4 x (q 64+64, v 64+32)
+    assert "the base is frozen, its experts and routers too (fused expert stacks are not linear layers" in out
     run = load_config(path).run_dir
     cli("export", "--run-dir", run, "--out", tmp_path / "merged", "--merge", check=True)
     cli("export", "--run-dir", run, "--out", tmp_path / "adapter", check=True)

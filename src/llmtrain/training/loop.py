@@ -154,7 +154,9 @@ def run(cfg: Config, world: World, watch: Watchdog, run_lock: RunLock) -> None:
     if cfg.model.lora is not None:
         lora = cfg.model.lora_spec
         log.info(f"LoRA: {n_trainable:,} trainable parameters ({n_trainable / n_params:.2%}), rank {lora.rank}, "
-                 f"alpha {lora.alpha:g} on {', '.join(lora.target_modules)}; the base is frozen")
+                 f"alpha {lora.alpha:g} on {', '.join(lora.target_modules)}; the base is frozen"
+                 + ("" if moe is None else ", its experts and routers too (fused expert stacks are not linear "
+                                           "layers: adapters go on attention and dense layers)"))
     log.info(describe_optimizer(optimizer, t))
 
     dp = world.dims.dp  # the data-parallel ranks share every batch
