@@ -386,3 +386,14 @@ def test_a_rank_reads_only_the_experts_it_holds(tmp_path, monkeypatch):
     for ours, theirs in zip(model.model.layers, reference.model.layers):
         assert torch.equal(ours.mlp.experts.gate_up_proj.to_local(), theirs.mlp.experts.gate_up_proj[4:].detach())
         assert torch.equal(ours.mlp.experts.down_proj.to_local(), theirs.mlp.experts.down_proj[4:].detach())
+
+
+def test_an_moe_config_whose_layers_are_all_dense_trains_without_routers():
+    """Qwen3-MoE with every layer in mlp_only_layers: no router to hook, no load-balancing loss."""
+    from types import SimpleNamespace
+    from llmtrain.training.step import Step
+    model = AutoModelForCausalLM.from_config(AutoConfig.for_model(**{**QWEN3_MOE, "vocab_size": 64,
+                                                                     "mlp_only_layers": [0, 1]}))
+    cfg = SimpleNamespace(train=SimpleNamespace(router_aux_loss_coef=None, precision="fp32", optimizer="adamw"))
+    step = Step(model, None, torch.optim.SGD(model.parameters(), lr=0.1), torch.amp.GradScaler(enabled=False), cfg)
+    assert step.moe is not None and step.routers is None

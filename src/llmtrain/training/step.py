@@ -73,6 +73,9 @@ class Step:
         # A Mixture-of-Experts model's routers: the load-balancing loss joins the training loss
         self.moe = MoE.of(unwrap(model).config, cfg.train.router_aux_loss_coef)
         self.routers = Routers(unwrap(model), self.moe) if self.moe is not None else None
+        if self.routers is not None and not self.routers.layers:  # every layer dense (mlp_only_layers)
+            self.routers.remove()
+            self.routers = None
         self.routing = None  # the last step's (load-balancing loss, tokens per expert [layers, E])
 
     def forward_backward(self, micro_batches, normaliser: float, loss_factor: float = 1.0, norm: bool = True,
