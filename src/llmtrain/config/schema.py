@@ -271,6 +271,10 @@ class ParallelConfig:
     # interleaved_1f1b: stages a rank holds (rank r: stages r, r + pp, ...; a smaller bubble for more
     # point-to-point sends); None: 2 for interleaved_1f1b, 1 for the others
     pp_stages_per_rank: Optional[int] = None
+    # expert parallel: a Mixture-of-Experts layer's experts split over ep ranks of the shard group
+    # (each holds num_experts / ep of them; tokens travel to their experts by all-to-all), sharded
+    # by FSDP2 over the rest; fsdp only. Qwen3-MoE, Qwen2-MoE, Mixtral, OLMoE
+    ep: int = 1
     backend: Literal["auto", "nccl", "gloo"] = "auto"  # auto: nccl on GPUs, gloo on CPUs
     reshard_after_forward: bool = True  # FSDP2: free gathered params after forward (ZeRO-3)
     prefetch_layers: int = 1  # FSDP2: layers whose all-gather starts ahead of time; 0: FSDP2's implicit

@@ -126,7 +126,7 @@ def orthogonalised(params: list, updates: list, steps: int, blocks: list[int] | 
     out: list = [None] * len(params)
     stacks = defaultdict(list)
     for i, p in enumerate(params):
-        if p.ndim == 3 and all(pl.is_replicate() or pl.is_shard(0) for pl in getattr(p, "placements", ())):
+        if p.ndim == 3 and all(pl.is_replicate() or getattr(pl, "dim", None) == 0 for pl in getattr(p, "placements", ())):
             b = blocks[i] if blocks else 1
             u = updates[i]
             out[i] = newton_schulz(u.reshape(-1, u.shape[1] // b, u.shape[2]), steps).reshape(u.shape)

@@ -48,6 +48,7 @@ import dataclasses
 import functools
 from dataclasses import dataclass
 
+from ..model.moe import experts_in
 from .tensor import problems as plan_problems
 
 SHARDED_STRATEGIES = ("fsdp", "hsdp")
@@ -88,7 +89,8 @@ class ParallelDims:
         dp = world_size // (pp * tp * cp) if tp >= 1 and cp >= 1 and pp >= 1 else 0
         stray = cfg.parallel.shard_size is not None
         v = cfg.parallel.pp_stages_per_rank or (2 if cfg.parallel.pp_schedule == "interleaved_1f1b" else 1)
-        common = {"context": cp, "tensor": tp, "pipeline": pp, "stages_per_rank": v, "per_node": known}
+        common = {"context": cp, "tensor": tp, "pipeline": pp, "stages_per_rank": v, "per_node": known,
+                  "expert": cfg.parallel.ep}
         if strategy == "ddp":
             return cls(world_size, strategy, replicate=dp, stray_shard_size=stray, **common)
         if strategy == "fsdp":
@@ -134,6 +136,9 @@ class ParallelDims:
         if self.expert < 1 or (self.shard * cp) % self.expert:
             return [f"parallel.ep: must divide the shard x context-parallel ranks {self.shard * cp} (got "
                     f"{self.expert}); experts are spread over ranks that hold the same dense weights"]
+        if self.expert > 1 and (self.strategy != "fsdp" or tp > 1 or pp > 1):
+            return [f"parallel.ep: expert parallel runs with parallel.strategy fsdp, tp 1 and pp 1 for now (got "
+                    f"{self.strategy}, tp {tp}, pp {pp}); set parallel.ep: 1"]
         product = self.pipeline * self.replicate * self.shard * self.context * self.tensor
         if product != self.world_size:
             sizes = " x ".join(f"{name} {getattr(self, name)}" for name in LAYOUT)
@@ -273,6 +278,11 @@ class ParallelDims:
         tensor-parallel plan, and heads, key/value heads, vocabulary and MLP width that tp divides;
         the pipeline's families, layers and untied head."""
         p = plan_problems(model_type, model_config, self.tensor) if self.tensor >= 1 else []
+        experts = experts_in(model_config)
+        if self.expert > 1 and (experts <= 1 or experts % self.expert):
+            p.append(f"parallel.ep: must divide the model's experts a layer (got {self.expert} for "
+                     f"{experts or 'a dense model, no experts'}); set parallel.ep: 1" if experts <= 1 else
+                     f"parallel.ep: must divide the model's {experts} experts a layer (got {self.expert})")
         if self.pipeline <= 1:
             return p
         if model_type not in PIPELINE_FAMILIES:
@@ -304,7 +314,7 @@ class ParallelDims:
                 while tp * cp <= world_size:
                     shard_size = cfg.parallel.shard_size if strategy == "hsdp" else None  # the user's, for hsdp
                     par = dataclasses.replace(cfg.parallel, strategy=strategy, tp=tp, cp=cp, shard_size=shard_size,
-                                              pp=1, pp_stages_per_rank=None)
+                                              pp=1, pp_stages_per_rank=None, ep=1)
                     dims = cls.from_config(dataclasses.replace(cfg, parallel=par), world_size, per_node)
                     if (not dims.problems() and cfg.data.seq_len % dims.seq_len_divisor == 0
                             and not (model_config and dims.model_problems(model_type, model_config))):
@@ -328,6 +338,9 @@ class ParallelDims:
             return f"{self.strategy} over {ranks} (mesh: {' x '.join(f'{name} {sizes[name]}' for name in shown)})"
         if self.strategy == "hsdp":
             return f"hsdp over {ranks} ({self.replicate} replicas x {self.shard}-way shards)"
+        if self.expert > 1:
+            return (f"{self.strategy} over {ranks}; experts over ep {self.expert} x "
+                    f"{self.shard * self.context // self.expert}-way shards")
         return f"{self.strategy} over {ranks}"
 
 

@@ -2,7 +2,7 @@
 
     build on the meta device -> this rank's pipeline stage (parallel/pipeline.py) -> LoRA adapters (frozen base stored in the run's precision)
       -> FP8 linear layers (parallel/float8.py) -> tensor + sequence parallel (parallel/tensor.py)
-      -> [next: expert parallel] -> activation checkpointing -> torch.compile per layer
+      -> expert parallel (parallel/experts.py) -> activation checkpointing -> torch.compile per layer
       -> FSDP2/HSDP (on world.dims' mesh) -> allocate this rank's shards
       -> weights (parallel/weights.py: seeded init or sliced load) -> DDP
 
@@ -47,6 +47,7 @@ from ..model.build import build_model, decoder_layers, pretrained_dir
 from ..model.lora import apply_lora, frozen_weights, init_adapters
 from . import float8
 from .dims import SHARDED_STRATEGIES
+from .experts import apply_expert_parallel, shard_experts
 from .pipeline import keep_stage
 from .precision import DTYPES
 from .tensor import apply_tensor_parallel
@@ -82,13 +83,16 @@ def parallelize(cfg: Config, config, world: World, watch=None, resuming: bool = 
             # float8 all-gathers need NCCL: gloo has no float8 ("Invalid scalar type", torch 2.13)
             apply_tensor_parallel(model, decoder_layers(model), world.layout.mesh("tp"),
                                   float8_styles=cfg.train.fp8 == "tensorwise" and world.device.type == "cuda")
+        if world.dims.expert > 1:  # each rank its share of every MoE layer's experts (parallel/experts.py)
+            apply_expert_parallel(model, world.layout.expert_mesh()["ep"])
         if cfg.model.activation_checkpointing:
             checkpoint_layers(model, cfg.model.activation_checkpointing_every)
         if cfg.train.compile:
             compile_layers(model)
     with phase("sharding"):
         if world.dims.sharded:
-            apply_fsdp(model, cfg, world.layout.fsdp_mesh())
+            experts = (world.layout.expert_mesh()["efsdp"], world.dims.param_shards) if world.dims.expert > 1 else None
+            apply_fsdp(model, cfg, world.layout.fsdp_mesh(), experts)
         model.to_empty(device=world.device)
         if tied and not _tied(model):  # to_empty allocates tied weights twice; FSDP2 keeps the tie
             model.tie_weights()
@@ -204,8 +208,10 @@ def checkpoint_layers(model: torch.nn.Module, every: int = 1) -> list[bool]:
     return [bool(layer.gradient_checkpointing) for layer in layers]
 
 
-def apply_fsdp(model: torch.nn.Module, cfg: Config, mesh=None) -> None:
-    """fully_shard each decoder layer, then the root (embeddings, final norm, head).
+def apply_fsdp(model: torch.nn.Module, cfg: Config, mesh=None, experts=None) -> None:
+    """fully_shard each decoder layer, then the root (embeddings, final norm, head). `experts`
+    (expert parallel: the efsdp mesh and the dense weights' shard count): each layer's experts
+    first, over the ranks that hold the same ones (parallel/experts.shard_experts).
 
     The root and the last layer stay gathered after forward: backward needs them at once, so
     freeing them would only cost another all-gather per micro-batch (torchtitan does the same).
@@ -216,6 +222,8 @@ def apply_fsdp(model: torch.nn.Module, cfg: Config, mesh=None) -> None:
     layers = decoder_layers(model)
     if cfg.parallel.pp > 1:  # the schedule runs every micro-batch's forward before the backwards
         reshard = False      # catch up: gathered once a step, not once a micro-batch (as torchtitan)
+    if experts is not None:
+        shard_experts(model, experts[0], mp, experts[1], reshard)
     for i, layer in enumerate(layers):
         fully_shard(layer, mesh=mesh, mp_policy=mp,
                     reshard_after_forward=reshard and i < len(layers) - 1)

@@ -1,0 +1,103 @@
+"""Expert parallel (`parallel.ep`): a Mixture-of-Experts layer's experts split over the ep ranks
+of a shard group, tokens sent to the rank holding their expert and back by all-to-all.
+
+    apply_expert_parallel(model, ep_mesh)            # on the meta skeleton, after tensor parallel
+    shard_experts(layers, efsdp_mesh, mp, divide)    # FSDP2 over the rest, before the layers'
+
+Each layer's fused expert stacks (transformers 5's `experts.gate_up_proj` [E, 2I, H] and
+`down_proj` [E, H, I]) become DTensors split on the expert dimension over the ep mesh: rank r of
+the group holds experts r E/ep .. (r + 1) E/ep - 1, whole. The experts module's forward (the
+router's choice in, the weighted sum of the chosen experts' outputs out, as transformers' own)
+becomes:
+
+    each (token, choice) pair sorted by expert -> all-to-all: each rank receives the pairs of
+    its experts from every rank of the group (uneven splits) -> its experts on them, one matmul
+    pair per expert -> all-to-all back -> weighted by the router, summed per token
+
+The splits are counts on the device; all_to_all_single needs them on the host, one read of the
+group's counts per layer and forward (a backward reuses them; a checkpointed layer's recompute
+reads again). The experts' gradients come back through the all-to-all's backward, so an expert's
+gradient sums the tokens of its whole group; FSDP2 then reduce-scatters it over the remaining
+ranks (efsdp = shard x cp / ep). Dense weights average over all shard x cp ranks, so the experts'
+divide factor is set to the same (FSDP2's default would divide by efsdp alone: ep times too large).
+"""
+
+from __future__ import annotations
+
+import types
+
+import torch
+import torch.nn.functional as F
+
+from ..model.moe import FUSED
+
+
+def experts_modules(model: torch.nn.Module) -> list[torch.nn.Module]:
+    """The modules holding a layer's fused expert stacks (gate_up_proj and down_proj)."""
+    return [m for name, m in model.named_modules()
+            if FUSED.fullmatch(f"{name}.gate_up_proj") and isinstance(getattr(m, "down_proj", None), torch.nn.Parameter)]
+
+
+def apply_expert_parallel(model: torch.nn.Module, mesh) -> None:
+    """Split every experts module's stacks over the 1-D ep `mesh` (Shard(0): whole experts a
+    rank) and route its forward through the all-to-all."""
+    from torch.distributed.tensor import Shard, distribute_tensor
+    for experts in experts_modules(model):
+        for name in ("gate_up_proj", "down_proj"):
+            param = getattr(experts, name)
+            setattr(experts, name, torch.nn.Parameter(distribute_tensor(param, mesh, [Shard(0)]),
+                                                      requires_grad=param.requires_grad))
+        experts.ep_group = mesh.get_group()
+        experts.forward = types.MethodType(dispatched_forward, experts)
+
+
+def shard_experts(model: torch.nn.Module, mesh, mp_policy, divide_factor: int, reshard: bool) -> None:
+    """FSDP2 over `mesh` (efsdp) for each experts module, before its layer's fully_shard; its
+    gradients divided by `divide_factor` (the dense weights' ranks) instead of efsdp's size."""
+    from torch.distributed.fsdp import fully_shard
+    for experts in experts_modules(model):
+        fully_shard(experts, mesh=mesh, mp_policy=mp_policy, reshard_after_forward=reshard)
+        experts.set_gradient_divide_factor(float(divide_factor))
+
+
+def dispatched_forward(self, hidden_states: torch.Tensor, top_k_index: torch.Tensor,
+                       top_k_weights: torch.Tensor) -> torch.Tensor:
+    """transformers' experts forward (hidden [T, H], each token's top-k experts and weights ->
+    [T, H]) with the experts spread over the ep group."""
+    import torch.distributed as dist
+    from torch.distributed._functional_collectives import all_to_all_single, all_to_all_single_autograd
+    gate_up, down = _local(self.gate_up_proj), _local(self.down_proj)
+    group, ep = self.ep_group, dist.get_world_size(self.ep_group)
+    local = gate_up.shape[0]
+    experts = local * ep
+    top_k = top_k_index.shape[1]
+    chosen = top_k_index.reshape(-1)
+    order = chosen.argsort(stable=True)  # pairs by expert: by destination rank, then local expert
+    counts = torch.bincount(chosen, minlength=experts)
+    received = all_to_all_single(counts, [local] * ep, [local] * ep, group)  # [source rank, local expert]
+    splits = torch.stack([counts.view(ep, local).sum(1), received.view(ep, local).sum(1)]).tolist()  # the host read
+    sent, got = splits
+    tokens = all_to_all_single_autograd(hidden_states[order // top_k], got, sent, group)
+    # regroup what came from every rank by local expert, compute, and put it back in arrival order
+    expert_of = torch.repeat_interleave(torch.arange(local, device=chosen.device).repeat(ep), received.view(-1))
+    by_expert = expert_of.argsort(stable=True)
+    per_expert = received.view(ep, local).sum(0).tolist()
+    outputs = torch.empty_like(tokens)
+    outputs[by_expert] = _experts(self, tokens[by_expert], gate_up, down, per_expert)
+    back = all_to_all_single_autograd(outputs, sent, got, group)
+    weighted = back * top_k_weights.reshape(-1)[order, None].to(back.dtype)
+    return torch.zeros_like(hidden_states).index_add(0, order // top_k, weighted.to(hidden_states.dtype))
+
+
+def _experts(module, x: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor, sizes: list[int]) -> torch.Tensor:
+    """Each local expert on its rows of `x` (sorted by expert, `sizes` rows each), as
+    transformers' per-expert loop computes it."""
+    out = []
+    for e, rows in enumerate(x.split(sizes)):
+        gate, up = F.linear(rows, gate_up[e]).chunk(2, dim=-1)
+        out.append(F.linear(module.act_fn(gate) * up, down[e]))
+    return torch.cat(out) if out else x[:0]
+
+
+def _local(param):
+    return param.to_local() if hasattr(param, "to_local") else param
