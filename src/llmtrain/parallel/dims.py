@@ -133,12 +133,12 @@ class ParallelDims:
                         f"got {self.shard})"]
             return [f"parallel.shard_size: must divide the world size {self.world_size} (got {self.shard}); "
                     f"hsdp shards within groups of shard_size ranks and replicates across them"]
-        if self.expert < 1 or (self.shard * cp) % self.expert:
-            return [f"parallel.ep: must divide the shard x context-parallel ranks {self.shard * cp} (got "
-                    f"{self.expert}); experts are spread over ranks that hold the same dense weights"]
         if self.expert > 1 and (self.strategy != "fsdp" or tp > 1 or pp > 1):
             return [f"parallel.ep: expert parallel runs with parallel.strategy fsdp, tp 1 and pp 1 for now (got "
                     f"{self.strategy}, tp {tp}, pp {pp}); set parallel.ep: 1"]
+        if self.expert < 1 or (self.shard * cp) % self.expert:
+            return [f"parallel.ep: must divide the shard x context-parallel ranks {self.shard * cp} (got "
+                    f"{self.expert}); experts are spread over ranks that hold the same dense weights"]
         product = self.pipeline * self.replicate * self.shard * self.context * self.tensor
         if product != self.world_size:
             sizes = " x ".join(f"{name} {getattr(self, name)}" for name in LAYOUT)

@@ -17,9 +17,10 @@ becomes:
 The splits are counts on the device; all_to_all_single needs them on the host, one read of the
 group's counts per layer and forward (a backward reuses them; a checkpointed layer's recompute
 reads again). The experts' gradients come back through the all-to-all's backward, so an expert's
-gradient sums the tokens of its whole group; FSDP2 then reduce-scatters it over the remaining
-ranks (efsdp = shard x cp / ep). Dense weights average over all shard x cp ranks, so the experts'
-divide factor is set to the same (FSDP2's default would divide by efsdp alone: ep times too large).
+gradient sums the tokens of its whole group; FSDP2 then averages it over the remaining ranks
+(efsdp = shard x cp / ep). Dense weights average over all shard x cp ranks, so each expert's
+gradient is scaled by 1 / ep on its way in (an identity whose backward scales): FSDP2's own
+divide factor would do it in the reduce-scatter (PREMUL_SUM), which gloo lacks.
 """
 
 from __future__ import annotations
@@ -51,13 +52,11 @@ def apply_expert_parallel(model: torch.nn.Module, mesh) -> None:
         experts.forward = types.MethodType(dispatched_forward, experts)
 
 
-def shard_experts(model: torch.nn.Module, mesh, mp_policy, divide_factor: int, reshard: bool) -> None:
-    """FSDP2 over `mesh` (efsdp) for each experts module, before its layer's fully_shard; its
-    gradients divided by `divide_factor` (the dense weights' ranks) instead of efsdp's size."""
+def shard_experts(model: torch.nn.Module, mesh, mp_policy, reshard: bool) -> None:
+    """FSDP2 over `mesh` (efsdp) for each experts module, before its layer's fully_shard."""
     from torch.distributed.fsdp import fully_shard
     for experts in experts_modules(model):
         fully_shard(experts, mesh=mesh, mp_policy=mp_policy, reshard_after_forward=reshard)
-        experts.set_gradient_divide_factor(float(divide_factor))
 
 
 def dispatched_forward(self, hidden_states: torch.Tensor, top_k_index: torch.Tensor,
@@ -66,8 +65,8 @@ def dispatched_forward(self, hidden_states: torch.Tensor, top_k_index: torch.Ten
     [T, H]) with the experts spread over the ep group."""
     import torch.distributed as dist
     from torch.distributed._functional_collectives import all_to_all_single, all_to_all_single_autograd
-    gate_up, down = _local(self.gate_up_proj), _local(self.down_proj)
     group, ep = self.ep_group, dist.get_world_size(self.ep_group)
+    gate_up, down = (_GradScaled.apply(_local(w), 1 / ep) for w in (self.gate_up_proj, self.down_proj))
     local = gate_up.shape[0]
     experts = local * ep
     top_k = top_k_index.shape[1]
@@ -97,6 +96,19 @@ def _experts(module, x: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor,
         gate, up = F.linear(rows, gate_up[e]).chunk(2, dim=-1)
         out.append(F.linear(module.act_fn(gate) * up, down[e]))
     return torch.cat(out) if out else x[:0]
+
+
+class _GradScaled(torch.autograd.Function):
+    """The identity, whose backward scales the gradient by `factor`."""
+
+    @staticmethod
+    def forward(ctx, x, factor):
+        ctx.factor = factor
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return grad * ctx.factor, None
 
 
 def _local(param):

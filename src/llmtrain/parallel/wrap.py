@@ -91,7 +91,7 @@ def parallelize(cfg: Config, config, world: World, watch=None, resuming: bool = 
             compile_layers(model)
     with phase("sharding"):
         if world.dims.sharded:
-            experts = (world.layout.expert_mesh()["efsdp"], world.dims.param_shards) if world.dims.expert > 1 else None
+            experts = world.layout.expert_mesh()["efsdp"] if world.dims.expert > 1 else None
             apply_fsdp(model, cfg, world.layout.fsdp_mesh(), experts)
         model.to_empty(device=world.device)
         if tied and not _tied(model):  # to_empty allocates tied weights twice; FSDP2 keeps the tie
@@ -210,7 +210,7 @@ def checkpoint_layers(model: torch.nn.Module, every: int = 1) -> list[bool]:
 
 def apply_fsdp(model: torch.nn.Module, cfg: Config, mesh=None, experts=None) -> None:
     """fully_shard each decoder layer, then the root (embeddings, final norm, head). `experts`
-    (expert parallel: the efsdp mesh and the dense weights' shard count): each layer's experts
+    (expert parallel: the efsdp mesh): each layer's experts
     first, over the ranks that hold the same ones (parallel/experts.shard_experts).
 
     The root and the last layer stay gathered after forward: backward needs them at once, so
@@ -223,7 +223,7 @@ def apply_fsdp(model: torch.nn.Module, cfg: Config, mesh=None, experts=None) -> 
     if cfg.parallel.pp > 1:  # the schedule runs every micro-batch's forward before the backwards
         reshard = False      # catch up: gathered once a step, not once a micro-batch (as torchtitan)
     if experts is not None:
-        shard_experts(model, experts[0], mp, experts[1], reshard)
+        shard_experts(model, experts, mp, reshard)
     for i, layer in enumerate(layers):
         fully_shard(layer, mesh=mesh, mp_policy=mp,
                     reshard_after_forward=reshard and i < len(layers) - 1)
