@@ -12,16 +12,11 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from conftest import assert_same_curve, cli, prepared_home, read_metrics, tiny_config, torchrun
 from llmtrain.config import ConfigError, load_config
+from test_moe import MIXTRAL, QWEN3_MOE as MOE_ARCH
 
 pytestmark = pytest.mark.slow  # real torchrun runs
 
-QWEN3_MOE = {"model_type": "qwen3_moe", "hidden_size": 64, "intermediate_size": 128, "moe_intermediate_size": 32,
-             "num_experts": 4, "num_experts_per_tok": 2, "num_hidden_layers": 2, "num_attention_heads": 4,
-             "num_key_value_heads": 2, "head_dim": 16, "max_position_embeddings": 128,
-             "tie_word_embeddings": False, "router_aux_loss_coef": 0.01}
-MIXTRAL = {"model_type": "mixtral", "hidden_size": 64, "intermediate_size": 48, "num_local_experts": 4,
-           "num_experts_per_tok": 2, "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2,
-           "max_position_embeddings": 128, "tie_word_embeddings": False, "router_aux_loss_coef": 0.02}
+QWEN3_MOE = {**MOE_ARCH, "num_experts": 4}  # 4 experts, 2 a token: 2 a rank at ep 2
 
 
 def config(arch: dict) -> dict:

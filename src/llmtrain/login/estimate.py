@@ -70,6 +70,12 @@ softmaxes kept for backward (the router's, the load-balancing loss's), E (p + 8)
 (Qwen2-MoE) adds its 4 p i. Measured on transformers' grouped-GEMM experts (its default): the
 tensors saved for backward are these, to the byte (doc/benchmarks.md).
 
+Expert parallel (parallel.ep = e): the experts' weights, gradients and state are split as FSDP2
+splits them (E / (e x efsdp) = E / S experts a rank either way); what changes is the gathered
+layer (a rank gathers its E / e experts, not all E: the param-copy and comm terms count
+Pl - (1 - 1 / e) x the layer's experts) and the dispatch: the tokens a rank's experts receive
+balance out on average, so the activations stay k x (4 p I + 2 p h) a token.
+
 Muon (train.optimizer: muon) adds a moment, its optimizer step: every gradient, the fp32 update
 and result of each hidden-matrix parameter the rank holds (8 bytes each), and the largest stack
 of whole matrices it orthogonalises at once, ceil(k / n) of the k matrices of one shape and
@@ -330,17 +336,20 @@ def estimate(cfg: Config, world_size: int | None = None, micro_batch: int | None
 
     # Each moment: (gradients, param copies, activations, loss, comm buffers)
     if sharded:  # FSDP2: the root stays gathered from forward to backward
-        gathered = p * (m.root + (1 if par.reshard_after_forward else L) * m.layer)
+        # a layer gathered: expert parallel gathers its rank's 1 / ep of the experts only
+        experts_not_held = m.layer_expert_params - m.layer_expert_params // dims.expert
+        layer, layer_trainable = m.layer - experts_not_held, m.layer_trainable - experts_not_held
+        gathered = p * (m.root + (1 if par.reshard_after_forward else L) * layer)
         # unsharded gradients: the head's, until the root's reduce-scatter, and the layer's
-        in_flight = p * (m.head_trainable + m.layer_trainable)
+        in_flight = p * (m.head_trainable + layer_trainable)
         reduced = 4 * (m.trainable - m.root_trainable - m.layer_trainable) // shard  # other layers'
-        prefetched = max(1, par.prefetch_layers) * p * m.layer  # all-gather outputs
+        prefetched = max(1, par.prefetch_layers) * p * layer  # all-gather outputs
         phases = {
             "the loss, at the end of forward": (held, gathered, kept, loss, 0),
             "the backward of the last layer": (held + in_flight, gathered, kept + recompute + backward,
-                                               0, prefetched + 4 * m.layer_trainable),
-            "the backward of the first layer": (max(held, reduced) + in_flight, p * (m.root + m.layer),
-                                                layer_acts + backward + mask, 0, 4 * m.layer_trainable),
+                                               0, prefetched + 4 * layer_trainable),
+            "the backward of the first layer": (max(held, reduced) + in_flight, p * (m.root + layer),
+                                                layer_acts + backward + mask, 0, 4 * layer_trainable),
             "the root's reduce-scatter, at the end of backward": (
                 grads + p * m.root_trainable, 0, 0, 0, 4 * m.root_trainable),
         }
@@ -549,7 +558,8 @@ def report(cfg: Config, gpu_mem_gib: float | None = None,
     checkpointing = ("off" if not mc.activation_checkpointing
                      else "every layer" if every == 1 else f"every {every} layers")
     par = cfg.parallel
-    layout = layout_name(par.strategy, est.tp, par.cp, shard_size(cfg, est.world_size), par.pp, par.pp_schedule)
+    layout = layout_name(par.strategy, est.tp, par.cp, shard_size(cfg, est.world_size), par.pp, par.pp_schedule,
+                         par.ep)
     experts = (f", {shape.active:,} active per token ({shape.top_k} of {shape.experts} experts a layer)"
                if shape.experts else "")
     lines = [f"{shape.model_type}: {shape.params:,} parameters ({shape.trainable:,} trainable{experts}); {layout} on "
@@ -611,7 +621,7 @@ def alternatives(cfg: Config, world: int, shape: ModelShape, usable_gib: float |
         for ac in (False, True):
             alt = dataclasses.replace(
                 cfg, parallel=dataclasses.replace(cfg.parallel, strategy=strategy, tp=tp, cp=cp, shard_size=(
-                    cfg.parallel.shard_size if strategy == "hsdp" else None), pp=1, pp_stages_per_rank=None),
+                    cfg.parallel.shard_size if strategy == "hsdp" else None), pp=1, pp_stages_per_rank=None, ep=1),
                 model=dataclasses.replace(cfg.model, activation_checkpointing=ac,
                                           activation_checkpointing_every=1))
             try:
@@ -623,13 +633,22 @@ def alternatives(cfg: Config, world: int, shape: ModelShape, usable_gib: float |
             if strategy == "hsdp":
                 name += f" ({shard_size(alt, world)}-way shards)"
             cells.append(f"  {name:<38} {total:>8.2f} GiB{fits}")
+    for ep in (2, 4, 8) if shape.experts else ():  # fsdp x expert parallel, checkpointing every layer
+        alt = dataclasses.replace(cfg, parallel=dataclasses.replace(
+            cfg.parallel, strategy="fsdp", tp=1, cp=1, pp=1, pp_stages_per_rank=None, shard_size=None, ep=ep),
+            model=dataclasses.replace(cfg.model, activation_checkpointing=True, activation_checkpointing_every=1))
+        if world % ep or shape.experts % ep:
+            continue
+        total = estimate(alt, world, shape=shape).total / GIB
+        fits = "" if usable_gib is None else (" fits" if total <= usable_gib else " too big")
+        cells.append(f"  {layout_name('fsdp', ep=ep) + ' + checkpointing':<38} {total:>8.2f} GiB{fits}")
     for pp in (2, 4, 8):  # fsdp (ddp with one replica) x pipeline, 1F1B: the stages' worst rank
         if world % pp or shape.layers + 2 < pp or shape.model_type not in PIPELINE_FAMILIES:
             continue
         strategy = "ddp" if world == pp else "fsdp"
         alt = dataclasses.replace(cfg, parallel=dataclasses.replace(
             cfg.parallel, strategy=strategy, tp=1, cp=1, pp=pp, pp_schedule="1f1b", pp_stages_per_rank=None,
-            shard_size=None))
+            shard_size=None, ep=1))
         try:
             total = estimate(alt, world, shape=shape).total / GIB
         except UserError:

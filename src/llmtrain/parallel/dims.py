@@ -368,10 +368,13 @@ def _unset_shard_size(dp: int, per_node: int, tp: int, cp: int) -> str:
             f"data-parallel ranks: {some}, 1 replicates the whole model on every GPU")
 
 
-def layout_name(strategy: str, tp: int = 1, cp: int = 1, shard: int = 0, pp: int = 1, schedule: str = "") -> str:
+def layout_name(strategy: str, tp: int = 1, cp: int = 1, shard: int = 0, pp: int = 1, schedule: str = "",
+                ep: int = 1) -> str:
     """A layout as check-config and the estimator name it: 'fsdp', 'fsdp x cp 2 x tp 8',
-    'hsdp x tp 8 (4-way shards)' (shard: hsdp's shard group, where known), 'pp 8 (1f1b) x fsdp x tp 8'."""
-    name = strategy + (f" x cp {cp}" if cp > 1 else "") + (f" x tp {tp}" if tp > 1 else "")
+    'hsdp x tp 8 (4-way shards)' (shard: hsdp's shard group, where known), 'pp 8 (1f1b) x fsdp x tp 8',
+    'fsdp x ep 8'."""
+    name = (strategy + (f" x cp {cp}" if cp > 1 else "") + (f" x tp {tp}" if tp > 1 else "")
+            + (f" x ep {ep}" if ep > 1 else ""))
     name = (f"pp {pp}{f' ({schedule})' if schedule else ''} x " if pp > 1 else "") + name
     return name + (f" ({shard}-way shards)" if strategy == "hsdp" and shard else "")
 
