@@ -59,6 +59,7 @@ def shard_experts(model: torch.nn.Module, mesh, mp_policy, reshard: bool) -> Non
         fully_shard(experts, mesh=mesh, mp_policy=mp_policy, reshard_after_forward=reshard)
 
 
+@torch.compiler.disable  # host reads and data-dependent shapes: eager under train.compile, the rest of the layer compiled
 def dispatched_forward(self, hidden_states: torch.Tensor, top_k_index: torch.Tensor,
                        top_k_weights: torch.Tensor) -> torch.Tensor:
     """transformers' experts forward (hidden [T, H], each token's top-k experts and weights ->
