@@ -210,12 +210,16 @@ def _fused_experts(base: Path, files: dict, skeleton, name: str, shape) -> torch
     keys = [next((k for k in (key, key.removeprefix(prefix)) if k in files), None) for key, *_ in parts or []]
     if not parts or None in keys:
         return None
-    fused = None
+    by_file: dict[str, list] = {}  # each file opened once for all its experts' tensors
     for key, (_, expert, first, end) in zip(keys, parts):
-        with open_weights(base / files[key]) as read_file:
-            _, weight = read_file(key, lambda s: (slice(None),) * len(s))
-        fused = weight.new_empty(shape) if fused is None else fused
-        fused[expert, first:end] = weight
+        by_file.setdefault(files[key], []).append((key, expert, first, end))
+    fused = None
+    for file, entries in by_file.items():
+        with open_weights(base / file) as read_file:
+            for key, expert, first, end in entries:
+                _, weight = read_file(key, lambda s: (slice(None),) * len(s))
+                fused = weight.new_empty(shape) if fused is None else fused
+                fused[expert, first:end] = weight
     return fused
 
 

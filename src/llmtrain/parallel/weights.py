@@ -108,15 +108,16 @@ def load_pretrained(model: torch.nn.Module, folder: Path) -> None:
                 if k in files:
                     return k
         return None
-    # (name, key, where): `where` (expert, first row, end row) for one expert's tensor of a fused
-    # MoE parameter (model/moe.py), None for a tensor stored as the model holds it
+    # (name, key, where): `where` (this rank's slices, expert, first row, end row) for one
+    # expert's tensor of a fused MoE parameter (model/moe.py), None for a tensor stored as the
+    # model holds it
     reads, missing = [], []
     for name, target in params.items():
         if (key := key_of(name)) is not None:
             reads.append((name, key, None))
         elif (parts := moe.pieces(model_type, name, target.shape)) and all(key_of(k) for k, *_ in parts):
             mine = local_slices(target.shape, target)
-            reads += [(name, key_of(k), where) for k, *where in parts if _overlaps(mine, *where)]
+            reads += [(name, key_of(k), (mine, *where)) for k, *where in parts if _overlaps(mine, *where)]
         else:
             missing.append(name)
     if missing:
@@ -147,10 +148,9 @@ def _overlaps(mine: tuple[slice, ...], expert: int, first: int, end: int) -> boo
     return mine[0].start <= expert < mine[0].stop and max(first, mine[1].start) < min(end, mine[1].stop)
 
 
-def _read_expert(read, key: str, target, expert: int, first: int, end: int):
+def _read_expert(read, key: str, target, mine: tuple[slice, ...], expert: int, first: int, end: int):
     """Copy one expert's file tensor (rows first:end of the fused parameter's expert `expert`)
-    into this rank's part of `target`; returns (its shape, the shape expected)."""
-    mine = local_slices(target.shape, target)
+    into this rank's part of `target` (`mine`: its local_slices); returns (its shape, the shape expected)."""
     lo, hi = max(first, mine[1].start), min(end, mine[1].stop)
     expected = torch.Size((end - first, target.shape[2]))
     shape, rows = read(key, lambda shape: (slice(lo - first, hi - first), mine[2]))
