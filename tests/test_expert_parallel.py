@@ -88,7 +88,7 @@ def test_ep2_over_two_expert_shards_on_four_processes_gives_the_curve(qwen):
 @pytest.mark.parametrize("sets,line", [
     (["parallel.ep=3"], "parallel.ep: must divide the shard x context-parallel ranks 2 (got 3); experts are "
                         "spread over ranks that hold the same dense weights"),
-    (["parallel.ep=2", "parallel.strategy=ddp"], "parallel.ep: expert parallel runs with parallel.strategy fsdp, "
+    (["parallel.ep=2", "parallel.strategy=ddp"], "parallel.ep: expert parallel runs with parallel.strategy fsdp or hsdp, "
                                                  "tp 1 and pp 1 for now (got ddp, tp 1, pp 1); set parallel.ep: 1"),
 ])
 def test_the_layout_rules_for_ep_are_one_line_each(tmp_path, monkeypatch, sets, line):

@@ -133,8 +133,8 @@ class ParallelDims:
                         f"got {self.shard})"]
             return [f"parallel.shard_size: must divide the world size {self.world_size} (got {self.shard}); "
                     f"hsdp shards within groups of shard_size ranks and replicates across them"]
-        if self.expert > 1 and (self.strategy != "fsdp" or tp > 1 or pp > 1):
-            return [f"parallel.ep: expert parallel runs with parallel.strategy fsdp, tp 1 and pp 1 for now (got "
+        if self.expert > 1 and (self.strategy not in SHARDED_STRATEGIES or tp > 1 or pp > 1):
+            return [f"parallel.ep: expert parallel runs with parallel.strategy fsdp or hsdp, tp 1 and pp 1 for now (got "
                     f"{self.strategy}, tp {tp}, pp {pp}); set parallel.ep: 1"]
         if self.expert < 1 or (self.shard * cp) % self.expert:
             return [f"parallel.ep: must divide the shard x context-parallel ranks {self.shard * cp} (got "
@@ -336,12 +336,11 @@ class ParallelDims:
             sizes = {"dp_replicate": self.replicate, "dp_shard": self.shard, "cp": self.context, "tp": self.tensor}
             shown = [name for name, n in sizes.items() if n > 1 or (self.strategy == "hsdp" and name[:3] == "dp_")]
             return f"{self.strategy} over {ranks} (mesh: {' x '.join(f'{name} {sizes[name]}' for name in shown)})"
+        experts = (f"; experts over ep {self.expert} x {self.shard * self.context // self.expert}-way shards"
+                   if self.expert > 1 else "")
         if self.strategy == "hsdp":
-            return f"hsdp over {ranks} ({self.replicate} replicas x {self.shard}-way shards)"
-        if self.expert > 1:
-            return (f"{self.strategy} over {ranks}; experts over ep {self.expert} x "
-                    f"{self.shard * self.context // self.expert}-way shards")
-        return f"{self.strategy} over {ranks}"
+            return f"hsdp over {ranks} ({self.replicate} replicas x {self.shard}-way shards){experts}"
+        return f"{self.strategy} over {ranks}{experts}"
 
 
 def _default_shard(dp: int, node_dp: int) -> int:
@@ -411,8 +410,14 @@ class Layout:
 
     def expert_mesh(self):
         """The expert view, (pp, replicate, efsdp, ep, tp) with efsdp x ep = shard x cp: made only
-        where the expert degree exceeds 1 (the expert-parallel issue fills in its users)."""
+        where the expert degree exceeds 1."""
         return _meshes(self.dims, self.device_type)["expert"]
+
+    def expert_fsdp_mesh(self):
+        """The mesh FSDP2 shards the experts over (expert parallel): the ranks holding the same
+        experts, efsdp; for hsdp the replicas as its outer dimension, as fsdp_mesh()."""
+        view = self.expert_mesh()
+        return view["replicate", "efsdp"] if self.dims.strategy == "hsdp" else view["efsdp"]
 
 
 def _stride(sizes: dict[str, int], name: str) -> int:

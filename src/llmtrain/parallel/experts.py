@@ -11,8 +11,9 @@ router's choice in, the weighted sum of the chosen experts' outputs out, as tran
 becomes:
 
     each (token, choice) pair sorted by expert -> all-to-all: each rank receives the pairs of
-    its experts from every rank of the group (uneven splits) -> its experts on them, one matmul
-    pair per expert -> all-to-all back -> weighted by the router, summed per token
+    its experts from every rank of the group (uneven splits) -> its experts on them (a grouped
+    matmul per projection, as transformers' grouped_mm) -> all-to-all back -> weighted by the
+    router, summed per token
 
 The splits are counts on the device; all_to_all_single needs them on the host, one read of the
 group's counts per layer and forward (a backward reuses them; a checkpointed layer's recompute
@@ -90,13 +91,33 @@ def dispatched_forward(self, hidden_states: torch.Tensor, top_k_index: torch.Ten
 
 
 def _experts(module, x: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor, sizes: list[int]) -> torch.Tensor:
-    """Each local expert on its rows of `x` (sorted by expert, `sizes` rows each), as
-    transformers' per-expert loop computes it."""
+    """Each local expert on its rows of `x` (sorted by expert, `sizes` rows each): one grouped
+    matmul per projection where the model asks for transformers' grouped_mm (its default) and
+    torch has it for the device, else transformers' per-expert loop. On CPU the two are
+    bit-identical, forward and backward (tests/test_expert_parallel.py)."""
+    if grouped(module, x, gate_up):
+        offsets = torch.tensor(sizes, device=x.device).cumsum(0, dtype=torch.int32)
+        gate, up = F.grouped_mm(x, gate_up.transpose(-2, -1), offs=offsets).chunk(2, dim=-1)
+        return F.grouped_mm(module.act_fn(gate) * up, down.transpose(-2, -1), offs=offsets)
     out = []
     for e, rows in enumerate(x.split(sizes)):
         gate, up = F.linear(rows, gate_up[e]).chunk(2, dim=-1)
         out.append(F.linear(module.act_fn(gate) * up, down[e]))
     return torch.cat(out) if out else x[:0]
+
+
+def grouped(module, x: torch.Tensor, weight: torch.Tensor) -> bool:
+    """Whether the experts run as grouped matmuls: the model's experts implementation is
+    grouped_mm, torch has `F.grouped_mm` (2.10+), the input matches the weights' dtype, and on
+    CUDA the GPU is Ampere or newer with bf16 weights (its kernels' scope)."""
+    config = getattr(module, "config", None)
+    if getattr(config, "_experts_implementation", None) != "grouped_mm" or not hasattr(F, "grouped_mm"):
+        return False
+    if x.dtype != weight.dtype:
+        return False
+    if weight.device.type == "cuda":
+        return weight.dtype == torch.bfloat16 and torch.cuda.get_device_capability(weight.device) >= (8, 0)
+    return weight.device.type == "cpu"
 
 
 class _GradScaled(torch.autograd.Function):

@@ -91,7 +91,7 @@ def parallelize(cfg: Config, config, world: World, watch=None, resuming: bool = 
             compile_layers(model)
     with phase("sharding"):
         if world.dims.sharded:
-            experts = world.layout.expert_mesh()["efsdp"] if world.dims.expert > 1 else None
+            experts = world.layout.expert_fsdp_mesh() if world.dims.expert > 1 else None
             apply_fsdp(model, cfg, world.layout.fsdp_mesh(), experts)
         model.to_empty(device=world.device)
         if tied and not _tied(model):  # to_empty allocates tied weights twice; FSDP2 keeps the tie
@@ -210,8 +210,8 @@ def checkpoint_layers(model: torch.nn.Module, every: int = 1) -> list[bool]:
 
 def apply_fsdp(model: torch.nn.Module, cfg: Config, mesh=None, experts=None) -> None:
     """fully_shard each decoder layer, then the root (embeddings, final norm, head). `experts`
-    (expert parallel: the efsdp mesh): each layer's experts
-    first, over the ranks that hold the same ones (parallel/experts.shard_experts).
+    (expert parallel: Layout.expert_fsdp_mesh): each layer's experts first, over the ranks that
+    hold the same ones (parallel/experts.shard_experts).
 
     The root and the last layer stay gathered after forward: backward needs them at once, so
     freeing them would only cost another all-gather per micro-batch (torchtitan does the same).
