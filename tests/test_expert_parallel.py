@@ -1,6 +1,6 @@
 """Expert parallel (`parallel.ep`, parallel/experts.py): a Qwen3-MoE and a Mixtral with their
 experts split over 2 ranks give one process's curve; ep 2 x 2-way expert shards on 4 processes
-gives the same; a checkpoint written at ep 2 resumes at ep 1 and exports as transformers loads
+gives the same, as does ep 2 in each of 2 pipeline stages; a checkpoint written at ep 2 resumes at ep 1 and exports as transformers loads
 it; the layout's rules in one line each."""
 
 from __future__ import annotations
@@ -88,8 +88,8 @@ def test_ep2_over_two_expert_shards_on_four_processes_gives_the_curve(qwen):
 @pytest.mark.parametrize("sets,line", [
     (["parallel.ep=3"], "parallel.ep: must divide the shard x context-parallel ranks 2 (got 3); experts are "
                         "spread over ranks that hold the same dense weights"),
-    (["parallel.ep=2", "parallel.strategy=ddp"], "parallel.ep: expert parallel runs with parallel.strategy fsdp or hsdp, "
-                                                 "tp 1 and pp 1 for now (got ddp, tp 1, pp 1); set parallel.ep: 1"),
+    (["parallel.ep=2", "parallel.strategy=ddp"], "parallel.ep: expert parallel runs with parallel.strategy fsdp or hsdp "
+                                                 "and tp 1 for now (got ddp, tp 1); set parallel.ep: 1"),
 ])
 def test_the_layout_rules_for_ep_are_one_line_each(tmp_path, monkeypatch, sets, line):
     monkeypatch.setenv("LLMTRAIN_HOME", str(tmp_path / "home"))
@@ -106,3 +106,21 @@ def test_ep_must_divide_the_experts(tmp_path, monkeypatch):
     path.write_text(yaml.safe_dump(config({**QWEN3_MOE, "num_experts": 3})))
     proc = cli("check-config", path, "--set", "parallel.ep=2")
     assert proc.returncode == 2 and "parallel.ep: must divide the model's 3 experts a layer (got 2)" in proc.stderr
+
+
+def test_ep2_in_each_of_two_pipeline_stages_gives_the_curve(qwen):
+    """4 ranks: a pipeline of 2 stages, each stage's layer 2-way sharded with its experts split over
+    ep 2; the load-balancing loss over both stages, the gradient norm over both meshes and both
+    stages (clipping at 1.0 acts: the norms are 1.3-2.0), the routing metrics."""
+    root, path = qwen
+    torchrun(4, "train", "--config", path, "--set", "run.name=ep2pp2", "--set", "parallel.ep=2",
+             "--set", "parallel.pp=2", "--set", "slurm.procs_per_node=4", timeout=600)
+    assert_same_curve(runs(root)["one"], runs(root)["ep2pp2"], 1e-4)
+    one, both = (read_metrics(runs(root)[name]) for name in ("one", "ep2pp2"))
+    train = [(a, b) for a, b in zip(one, both) if a["kind"] == "train"]
+    assert len(train) == 6 and max(a["grad_norm"] for a, _ in train) > 1.0
+    for a, b in train:
+        assert abs(a["grad_norm"] - b["grad_norm"]) < 1e-4 and abs(a["moe_aux_loss"] - b["moe_aux_loss"]) < 1e-4
+        assert a["expert_imbalance"] == pytest.approx(b["expert_imbalance"], rel=1e-6)
+    log = (runs(root)["ep2pp2"] / "logs" / "rank-0.log").read_text()
+    assert "pipeline of 2 stages over 4 ranks, each fsdp over 2 ranks; experts over ep 2 x 1-way shards" in log

@@ -105,8 +105,9 @@ def test_the_load_balancing_loss_leaves_padding_out():
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory):
     """A from-scratch Qwen3-MoE with activation checkpointing, trained by one process (2
-    micro-batches a step) and by FSDP over 2 (one each), with AdamW and with Muon; and by one
-    process stopped at step 3 and resumed."""
+    micro-batches a step) and by FSDP over 2 (one each), with AdamW and with Muon; by one
+    process stopped at step 3 and resumed; by HSDP in bf16; by a pipeline of 2 stages (a MoE
+    layer each, both micro-batches through both)."""
     cfg = tiny_config(model={"architecture": QWEN3_MOE, "activation_checkpointing": True},
                       train={"max_steps": 6, "warmup_steps": 1, "lr_schedule": "constant", "eval_every": 3,
                              "checkpoint_every": 3, "peak_tflops": 1.0})
@@ -121,15 +122,18 @@ def runs(tmp_path_factory):
                 check=True)
         torchrun(2, "train", "--config", config, "--set", "run.name=hsdp_bf16", "--set", "parallel.strategy=hsdp",
                  "--set", "parallel.shard_size=1", "--set", "train.precision=bf16")
+        torchrun(2, "train", "--config", config, "--set", "run.name=pp", "--set", "parallel.pp=2")
         yield root, config
 
 
 @pytest.mark.slow  # real torchrun runs
-@pytest.mark.parametrize("a,b,tol", [("one", "fsdp", 1e-5), ("muon", "fsdp_muon", 1e-5), ("one", "resumed", 0.0)])
-def test_fsdp_and_a_resume_give_one_process_curve(runs, a, b, tol):
+@pytest.mark.parametrize("a,b,tol", [("one", "fsdp", 1e-5), ("muon", "fsdp_muon", 1e-5), ("one", "resumed", 0.0),
+                                     ("one", "pp", 1e-5)])
+def test_fsdp_a_pipeline_and_a_resume_give_one_process_curve(runs, a, b, tol):
     """FSDP over 2 processes (experts sharded with their layer; Muon orthogonalising each rank's
-    whole experts where it holds them) and a run stopped and resumed give the one-process curve:
-    the loss, the load-balancing loss and the imbalance."""
+    whole experts where it holds them), a pipeline of 2 stages (the load-balancing loss over both
+    stages' layers, its gradient back to each stage's router) and a run stopped and resumed give
+    the one-process curve: the loss, the load-balancing loss and the imbalance."""
     root, _ = runs
     a, b = root / "home" / "runs" / a, root / "home" / "runs" / b
     assert_same_curve(a, b, tol)

@@ -82,6 +82,11 @@ def test_a_tied_head_and_an_unknown_family_are_refused_by_check_config(tmp_path)
     assert dims.model_problems("llama", {"num_hidden_layers": 1}) == []  # 3 units over 2 stages
     assert "4 stages need at least 2 decoder layers" in ParallelDims.from_config(
         load_config(path, ["parallel.pp=4"], world_size=4), 4).model_problems("llama", {"num_hidden_layers": 1})[0]
+    moe = {"num_hidden_layers": 2, "num_experts": 8}
+    assert dims.model_problems("qwen3_moe", moe) == []  # the load-balancing loss over the stages: test_moe.py
+    assert ParallelDims.from_config(load_config(path, ["parallel.tp=2"], world_size=4), 4).model_problems(
+        "qwen3_moe", moe) == ["parallel.pp: not with parallel.tp for a Mixture-of-Experts model yet (got tp 2); use "
+                              "pipeline with fsdp, hsdp or ddp"]
 
 
 def test_fewer_micro_batches_than_stages_is_a_warning(tmp_path):

@@ -168,8 +168,12 @@ class Routers:
     def __init__(self, model: "torch.nn.Module", moe: MoE):
         self.moe = moe
         cls = router_class(model)
-        self.handles = [m.register_forward_hook(self._hook) for m in model.modules() if isinstance(m, cls)]
+        routers = [(name, m) for name, m in model.named_modules() if isinstance(m, cls)]
+        self.handles = [m.register_forward_hook(self._hook) for _, m in routers]
         self.layers = len(self.handles)
+        # each router's decoder layer (a pipeline stage holds some of the model's)
+        self.layer_of = {m: int(re.search(r"layers\.(\d+)\.", name)[1]) for name, m in routers}
+        self.fired: list[int] = []  # the collected statistics' decoder layers
         self.real = None  # [tokens] float weights: 1 for a real token, 0 for padding; None: all real
         self.open = False
         self.stats: list = []
@@ -178,7 +182,7 @@ class Routers:
     def collecting(self, real: "torch.Tensor | None"):
         """Keep the statistics of the forward inside; `real`: this rank's input tokens [n, seq]
         that are not padding (bool), None where all are real."""
-        self.real, self.open, self.stats = (None if real is None else real.reshape(-1).float()), True, []
+        self.real, self.open, self.stats, self.fired = (None if real is None else real.reshape(-1).float()), True, [], []
         try:
             yield
         finally:
@@ -192,20 +196,40 @@ class Routers:
         stats = layer_stats(logits, self.moe.top_k, self.moe.experts, self.real)
         if self.open:
             self.stats.append(stats)
+            self.fired.append(self.layer_of[module])
 
     def take(self) -> "tuple[torch.Tensor, torch.Tensor]":
         """The collected forward's (load-balancing loss, tokens per expert [layers, E])."""
+        summed, counts = self.summed()
+        return balancing_loss(summed, self.moe.experts), counts
+
+    def summed(self, device=None) -> "tuple[torch.Tensor, torch.Tensor]":
+        """The collected forward's statistics summed over its layers, [2 E + 1]: assignments per
+        expert, summed probabilities per expert (with their gradient), rows; and the tokens per
+        expert [layers, E] (their decoder layers: self.fired). Summed vectors of several forwards
+        over disjoint layers (pipeline stages) add up to the whole model's: balancing_loss of their
+        sum is the loss. `device`: where the zeros go when nothing was collected (a stage without
+        MoE layers)."""
         import torch
-        counts = torch.stack([c for c, _, _ in self.stats])
-        probs = torch.stack([p for _, p, _ in self.stats])
-        rows = sum(r for _, _, r in self.stats)  # every layer's rows, as transformers sums them
-        self.stats = []
-        aux = self.moe.experts * ((counts.sum(0) / rows) * (probs.sum(0) / rows)).sum()
-        return aux, counts
+        stats, self.stats = self.stats, []
+        if not stats:
+            return (torch.zeros(2 * self.moe.experts + 1, device=device),
+                    torch.zeros(0, self.moe.experts, device=device))
+        counts = torch.stack([c for c, _, _ in stats])
+        probs = torch.stack([p for _, p, _ in stats])
+        rows = sum(r for _, _, r in stats)  # every layer's rows, as transformers sums them
+        return torch.cat([counts.sum(0), probs.sum(0), rows.reshape(1)]), counts
 
     def remove(self) -> None:
         for handle in self.handles:
             handle.remove()
+
+
+def balancing_loss(summed: "torch.Tensor", experts: int) -> "torch.Tensor":
+    """transformers' load-balancing loss from statistics summed over every MoE layer (Routers.summed):
+    E x sum_e f_e P_e."""
+    counts, probs, rows = summed[:experts], summed[experts:2 * experts], summed[-1].clamp(min=1e-9)
+    return experts * ((counts / rows) * (probs / rows)).sum()
 
 
 def layer_stats(logits: "torch.Tensor", top_k: int, experts: int, real: "torch.Tensor | None"):

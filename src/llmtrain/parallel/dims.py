@@ -53,7 +53,8 @@ from .tensor import problems as plan_problems
 
 SHARDED_STRATEGIES = ("fsdp", "hsdp")
 PIPELINE_SCHEDULES = ("1f1b", "gpipe", "interleaved_1f1b")  # (zbv, dualpipev: not yet, see _pipeline_problems)
-PIPELINE_FAMILIES = frozenset({"llama", "mistral", "qwen2", "qwen3"})  # rotary decoders: embed, layers, norm, head
+PIPELINE_FAMILIES = frozenset({"llama", "mistral", "qwen2", "qwen3",  # rotary decoders: embed, layers, norm, head
+                               "qwen2_moe", "qwen3_moe", "mixtral", "olmoe"})
 LAYOUT = ("pipeline", "replicate", "shard", "context", "tensor")  # outermost first
 MESH_DIMS = ("pp", "replicate", "shard", "cp", "tp")  # the world mesh's dimensions, in LAYOUT's order
 ROLES = {"batch": ("replicate", "shard"), "loss": ("replicate", "shard", "cp"), "fsdp": ("shard", "cp"),
@@ -133,9 +134,9 @@ class ParallelDims:
                         f"got {self.shard})"]
             return [f"parallel.shard_size: must divide the world size {self.world_size} (got {self.shard}); "
                     f"hsdp shards within groups of shard_size ranks and replicates across them"]
-        if self.expert > 1 and (self.strategy not in SHARDED_STRATEGIES or tp > 1 or pp > 1):
-            return [f"parallel.ep: expert parallel runs with parallel.strategy fsdp or hsdp, tp 1 and pp 1 for now (got "
-                    f"{self.strategy}, tp {tp}, pp {pp}); set parallel.ep: 1"]
+        if self.expert > 1 and (self.strategy not in SHARDED_STRATEGIES or tp > 1):
+            return [f"parallel.ep: expert parallel runs with parallel.strategy fsdp or hsdp and tp 1 for now (got "
+                    f"{self.strategy}, tp {tp}); set parallel.ep: 1"]
         if self.expert < 1 or (self.shard * cp) % self.expert:
             return [f"parallel.ep: must divide the shard x context-parallel ranks {self.shard * cp} (got "
                     f"{self.expert}); experts are spread over ranks that hold the same dense weights"]
@@ -293,6 +294,9 @@ class ParallelDims:
         if layers + 2 < stages:
             p.append(f"parallel.pp: {stages} stages need at least {stages - 2} decoder layers (the embedding and the "
                      f"head count as one each; the model has {layers}); lower parallel.pp")
+        if self.tensor > 1 and experts > 1:  # each tp rank routes its slice: the stages' statistics would differ
+            p.append(f"parallel.pp: not with parallel.tp for a Mixture-of-Experts model yet (got tp {self.tensor}); "
+                     f"use pipeline with fsdp, hsdp or ddp")
         if model_config.get("tie_word_embeddings", False):  # False: the families' default
             p.append("parallel.pp: the model ties its input and output embeddings (tie_word_embeddings), which live "
                      "on the first and the last stage; untie them (model.architecture.tie_word_embeddings: false, "

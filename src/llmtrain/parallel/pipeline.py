@@ -6,7 +6,7 @@ schedules (1F1B, GPipe, interleaved 1F1B).
     pipe = Pipeline(model, head, cfg, layout, scaler, device)   # once wrapped (FSDP2) and allocated
     pipe.start(log.info)                  # the start-up lines; the measured idle share at step 2
     loss = pipe.forward_backward(micro_batches, normaliser)     # Step's, under the schedule
-    norm = pipe.grad_norm(model.parameters())                    # over every stage's parameters
+    norm = pipe.over_stages(total_grad_norm(params))             # over every stage's parameters
     total = pipe.loss_sum(batch)          # evaluation: forward only, the summed loss
 
 A rank keeps the whole model's skeleton and its parameter names: the decoder layers it does not
@@ -28,6 +28,11 @@ The loss stays exact: the schedule sums the micro-batches' losses without scalin
 normaliser, as without a pipeline (training/step.py). The last stage computes it; one all-reduce
 over the pipeline's group gives every stage the step's loss and the gradient norm summed over
 stages (before the clip), so the non-finite skip and the logged loss agree on every rank.
+
+A Mixture-of-Experts model's load-balancing loss is one formula over every layer's routing
+(transformers'), so no stage can compute its share: each stage adds its layers' router
+statistics to a small vector sent on beside the hidden states, and the last stage's loss takes
+the whole model's (Pipeline._routed).
 """
 
 from __future__ import annotations
@@ -43,7 +48,8 @@ import torch.distributed as dist
 from ..config import ConfigError
 from ..model.attention import attention_mask
 from ..model.build import Absent, unwrap
-from ..model.loss import IGNORE, hidden_loss, lm_targets
+from ..model.loss import IGNORE, hidden_loss, lm_targets, real_tokens
+from ..model.moe import balancing_loss
 from .dims import PIPELINE_SCHEDULES, Layout
 
 SCHEDULE_CLASSES = {"1f1b": "1F1B", "gpipe": "GPipe", "interleaved_1f1b": "Interleaved1F1B"}  # -> torch's name
@@ -127,7 +133,7 @@ class _Part(torch.nn.Module):
         self.held = torch.nn.ModuleList([inner.layers[i] for i in range(*bounds)])
         self._model = [model]  # not a submodule: its parameters are the rank's, not this stage's
 
-    def forward(self, x: torch.Tensor, positions: torch.Tensor | None = None):
+    def forward(self, x: torch.Tensor, *routed, **kwargs):
         model = self._model[0]
         inner = model.model
         away = [(inner.layers._modules, str(i)) for i in range(len(inner.layers)) if not self.start <= i < self.end]
@@ -137,7 +143,7 @@ class _Part(torch.nn.Module):
         for where, key, _ in kept:
             where[key] = ABSENT
         try:
-            return model(x, positions, first=self.first)
+            return model(x, *routed, first=self.first, **kwargs)
         finally:
             for where, key, module in kept:
                 where[key] = module
@@ -146,17 +152,22 @@ class _Part(torch.nn.Module):
 class Pipeline:
     """This rank's stages and the schedule that runs a step's micro-batches through all stages."""
 
-    def __init__(self, model: torch.nn.Module, head, cfg, layout: Layout, scaler, device: torch.device):
+    def __init__(self, model: torch.nn.Module, head, cfg, layout: Layout, scaler, device: torch.device,
+                 routers=None):
         from torch.distributed.pipelining import PipelineStage
         from torch.distributed.pipelining.schedules import get_schedule_class
 
         self.cfg, self.layout, self.head, self.scaler = cfg, layout, head, scaler
+        self.routers = routers  # model/moe.Routers of this rank's layers: a Mixture-of-Experts model
+        self.routed, self.aux, self.routing = [], [], None
         self.mine, self.stages = stages_of(layout), layout.dims.pipeline * layout.dims.stages_per_rank
         self.first, self.last = 0 in self.mine, self.stages - 1 in self.mine
         self.model, self.device = model, device
         inner = unwrap(model)
         self.seq = cfg.data.seq_len
         forward = functools.partial(_stage_forward, inner, seq=self.seq, tp=layout.dims.tensor)
+        if routers is not None:
+            forward = functools.partial(self._routed, forward)
         inner.forward = forward
         self.group = layout.mesh("pp").get_group()
         self.accum = layout.dims.accumulation(cfg.train.global_batch_size, cfg.train.micro_batch_size)
@@ -213,38 +224,85 @@ class Pipeline:
                 f"micro-batches of {self.cfg.train.micro_batch_size} a step (bubble {self.bubble():.0%} of a step "
                 f"on paper)")
 
-    def _loss(self, out: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+    def _routed(self, forward, x: torch.Tensor, summed: torch.Tensor | None = None, *, real=None, **kwargs):
+        """A Mixture-of-Experts stage's forward: its output and the router statistics summed over
+        every MoE layer so far (model/moe.Routers.summed, [1, 2 E + 1]; the first stage starts
+        from zeros), which travel to the last stage with the hidden states. There the
+        load-balancing loss is transformers' over all layers (one formula over every layer's
+        statistics: no stage's share of it stands alone), and its gradient comes back to each
+        stage's routers with the hidden states'. Training forwards collect (`real`: this
+        micro-batch's tokens that are not padding); the tokens per expert of each wait in
+        self.routed for the step's metrics."""
+        training = torch.is_grad_enabled()
+        with self.routers.collecting(real) if training else contextlib.nullcontext():
+            out = forward(x, **kwargs)
+        mine, counts = self.routers.summed(x.device)
+        if training:
+            self.routed.append((self.routers.fired, counts.detach()))
+        return out, mine[None] if summed is None else summed + mine[None]
+
+    def _loss(self, out, targets: torch.Tensor) -> torch.Tensor:
         """A micro-batch's loss on the last stage: its summed cross-entropy over the step's
-        normaliser (training: scaled for fp16 and by the fault injector's factor)."""
+        normaliser (training: scaled for fp16 and by the fault injector's factor), plus, for a
+        Mixture-of-Experts model, its load-balancing loss at its weight, a share of the step's
+        (as training/step.Step; not in the returned loss either)."""
+        out, summed = out if self.routers is not None else (out, None)
         loss = hidden_loss(out, targets, self.head, self.normaliser) * self.factor
         self.losses.append(loss.detach())
+        if summed is not None and self.training:
+            moe = self.routers.moe
+            aux = balancing_loss(summed[0], moe.experts)
+            self.aux.append(aux.detach())
+            loss = loss + aux * (moe.aux_coef * self.factor / self.accum)
         return self.scaler.scale(loss) if self.training else loss
 
-    def _run(self, schedule, tokens, targets, positions, n: int) -> torch.Tensor:
+    def _run(self, schedule, tokens, targets, positions, n: int, real=None) -> torch.Tensor:
         """One call of `schedule` over a rank's batch of `n` micro-batches; returns the sum of their
-        losses, the same on every stage (the last stage's, by one all-reduce over the pipeline group)."""
-        self.losses = []
+        losses, the same on every stage (the last stage's, by one all-reduce over the pipeline group).
+        A Mixture-of-Experts model's training step (`real`: its tokens that are not padding) also
+        leaves self.routing, as Step.routing: the step's load-balancing loss, on every stage, and
+        this rank's tokens per expert."""
+        self.losses, self.aux, self.routed = [], [], []
         args = (tokens,) if self.first else ()
         kwargs = {"positions": positions} if positions is not None else {}
+        if self.routers is not None:
+            kwargs["real"] = real
         run = schedule.step if self.training else schedule.eval
         run(*args, target=targets if self.last else None, **kwargs)
         # the last n: a stage's first call infers its shapes with one more forward, on empty tensors
         losses = self.losses[-n:] if self.last else []
         total = torch.stack(losses).sum() if losses else torch.zeros((), device=tokens.device)
-        dist.all_reduce(total, group=self.group)  # only the last stage's is not zero
-        return total
+        if self.routers is None or not self.training:
+            dist.all_reduce(total, group=self.group)  # only the last stage's is not zero
+            return total
+        aux = torch.stack(self.aux[-n:]).sum() / n if self.last else torch.zeros((), device=tokens.device)
+        both = torch.stack([total, aux])
+        dist.all_reduce(both, group=self.group)  # one collective for the loss and the routers' loss
+        self.routing = (both[1], self._tokens_per_expert(n))
+        return both[0]
+
+    def _tokens_per_expert(self, n: int) -> torch.Tensor:
+        """The step's tokens per expert of this rank's MoE layers, in a [decoder layers, E] table
+        (zero rows: the other stages' layers and dense ones): the table summed over every rank is
+        the model's, as without a pipeline (training/report.py sums them)."""
+        moe, model = self.routers.moe, unwrap(self.model)
+        table = torch.zeros(model.config.num_hidden_layers, moe.experts, device=self.device)
+        for fired, counts in self.routed[-n * len(self.mine):]:  # each stage's n micro-batches
+            table[fired] += counts
+        return table
 
     def forward_backward(self, micro_batches, normaliser: float, loss_factor: float = 1.0):
         """The step's forward and backward under the schedule: returns this rank's part of the step's
         loss (as Step.forward_backward). Gradients are reduced by FSDP2 at the last micro-batch's
         backward (the stage tells it)."""
         self.normaliser, self.factor, self.training = max(normaliser, 1e-9), loss_factor, True
+        real = _real(micro_batches, self.seq) if self.routers is not None else None  # before the rows widen
         micro_batches = [_full_width(b, self.seq) for b in micro_batches]
         tokens = torch.cat([b.tokens for b in micro_batches])
         self.steps += 1
         with self._timed(self.steps == 2 and self.log is not None) as busy:
             total = self._run(self.schedule, tokens[:, :-1], _targets(micro_batches), _positions(micro_batches),
-                              len(micro_batches))
+                              len(micro_batches), real)
         if busy:
             self._report_idle(busy)
         return total
@@ -309,17 +367,13 @@ class Pipeline:
                 targets = torch.cat([targets, torch.full_like(targets[:1], IGNORE).expand(pad, -1)])
                 if positions is not None:
                     positions = torch.cat([positions, positions[:1].expand(pad, -1)])
-            return self._run(self.eval_schedule, tokens, targets, positions, 1)
+            return self._run(self.eval_schedule, tokens, targets, positions, 1, torch.ones_like(targets, dtype=torch.bool))
         finally:
             self.training = True
 
-    def grad_norm(self, parameters) -> torch.Tensor:
-        """The gradient norm over every stage's parameters: each stage's (over its FSDP2 shards),
-        squared, summed over the pipeline group."""
-        grads = [p.grad for p in parameters if p.grad is not None]
-        norm = torch.nn.utils.get_total_norm(grads) if grads else torch.zeros((), device=self.device)
-        if hasattr(norm, "full_tensor"):
-            norm = norm.full_tensor()
+    def over_stages(self, norm: torch.Tensor) -> torch.Tensor:
+        """The gradient norm over every stage's parameters from this stage's (`norm`, over its
+        FSDP2 shards: training/step.total_grad_norm): squared, summed over the pipeline group."""
         squared = norm.float() ** 2
         dist.all_reduce(squared, group=self.group)
         return squared.sqrt()
@@ -344,6 +398,17 @@ def _full_width(batch, seq: int):
 
 def _targets(micro_batches) -> torch.Tensor:
     return torch.cat([lm_targets(b) for b in micro_batches])
+
+
+def _real(micro_batches, seq: int) -> torch.Tensor:
+    """The input tokens that are not padding (model/loss.real_tokens: every one where none is),
+    [rows, seq]: the tail _full_width adds is padding too."""
+    rows = []
+    for b in micro_batches:
+        real = real_tokens(b)
+        real = torch.ones_like(b.tokens[:, 1:], dtype=torch.bool) if real is None else real
+        rows.append(torch.nn.functional.pad(real, (0, seq - real.shape[1]), value=False))
+    return torch.cat(rows)
 
 
 def _positions(micro_batches) -> torch.Tensor | None:

@@ -24,7 +24,7 @@ import torch
 from ..config import Config
 from ..model.build import unwrap
 from ..model.loss import lm_loss
-from ..model.moe import MoE, Routers
+from ..model.moe import MoE, Routers, moe_layers
 from ..parallel import float8
 from ..parallel.pipeline import Pipeline
 from ..parallel.tensor import sum_partial_grads
@@ -67,16 +67,19 @@ class Step:
         # Who decides a skip: the device (the optimizer reads the flag), or the host.
         self.host_decides = scaler.is_enabled() or not OPTIMIZERS[cfg.train.optimizer].skips_on_device
         self.float8_scales = float8.precomputes_scales(model)  # FSDP2 gathers weights in float8
-        self.pipeline = None  # parallel/pipeline.py: this rank's stage and the schedule, where pp > 1
-        if layout is not None and layout.dims.pipeline > 1:
-            self.pipeline = Pipeline(model, head, cfg, layout, scaler, next(model.parameters()).device)
         # A Mixture-of-Experts model's routers: the load-balancing loss joins the training loss
-        self.moe = MoE.of(unwrap(model).config, cfg.train.router_aux_loss_coef)
+        config = unwrap(model).config
+        self.moe = MoE.of(config, cfg.train.router_aux_loss_coef)
         self.routers = Routers(unwrap(model), self.moe) if self.moe is not None else None
-        if self.routers is not None and not self.routers.layers:  # every layer dense (mlp_only_layers)
+        pipelined = layout is not None and layout.dims.pipeline > 1
+        # every layer dense (mlp_only_layers), or, under a pipeline, every layer of the model's
+        if self.routers is not None and not (moe_layers(config.to_dict()) if pipelined else self.routers.layers):
             self.routers.remove()
             self.routers = None
         self.routing = None  # the last step's (load-balancing loss, tokens per expert [layers, E])
+        self.pipeline = None  # parallel/pipeline.py: this rank's stage and the schedule, where pp > 1
+        if pipelined:
+            self.pipeline = Pipeline(model, head, cfg, layout, scaler, next(model.parameters()).device, self.routers)
 
     def forward_backward(self, micro_batches, normaliser: float, loss_factor: float = 1.0, norm: bool = True,
                          phase=no_phase) -> tuple[torch.Tensor, torch.Tensor | None]:
@@ -134,13 +137,15 @@ class Step:
         cfg, params = self.cfg, list(self.model.parameters())
         with phase("forward"), autocast(cfg, micro_batches[0].tokens.device):  # and backward: the schedule's
             total = self.pipeline.forward_backward(micro_batches, normaliser, loss_factor)
+            self.routing = self.pipeline.routing
         with phase("optimizer"):
             self.scaler.unscale_(self.optimizer)
             grad_norm = None
             if cfg.train.grad_clip > 0 or norm:
-                grad_norm = self.pipeline.grad_norm(params)
+                grad_norm = self.pipeline.over_stages(total_grad_norm(params))
             if cfg.train.grad_clip > 0:
-                torch.nn.utils.clip_grads_with_norm_(params, cfg.train.grad_clip, grad_norm)
+                for group in by_mesh(params).values():
+                    torch.nn.utils.clip_grads_with_norm_(group, cfg.train.grad_clip, grad_norm)
         return total, grad_norm
 
     def finite(self, loss: torch.Tensor, grad_norm: torch.Tensor | None) -> torch.Tensor:
