@@ -1,6 +1,7 @@
 """Expert parallel (`parallel.ep`, parallel/experts.py): a Qwen3-MoE and a Mixtral with their
 experts split over 2 ranks give one process's curve; ep 2 x 2-way expert shards on 4 processes
-gives the same, as does ep 2 in each of 2 pipeline stages; a checkpoint written at ep 2 resumes at ep 1 and exports as transformers loads
+gives the same, as does ep 2 in each of 2 pipeline stages; ep 2 over the context-parallel ranks
+gives cp 2's; a checkpoint written at ep 2 resumes at ep 1 and exports as transformers loads
 it; the layout's rules in one line each."""
 
 from __future__ import annotations
@@ -89,7 +90,7 @@ def test_ep2_over_two_expert_shards_on_four_processes_gives_the_curve(qwen):
     (["parallel.ep=3"], "parallel.ep: must divide the shard x context-parallel ranks 2 (got 3); experts are "
                         "spread over ranks that hold the same dense weights"),
     (["parallel.ep=2", "parallel.strategy=ddp"], "parallel.ep: expert parallel runs with parallel.strategy fsdp or hsdp "
-                                                 "and tp 1 for now (got ddp, tp 1); set parallel.ep: 1"),
+                                                 "(got ddp); set parallel.ep: 1"),
 ])
 def test_the_layout_rules_for_ep_are_one_line_each(tmp_path, monkeypatch, sets, line):
     monkeypatch.setenv("LLMTRAIN_HOME", str(tmp_path / "home"))
@@ -124,3 +125,19 @@ def test_ep2_in_each_of_two_pipeline_stages_gives_the_curve(qwen):
         assert a["expert_imbalance"] == pytest.approx(b["expert_imbalance"], rel=1e-6)
     log = (runs(root)["ep2pp2"] / "logs" / "rank-0.log").read_text()
     assert "pipeline of 2 stages over 4 ranks, each fsdp over 2 ranks; experts over ep 2 x 1-way shards" in log
+
+
+def test_ep2_over_context_parallel_ranks_gives_the_cp_curve(qwen):
+    """ep 2 borrowing the context-parallel ranks (each holding half of every sequence): the curve,
+    gradient norm and routing metrics of cp 2 without ep (each rank's slice routed on its own)."""
+    root, path = qwen
+    for name, ep in (("cp2", "1"), ("cp2ep2", "2")):
+        torchrun(2, "train", "--config", path, "--set", f"run.name={name}", "--set", "parallel.cp=2",
+                 "--set", f"parallel.ep={ep}")
+    assert_same_curve(runs(root)["cp2"], runs(root)["cp2ep2"], 1e-5)
+    for a, b in zip(*(read_metrics(runs(root)[name]) for name in ("cp2", "cp2ep2"))):
+        if a["kind"] == "train":
+            assert abs(a["grad_norm"] - b["grad_norm"]) < 1e-5 and abs(a["moe_aux_loss"] - b["moe_aux_loss"]) < 1e-5
+            assert a["expert_imbalance"] == b["expert_imbalance"]
+    assert "fsdp over 2 ranks (mesh: cp 2); experts over ep 2 x 1-way shards" in (
+        runs(root)["cp2ep2"] / "logs" / "rank-0.log").read_text()

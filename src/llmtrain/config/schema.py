@@ -273,7 +273,7 @@ class ParallelConfig:
     pp_stages_per_rank: Optional[int] = None
     # expert parallel: a Mixture-of-Experts layer's experts split over ep ranks of the shard group
     # (each holds num_experts / ep of them; tokens travel to their experts by all-to-all), sharded
-    # by FSDP2 over the rest; fsdp only. Qwen3-MoE, Qwen2-MoE, Mixtral, OLMoE
+    # by FSDP2 over the rest; fsdp or hsdp, with tp, cp and pp. Qwen3-MoE, Qwen2-MoE, Mixtral, OLMoE
     ep: int = 1
     backend: Literal["auto", "nccl", "gloo"] = "auto"  # auto: nccl on GPUs, gloo on CPUs
     reshard_after_forward: bool = True  # FSDP2: free gathered params after forward (ZeRO-3)

@@ -74,7 +74,9 @@ Expert parallel (parallel.ep = e): the experts' weights, gradients and state are
 splits them (E / (e x efsdp) = E / S experts a rank either way); what changes is the gathered
 layer (a rank gathers its E / e experts, not all E: the param-copy and comm terms count
 Pl - (1 - 1 / e) x the layer's experts) and the dispatch: the tokens a rank's experts receive
-balance out on average, so the activations stay k x (4 p I + 2 p h) a token.
+balance out on average, so the activations stay k x (4 p I + 2 p h) a token; a layer's
+all-to-all buffers (the pairs sent and received, their outputs sent back and received), 4 k p h
+a token, join the comm row while its backward runs.
 
 Muon (train.optimizer: muon) adds a moment, its optimizer step: every gradient, the fp32 update
 and result of each hidden-matrix parameter the rank holds (8 bytes each), and the largest stack
@@ -344,12 +346,15 @@ def estimate(cfg: Config, world_size: int | None = None, micro_batch: int | None
         in_flight = p * (m.head_trainable + layer_trainable)
         reduced = 4 * (m.trainable - m.root_trainable - m.layer_trainable) // shard  # other layers'
         prefetched = max(1, par.prefetch_layers) * p * layer  # all-gather outputs
+        # expert parallel: a layer's all-to-all buffers (the pairs sent and received, their outputs
+        # sent back and received) while its backward runs
+        dispatch = 4 * m.top_k * tokens * h * p if dims.expert > 1 else 0
         phases = {
             "the loss, at the end of forward": (held, gathered, kept, loss, 0),
             "the backward of the last layer": (held + in_flight, gathered, kept + recompute + backward,
-                                               0, prefetched + 4 * layer_trainable),
+                                               0, prefetched + 4 * layer_trainable + dispatch),
             "the backward of the first layer": (max(held, reduced) + in_flight, p * (m.root + layer),
-                                                layer_acts + backward + mask, 0, 4 * layer_trainable),
+                                                layer_acts + backward + mask, 0, 4 * layer_trainable + dispatch),
             "the root's reduce-scatter, at the end of backward": (
                 grads + p * m.root_trainable, 0, 0, 0, 4 * m.root_trainable),
         }

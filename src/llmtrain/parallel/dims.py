@@ -134,9 +134,9 @@ class ParallelDims:
                         f"got {self.shard})"]
             return [f"parallel.shard_size: must divide the world size {self.world_size} (got {self.shard}); "
                     f"hsdp shards within groups of shard_size ranks and replicates across them"]
-        if self.expert > 1 and (self.strategy not in SHARDED_STRATEGIES or tp > 1):
-            return [f"parallel.ep: expert parallel runs with parallel.strategy fsdp or hsdp and tp 1 for now (got "
-                    f"{self.strategy}, tp {tp}); set parallel.ep: 1"]
+        if self.expert > 1 and self.strategy not in SHARDED_STRATEGIES:
+            return [f"parallel.ep: expert parallel runs with parallel.strategy fsdp or hsdp (got {self.strategy}); "
+                    f"set parallel.ep: 1"]
         if self.expert < 1 or (self.shard * cp) % self.expert:
             return [f"parallel.ep: must divide the shard x context-parallel ranks {self.shard * cp} (got "
                     f"{self.expert}); experts are spread over ranks that hold the same dense weights"]
@@ -336,12 +336,12 @@ class ParallelDims:
             return f"pipeline of {self.pipeline} stages over {ranks}, each {inner}"
         if not self.sharded and self.loss_ranks == 1 and self.tensor > 1:  # nothing for DDP to average
             return f"tensor parallel over {ranks} (mesh: tp {self.tensor}; no data parallelism)"
+        experts = (f"; experts over ep {self.expert} x {self.shard * self.context // self.expert}-way shards"
+                   if self.expert > 1 else "")
         if self.tensor > 1 or self.context > 1:
             sizes = {"dp_replicate": self.replicate, "dp_shard": self.shard, "cp": self.context, "tp": self.tensor}
             shown = [name for name, n in sizes.items() if n > 1 or (self.strategy == "hsdp" and name[:3] == "dp_")]
-            return f"{self.strategy} over {ranks} (mesh: {' x '.join(f'{name} {sizes[name]}' for name in shown)})"
-        experts = (f"; experts over ep {self.expert} x {self.shard * self.context // self.expert}-way shards"
-                   if self.expert > 1 else "")
+            return f"{self.strategy} over {ranks} (mesh: {' x '.join(f'{name} {sizes[name]}' for name in shown)}){experts}"
         if self.strategy == "hsdp":
             return f"hsdp over {ranks} ({self.replicate} replicas x {self.shard}-way shards){experts}"
         return f"{self.strategy} over {ranks}{experts}"
