@@ -1,46 +1,80 @@
-"""Planning before and around runs: the scaling table (llmtrain bench). The feasibility check of
-a Slurm request is in test_slurm.py (it needs the test cluster) and test_sbatch.py (sinfo's lines)."""
+"""`llmtrain plan` as a user meets it: Llama-3-70B on 8 nodes of 8 H100s at 8192 tokens gets
+ranked layouts, each within the memory the estimator gives and each passing check-config when
+applied; `--apply` writes a config check-config accepts; a GPU it does not know is one line. The
+cost model's terms (login/plan.py) where a user would check them: the pipeline's bubble, the
+links a group crosses."""
 
 from __future__ import annotations
 
-import statistics
+import dataclasses
+import re
 
 import pytest
 
-from conftest import cli, prepared_home, read_metrics, tiny_config
+from conftest import cli
+from llmtrain.config import load_config
+from llmtrain.login.estimate import GIB, estimate, model_shape
+from llmtrain.login.plan import Candidate, best_of_each, cost, gpu_named, plan
+from llmtrain.parallel.dims import ParallelDims
+from test_estimate import LLAMA_3_70B, llama
+
+CLUSTER = ["slurm.nodes=8", "slurm.gpus_per_node=8", "slurm.procs_per_node=null"]
 
 
-@pytest.fixture(scope="module")
-def plan(tmp_path_factory):
-    with prepared_home(tmp_path_factory, "plan", tiny_config()) as prepared:
-        yield prepared
+@pytest.fixture
+def config_70b(home, write_config):
+    cfg = llama(LLAMA_3_70B, 8, data={"seq_len": 8192}, train={"global_batch_size": 128, "eval_samples": 64})
+    return write_config(cfg)
 
 
-@pytest.mark.slow
-def test_the_scaling_table_for_one_and_two_processes_is_the_runs_own_figures(plan):
-    root, config = plan
-    proc = cli("bench", "--config", config, "--nprocs", "1,2", "--steps", "6", "--warmup", "2", check=True)
-    header, rule, *rows = proc.stdout.splitlines()
-    assert header == ("| processes | tokens/s | tokens/s per process | peak memory per process (GiB) | "
-                      "scaling efficiency |")
-    assert len(rows) == 2 and proc.stderr.splitlines() == ["bench: 1 process, 6 steps ...",
-                                                           "bench: 2 processes, 6 steps ..."]
-    cells = [[c.strip() for c in row.strip("|").split("|")] for row in rows]
-    runs = root / "home" / "runs" / "test-scaling"
-    speeds = {}
-    for n, (procs, tps, per, mem, eff) in zip((1, 2), cells):
-        train = [r for r in read_metrics(runs / f"{n}p") if r["kind"] == "train"]
-        assert [r["step"] for r in train] == list(range(1, 7))  # a fresh run of 6 steps, nothing saved
-        speeds[n] = statistics.median(r["tokens_per_sec"] for r in train if r["step"] > 2)
-        assert (procs, tps, per, mem) == (str(n), f"{speeds[n]:,.0f}", f"{speeds[n] / n:,.0f}",
-                                          f"{max(r['peak_mem_gib'] for r in train):.2f}")
-        assert not (runs / f"{n}p" / "checkpoints" / "latest").exists()
-    assert cells[0][4] == "100%" and cells[1][4] == f"{speeds[2] / 2 / speeds[1]:.0%}"
+def test_plan_ranks_70b_layouts_on_64_h100s_each_fitting_and_valid(config_70b, tmp_path):
+    proc = cli("plan", "--config", config_70b, "--nodes", "8", "--gpus-per-node", "8", "--gpu", "h100",
+               "--apply", tmp_path / "best.yaml")
+    assert proc.returncode == 0, proc.stderr
+    out = proc.stdout
+    assert out.startswith("plan: a llama from model.architecture on 8 nodes x 8 H100 (80 GiB")
+    rows = re.findall(r"^ +(\d) +(.+?) +(\d+) +([\d.]+) +([\d,]+) +(\d+)%  (.+)$", out, re.M)
+    assert [int(r[0]) for r in rows] == [1, 2, 3, 4, 5]
+    speeds = [int(r[4].replace(",", "")) for r in rows]
+    assert speeds == sorted(speeds, reverse=True) and all(float(r[3]) <= 72.0 for r in rows)
+
+    # the library behind it: each shown layout, applied with its --set arguments, passes
+    # check-config's loading and needs what the estimator says, within the GPU's 72 GiB usable
+    cfg = load_config(config_70b, [*CLUSTER, "parallel.strategy=fsdp"], world_size=64)
+    shape = model_shape(cfg)
+    shown = best_of_each(plan(cfg, shape, 64, 8, gpu_named("h100")))[:5]
+    for (cand, c), row in zip(shown, rows):
+        applied = load_config(config_70b, [*CLUSTER, *cand.overrides()], world_size=64)
+        assert estimate(applied, 64, shape=shape).total == c.memory <= 72 * GIB
+        assert row[1].startswith(cand.describe()) and f"{c.memory / GIB:.1f}" == row[3]
+    use = re.search(r"^use it: (.*)$", out, re.M)[1]
+    assert use == " ".join(f"--set {s}" for s in shown[0][0].overrides())
+    check = cli("check-config", tmp_path / "best.yaml")
+    assert check.returncode == 0, check.stdout + check.stderr
+    assert "wrote " in out
 
 
-def test_a_process_count_the_batch_does_not_divide_is_one_line(plan):
-    _, config = plan
-    proc = cli("bench", "--config", config, "--nprocs", "1,3")
-    assert (proc.returncode, proc.stderr) == (2, "train.global_batch_size: must be divisible by "
-                                                 "micro_batch_size x world size = 4 x 3 = 12 (got 8)\n")
-    assert not proc.stdout
+def test_a_gpu_the_planner_does_not_know_is_one_line(config_70b):
+    proc = cli("plan", "--config", config_70b, "--gpu", "k80")
+    assert proc.returncode != 0 and "Traceback" not in proc.stderr
+    assert proc.stderr.strip().splitlines()[-1].startswith(
+        "error: --gpu: 'k80' is not a GPU the planner knows (H100 NVL, H100 PCIe, GH200, H200, H100, B200")
+
+
+def test_the_cost_model_charges_the_bubble_and_the_links_a_group_crosses(config_70b):
+    """More micro-batches shrink a pipeline's idle share as (p - 1) / (m + p - 1) says; an FSDP
+    group inside a node gathers at NVLink's speed, one across nodes at the network's."""
+    cfg = load_config(config_70b, [*CLUSTER, "parallel.strategy=fsdp"], world_size=64)
+    shape, gpu = model_shape(cfg), gpu_named("h100")
+
+    def predicted(cand: Candidate, per_node: int = 8):
+        alt = cand.config(cfg)
+        return cost(alt, ParallelDims.from_config(alt, 64, per_node), shape, gpu, per_node, 0)
+
+    for micro, m in ((4, 8), (1, 32)):  # 32 sequences a replica in micro-batches of 4 or 1
+        c = predicted(Candidate("fsdp", tp=8, pp=2, micro_batch=micro))
+        work = c.seconds - c.parts["bubble"] - c.parts["p2p"]
+        assert c.parts["bubble"] == pytest.approx(work * (1 / (m + 1)) / (1 - 1 / (m + 1)), rel=1e-9)
+    node, cluster = (predicted(Candidate("fsdp", tp=8), per_node) for per_node in (64, 8))
+    assert node.parts["fsdp"] < cluster.parts["fsdp"] and "bubble" not in node.parts
+    assert cluster.parts["tp"] == pytest.approx(node.parts["tp"])  # tp stays inside a node either way

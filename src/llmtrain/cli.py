@@ -4,6 +4,7 @@
     llmtrain prepare --config FILE [--set ...]
     llmtrain train --config FILE [--set ...]          # usually under torchrun
     llmtrain estimate --config FILE [--set ...] [--world-size N] [--gpu-mem GIB]   # memory per GPU
+    llmtrain plan --config FILE [--set ...] [--nodes N] [--gpus-per-node G] [--gpu NAME] [--apply OUT]
     llmtrain export --run-dir DIR [--step N] --out DIR [--dtype fp32|bf16|fp16]
     llmtrain generate (--model DIR | --run-dir DIR [--step N]) --prompt TEXT [--chat]
     llmtrain status RUN_DIR|JOB_ID|NAME [--config FILE] [--follow]   # NAME: a run in run.dir
@@ -372,6 +373,20 @@ def parser() -> argparse.ArgumentParser:
                    "verdict (default: the GPU named in slurm.extra_args or partition, else none)")
     p.set_defaults(func=cmd_estimate)
 
+    p = sub.add_parser("plan", help="every layout that fits the cluster's GPUs, ranked by the step time "
+                       "a cost model predicts; the best's --set arguments (doc/overview.md, 'Choosing a layout')")
+    _config(p)
+    _overrides(p)
+    p.add_argument("--nodes", type=int, help="nodes to plan for (default: slurm.nodes)")
+    p.add_argument("--gpus-per-node", type=int, help="GPUs a node (default: slurm.procs_per_node, else "
+                   "slurm.gpus_per_node)")
+    p.add_argument("--gpu", help="the GPU (h100, h200, b200, a100-80gb, ...; default: the one named in "
+                   "slurm.extra_args, partition or qos)")
+    p.add_argument("--top", type=int, default=5, help="layouts shown (default: 5)")
+    p.add_argument("--apply", metavar="OUT", help="write the config with the best layout to OUT (checked "
+                   "as check-config does; default: write nothing)")
+    p.set_defaults(func=cmd_plan)
+
     p = sub.add_parser("download", help="fetch hub models/datasets into $LLMTRAIN_HOME (login node)")
     p.add_argument("--config", metavar="FILE", help="download the hub ids this config names "
                    "(default: none; then --model or --dataset)")
@@ -706,6 +721,43 @@ def cmd_estimate(args) -> int:
         raise ModelNotFound(e.what, e.value, e.path, fix) from None
     print("\n".join(lines))
     return 1 if fits is False else 0  # `llmtrain estimate && bash submit.sh` stops at a run that cannot fit
+
+
+def cmd_plan(args) -> int:
+    from pathlib import Path
+
+    import yaml
+
+    from .config.load import overridden
+    from .files import write_atomic
+    from .login.plan import gpu_in, plan, report
+    from .login.estimate import model_shape
+    raw = load_config(args.config, args.overrides)  # the user's config as it is: its own problems first
+    nodes = args.nodes or raw.slurm.nodes
+    per_node = args.gpus_per_node or raw.slurm.procs_per_node or raw.slurm.gpus_per_node
+    for flag, value in (("--nodes", nodes), ("--gpus-per-node", per_node), ("--top", args.top)):
+        if not value or value < 1:
+            raise UserError(f"{flag}: must be >= 1 (got {value})")
+    gpu = gpu_in(args.gpu, raw)
+    cluster = [f"slurm.nodes={nodes}", f"slurm.gpus_per_node={per_node}", "slurm.procs_per_node=null"]
+    neutral = ["parallel.strategy=fsdp", "parallel.tp=1", "parallel.cp=1", "parallel.pp=1", "parallel.ep=1",
+               "parallel.shard_size=null", "train.micro_batch_size=1", "train.fp8=none"]
+    cfg = load_config(args.config, [*args.overrides, *cluster, *neutral], world_size=nodes * per_node)
+    ranked = plan(cfg, model_shape(cfg), nodes * per_node, per_node, gpu)
+    print("\n".join(report(cfg, ranked, gpu, nodes * per_node, per_node, args.top)))
+    if not ranked:
+        return 1
+    if args.apply:
+        sets = [*args.overrides, *cluster, *ranked[0][0].overrides()]
+        out = Path(args.apply)
+        write_atomic(out, yaml.safe_dump(overridden(args.config, sets), sort_keys=False))
+        try:
+            load_config(out, world_size=nodes * per_node)
+        except ConfigError:
+            out.unlink()
+            raise
+        print(f"wrote {out}: the config with #1's layout")
+    return 0
 
 
 def cmd_plot(args) -> int:

@@ -63,6 +63,18 @@ def load_config(path: str | os.PathLike, overrides: list[str] = (),
     return cfg
 
 
+def overridden(path: str | os.PathLike, overrides: list[str]) -> dict:
+    """A config file's YAML as a mapping with `overrides` (section.key=value) applied: what
+    `llmtrain plan --apply` writes; load_config checks it."""
+    raw = load_yaml(Path(path).read_text()) or {}
+    problems: list[str] = []
+    for item in overrides:
+        _apply_override(raw, item, problems)
+    if problems:
+        raise ConfigError(problems)
+    return raw
+
+
 def _apply_override(raw: dict, item: str, problems: list[str]) -> None:
     key, sep, value = item.partition("=")
     parts = key.strip().split(".")

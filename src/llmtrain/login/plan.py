@@ -1,0 +1,343 @@
+"""`llmtrain plan`: every layout a run can take on a cluster, the memory each needs per GPU (the
+estimator's, login/estimate.py) and the step time a cost model predicts for it, ranked.
+
+    gpu = gpu_named("h100")                                   # the datasheet's figures
+    ranked = plan(cfg, shape, world=64, per_node=8, gpu=gpu)  # [(Candidate, Cost)], fastest first
+    lines = report(cfg, ranked, gpu, world, per_node)         # the table, why the best wins, its --set
+
+The cost model, per optimizer step and GPU (each term in seconds; T: a micro-batch's tokens on
+this GPU's tensor-parallel group, m: micro-batches a step, L: layers, h: hidden, p: 2 bytes):
+
+    compute   training FLOPs (model/build.flops_per_token: 6 per active parameter that multiplies,
+              12 L h seq for attention) x the step's tokens / GPUs, plus the recomputed forwards
+              (a third of a layer's, for each checkpointed layer), at MATMUL_EFFICIENCY of the
+              datasheet's dense bf16 peak (the kernels' average, not a GEMM's best); FP8's linear FLOPs at its fp8 peak, less FP8_OVERHEAD
+    fsdp      all-gathers of the GPU's tensor-parallel part of the weights (p bytes; twice a
+              micro-batch resharded after forward, once without, once a step under pp) and one
+              fp32 reduce-scatter a step, (S - 1) / S of it on the wire over S shards; hsdp adds the
+              replicas' all-reduce of a shard's gradients; ddp one all-reduce of every gradient.
+              They overlap compute: only what exceeds it, plus one layer's gather and reduction, is
+              exposed
+    tp        sequence parallel's all-gathers and reduce-scatters, 4 a layer forward, 4 backward
+              (and 4 per recomputed layer) of T x h, on NVLink: exposed
+    cp        each layer's keys and values gathered forward and their gradients reduced backward
+    ep        2 all-to-alls a MoE layer forward and 2 backward of k T h, and a host read per layer
+              and forward (parallel/experts.py)
+    bubble    the pipeline's, (pp - 1) / (v m + pp - 1) of the step idle
+    p2p       the activations sent to the next stage and their gradients back
+
+Every collective moves its bytes at LINK_EFFICIENCY of the GPU's NVLink bandwidth when its group
+sits inside a node, else of the GPU's network bandwidth. What the model does not know: kernel
+efficiency at small shapes, NCCL's latency at thousands of ranks, the overlap FSDP2's prefetch
+reaches, stragglers. Its figures rank layouts; they are not a promise of tokens/s
+(doc/benchmarks.md, "The planner", compares them with measured runs).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import re
+from dataclasses import dataclass
+
+from ..config import Config, UserError
+from ..parallel.dims import PIPELINE_FAMILIES, ParallelDims, layout_name
+from .estimate import GIB, HEADROOM, ModelShape, estimate
+
+# Of the datasheet's peak, what a training step's kernels reach on average: large GEMMs 0.70-0.75
+# on an H100, attention and the elementwise rest far less. 0.5 puts Llama-3-70B on 64 H100s at
+# 45% MFU, near the 38-43% published for Llama 3 and NeMo (doc/benchmarks.md, "The planner").
+MATMUL_EFFICIENCY = 0.5
+LINK_EFFICIENCY = 0.8  # of a link's bandwidth a large collective reaches (NCCL's bus bandwidth)
+FP8_OVERHEAD = 0.75  # of FP8's matmul speed left after its casts and scales (torchao's float8 training)
+HOST_READ_S = 30e-6  # one device-to-host read of expert parallel's splits, the stream drained
+
+
+@dataclass(frozen=True)
+class GPU:
+    """A GPU's datasheet figures: memory, dense tensor-core peaks, and the bandwidth one GPU has
+    to its node's others (NVLink, one direction) and to other nodes (its share of the network)."""
+    name: str
+    memory_gib: float
+    bf16_tflops: float
+    fp8_tflops: float | None  # None: no FP8 tensor cores
+    nvlink_gbs: float
+    network_gbs: float
+
+
+# Names as users and Slurm spell them -> the datasheet (dense, no sparsity); the first match wins.
+# Network: one 400 Gb/s InfiniBand NIC per GPU (50 GB/s) on H100/H200/B200 nodes, 200 Gb/s on A100s.
+GPUS = [
+    (r"h100[-_ ]?nvl", GPU("H100 NVL", 94, 835, 1670, 300, 50)),
+    (r"h100[-_ ]?pcie", GPU("H100 PCIe", 80, 756, 1513, 64, 25)),
+    (r"gh200", GPU("GH200", 96, 989, 1979, 450, 50)),
+    (r"h200", GPU("H200", 141, 989, 1979, 450, 50)),
+    (r"h100", GPU("H100", 80, 989, 1979, 450, 50)),
+    (r"b200", GPU("B200", 180, 2250, 4500, 900, 50)),
+    (r"a100[-_ ]?(sxm4?[-_ ]?)?80", GPU("A100 80GB", 80, 312, None, 300, 25)),
+    (r"a100", GPU("A100 40GB", 40, 312, None, 300, 25)),
+    (r"l40s", GPU("L40S", 48, 362, 733, 32, 25)),
+    (r"mi300x", GPU("MI300X", 192, 1307, 2615, 448, 50)),
+]
+
+
+def gpu_named(name: str) -> GPU:
+    """The GPU `name` spells (`h100`, `H200`, `a100-80gb`); UserError naming those known."""
+    for pattern, gpu in GPUS:
+        if re.search(pattern, name.lower()):
+            return gpu
+    known = ", ".join(gpu.name for _, gpu in GPUS)
+    raise UserError(f"--gpu: {name!r} is not a GPU the planner knows ({known}); name one of those")
+
+
+def gpu_in(name: str | None, cfg: Config) -> GPU:
+    """--gpu's GPU, else the one the slurm section names (extra_args' --gres or --constraint,
+    the partition, the qos); UserError where neither names one."""
+    if name:
+        return gpu_named(name)
+    s = cfg.slurm
+    text = " ".join(str(x) for x in (*s.extra_args, s.partition or "", s.qos or "")).lower()
+    for pattern, gpu in GPUS:
+        if re.search(pattern, text):
+            return gpu
+    raise UserError("--gpu: the slurm section names no GPU the planner knows (slurm.extra_args' --gres, the "
+                    "partition); name it: --gpu h100")
+
+
+@dataclass(frozen=True)
+class Candidate:
+    """One way to run the config: its layout and the choices that trade memory for speed."""
+    strategy: str
+    tp: int = 1
+    cp: int = 1
+    pp: int = 1
+    schedule: str = "1f1b"
+    ep: int = 1
+    checkpointing: int = 1  # 0: off; k: every k-th layer
+    micro_batch: int = 1
+    reshard: bool = True  # fsdp: free a layer's gathered weights after its forward
+    fp8: bool = False
+
+    def overrides(self) -> list[str]:
+        """The `--set` arguments that make a config this candidate."""
+        sets = [f"parallel.strategy={self.strategy}", f"parallel.tp={self.tp}", f"parallel.cp={self.cp}",
+                f"parallel.pp={self.pp}", f"parallel.ep={self.ep}",
+                f"model.activation_checkpointing={'true' if self.checkpointing else 'false'}",
+                f"train.micro_batch_size={self.micro_batch}", f"train.fp8={'tensorwise' if self.fp8 else 'none'}"]
+        if self.pp > 1:
+            sets.append(f"parallel.pp_schedule={self.schedule}")
+        if self.checkpointing:
+            sets.append(f"model.activation_checkpointing_every={self.checkpointing}")
+        if self.strategy != "ddp" and self.pp == 1:
+            sets.append(f"parallel.reshard_after_forward={'true' if self.reshard else 'false'}")
+        return sets
+
+    def describe(self) -> str:
+        name = layout_name(self.strategy, self.tp, self.cp, pp=self.pp,
+                           schedule=self.schedule if self.pp > 1 else "", ep=self.ep)
+        ac = {0: "no checkpointing", 1: "checkpointing"}.get(self.checkpointing,
+                                                              f"checkpointing 1 in {self.checkpointing}")
+        extras = [ac] + (["kept gathered"] if self.strategy != "ddp" and self.pp == 1 and not self.reshard else [])
+        return f"{name}, {', '.join(extras + (['fp8'] if self.fp8 else []))}"
+
+    def config(self, cfg: Config) -> Config:
+        par = dataclasses.replace(cfg.parallel, strategy=self.strategy, tp=self.tp, cp=self.cp, pp=self.pp,
+                                  pp_schedule=self.schedule, pp_stages_per_rank=None, ep=self.ep,
+                                  reshard_after_forward=self.reshard,
+                                  shard_size=cfg.parallel.shard_size if self.strategy == "hsdp" else None)
+        model = dataclasses.replace(cfg.model, activation_checkpointing=bool(self.checkpointing),
+                                    activation_checkpointing_every=self.checkpointing or 1)
+        train = dataclasses.replace(cfg.train, micro_batch_size=self.micro_batch,
+                                    fp8="tensorwise" if self.fp8 else "none")
+        return dataclasses.replace(cfg, parallel=par, model=model, train=train)
+
+
+@dataclass(frozen=True)
+class Cost:
+    """A candidate's predicted step: seconds in all and by part (compute, then what each degree
+    adds that is not hidden behind it), its memory per GPU (the estimator's total), tokens/s per
+    GPU and MFU (of the bf16 peak)."""
+    seconds: float
+    parts: dict
+    memory: int
+    tokens_per_s: float
+    mfu: float
+
+    @property
+    def main(self) -> str:
+        """The largest part but compute, with its share of the step ('compute' where none is)."""
+        name, s = max(((k, v) for k, v in self.parts.items() if k != "compute"), key=lambda kv: kv[1],
+                      default=("compute", 0.0))
+        return "compute" if s <= 0.01 * self.seconds else f"{name} {s / self.seconds:.0%}"
+
+
+def model_dict(shape: ModelShape) -> dict:
+    """What ParallelDims.model_problems reads of a config.json, from the estimator's shape."""
+    return {"model_type": shape.model_type, "num_attention_heads": shape.heads, "num_key_value_heads": shape.kv_heads,
+            "vocab_size": shape.vocab, "intermediate_size": shape.intermediate, "num_hidden_layers": shape.layers,
+            "num_experts": shape.experts, "tie_word_embeddings": not shape.head_linear}
+
+
+def candidates(cfg: Config, shape: ModelShape, world: int, per_node: int, gpu: GPU):
+    """Every candidate the layout owner accepts for this model on `world` GPUs of `per_node` a
+    node: strategy x tp (inside a node) x cp x pp (1F1B; interleaved with 2 stages a rank) x ep
+    (MoE: dividing the experts and shard x cp) x checkpointing (off, 1 in 2, every layer) x the
+    micro batches dividing a rank's share of the global batch x keeping fsdp's weights gathered x
+    FP8 (where the GPU has it; not under pp); yields (candidate, its ParallelDims). One data-parallel
+    rank is ddp's alone, one replica fsdp's."""
+    t = cfg.train
+    model = model_dict(shape)
+    powers = [n for n in (1, 2, 4, 8, 16, 32, 64) if n <= world]
+    for strategy in ("ddp", "fsdp", "hsdp"):
+        for tp in [n for n in powers if n <= per_node and per_node % n == 0]:
+            for cp in powers:
+                for pp in [n for n in powers if n == 1 or (shape.model_type in PIPELINE_FAMILIES and n <= shape.layers)]:
+                    if tp * cp * pp > world:
+                        continue
+                    for schedule in (("1f1b", "interleaved_1f1b") if pp > 1 else ("1f1b",)):
+                        for ep in [n for n in powers if n == 1 or (shape.experts and shape.experts % n == 0)]:
+                            base = Candidate(strategy, tp, cp, pp, schedule, ep)
+                            alt = base.config(cfg)
+                            try:
+                                dims = ParallelDims.from_config(alt, world, per_node)
+                            except UserError:
+                                continue
+                            if (dims.problems() or dims.config_problems(alt) or cfg.data.seq_len % dims.seq_len_divisor
+                                    or dims.model_problems(shape.model_type, model)):
+                                continue
+                            if (strategy != "ddp" and dims.dp == 1) or (strategy == "hsdp" and dims.replicate == 1):
+                                continue  # nothing to shard, or one replica: ddp's or fsdp's layout again
+                            per_rank = t.global_batch_size // dims.dp if dims.dp else 0
+                            if per_rank < 1 or t.global_batch_size % dims.dp:
+                                continue
+                            for checkpointing in (0, 2, 1):
+                                for micro in [m for m in range(1, per_rank + 1) if per_rank % m == 0]:
+                                    for reshard in ((True, False) if strategy != "ddp" and pp == 1 else (True,)):
+                                        for fp8 in ((False, True) if gpu.fp8_tflops and pp == 1 else (False,)):
+                                            yield dataclasses.replace(base, checkpointing=checkpointing,
+                                                                      micro_batch=micro, reshard=reshard, fp8=fp8), dims
+
+
+def plan(cfg: Config, shape: ModelShape, world: int, per_node: int, gpu: GPU) -> list[tuple[Candidate, Cost]]:
+    """The candidates that fit the GPU's memory less HEADROOM, fastest first. A micro batch that
+    does not fit is the last one tried of its layout (a larger one needs more)."""
+    usable = gpu.memory_gib * (1 - HEADROOM) * GIB
+    fitting, too_big = [], set()
+    for cand, dims in candidates(cfg, shape, world, per_node, gpu):
+        key = dataclasses.replace(cand, micro_batch=0, fp8=False)
+        if key in too_big:
+            continue
+        alt = cand.config(cfg)
+        memory = estimate(alt, world, shape=shape).total
+        if memory > usable:
+            too_big.add(key)
+            continue
+        fitting.append((cand, cost(alt, dims, shape, gpu, per_node, memory)))
+    return sorted(fitting, key=lambda pair: pair[1].seconds)
+
+
+def _flops_per_token(shape: ModelShape, seq: int) -> tuple[float, float]:
+    """(all, the linear layers') training FLOPs per token, as model/build.flops_per_token counts them."""
+    lookup = shape.vocab * shape.hidden if shape.head_linear else 0
+    frozen = max(0, shape.params - shape.trainable - lookup)
+    linear = 6 * (shape.active - lookup) - 2 * frozen
+    return linear + 12 * shape.layers * shape.hidden * seq, linear
+
+
+def cost(cfg: Config, dims: ParallelDims, shape: ModelShape, gpu: GPU, per_node: int, memory: int) -> Cost:
+    """The predicted step of `cfg` laid out as `dims` (the module's docstring has the model)."""
+    t, seq = cfg.train, cfg.data.seq_len
+    tp, cp, pp, ep, L, h = dims.tensor, dims.context, dims.pipeline, dims.expert, shape.layers, shape.hidden
+    p = 2 if t.precision in ("bf16", "fp16") else 4
+    world = dims.world_size
+    m = dims.accumulation(t.global_batch_size, t.micro_batch_size)
+    step_tokens = t.global_batch_size * seq
+    total, linear = _flops_per_token(shape, seq)
+    checkpointed = (-(-L // cfg.model.activation_checkpointing_every) / L) if cfg.model.activation_checkpointing else 0
+    flops = total * step_tokens / world * (1 + checkpointed / 3)
+    peak = gpu.bf16_tflops * 1e12 * MATMUL_EFFICIENCY
+    if t.fp8 != "none" and gpu.fp8_tflops:
+        fp8 = gpu.fp8_tflops * 1e12 * MATMUL_EFFICIENCY * FP8_OVERHEAD
+        compute = flops * (linear / total) / fp8 + flops * (1 - linear / total) / peak
+    else:
+        compute = flops / peak
+
+    def link(ranks_spanned: int) -> float:  # bytes/s of a group whose ranks lie within `ranks_spanned` consecutive ones
+        gbs = gpu.nvlink_gbs if ranks_spanned <= per_node else gpu.network_gbs
+        return gbs * 1e9 * LINK_EFFICIENCY
+
+    tokens = t.micro_batch_size * seq // cp  # a micro-batch's tokens on this GPU's tensor-parallel group
+    parts = {"compute": compute}
+    # data parallel: the weights' gathers and the gradients' reduction, overlapping compute
+    weights = (shape.params - L * shape.layer_expert_params * (1 - 1 / ep)) / tp
+    if dims.sharded:
+        shards = dims.shard * cp
+        gathers = 1 if pp > 1 else (2 if cfg.parallel.reshard_after_forward else 1) * m
+        moved = (gathers * weights * p + weights * 4) * (shards - 1) / shards / pp
+        comm = moved / link(shards * tp)
+        if dims.replicate > 1:
+            comm += 2 * weights / shards * 4 * (dims.replicate - 1) / dims.replicate / pp / link(world)
+    else:
+        dp = dims.dp
+        comm = 2 * weights * 4 * (dp - 1) / max(dp, 1) / pp / link(dp * cp * tp) if dp > 1 else 0.0
+    parts["fsdp" if dims.sharded else "ddp"] = max(0.0, comm - compute) + comm / max(L // pp, 1)
+    if tp > 1:  # sequence parallel: 4 collectives a layer forward, 4 backward, 4 a recomputed layer
+        parts["tp"] = (8 + 4 * checkpointed) * L / pp * m * tokens * h * p * (tp - 1) / tp / link(tp)
+    if cp > 1:  # keys and values gathered forward (again where recomputed), their gradients reduced
+        kv = 2 * max(shape.kv_heads // tp, 1) * shape.head_dim * seq * t.micro_batch_size * p * (cp - 1) / cp
+        parts["cp"] = (2 + checkpointed) * L / pp * m * kv / link(cp * tp)
+    if ep > 1 and shape.experts:
+        routed = shape.top_k * tokens // tp * h * p * (ep - 1) / ep
+        parts["ep"] = (4 + 2 * checkpointed) * L / pp * m * (routed / link(ep * tp) + HOST_READ_S / 2)
+    work = sum(parts.values())
+    if pp > 1:
+        v = dims.stages_per_rank
+        bubble = (pp - 1) / (v * m + pp - 1)
+        parts["bubble"] = work * bubble / (1 - bubble)
+        parts["p2p"] = 2 * v * m * tokens // tp * h * p / link(world // pp + 1)  # to the next stage and back
+    seconds = sum(parts.values())
+    return Cost(seconds, parts, memory, step_tokens / world / seconds,
+                total * step_tokens / world / seconds / (gpu.bf16_tflops * 1e12))
+
+
+def report(cfg: Config, ranked: list[tuple[Candidate, Cost]], gpu: GPU, world: int, per_node: int,
+           top: int = 5) -> list[str]:
+    """The best `top` as a table, why the best wins over the next, and its --set arguments."""
+    nodes = world // per_node
+    head = (f"plan: {cfg.model.name_or_path or shape_name(cfg)} on {nodes} node{'s' if nodes != 1 else ''} x "
+            f"{per_node} {gpu.name} ({gpu.memory_gib:g} GiB, {gpu.bf16_tflops:g} bf16 TFLOP/s), seq_len "
+            f"{cfg.data.seq_len}, global batch {cfg.train.global_batch_size}")
+    if not ranked:
+        return [head, "no layout fits: every candidate needs more than "
+                f"{gpu.memory_gib * (1 - HEADROOM):.1f} GiB a GPU; add nodes or lower data.seq_len"]
+    shown = best_of_each(ranked)[:top]
+    lines = [head, f"{len(ranked)} candidates fit; the fastest {len(shown)} layouts, each at its best micro batch, "
+                   f"checkpointing and FP8 (predicted):",
+             f"  {'#':>2}  {'layout':<58} {'micro':>5} {'GiB/GPU':>8} {'tok/s/GPU':>10} {'MFU':>5}  main cost"]
+    for i, (cand, c) in enumerate(shown, 1):
+        lines.append(f"  {i:>2}  {cand.describe():<58} {cand.micro_batch:>5} {c.memory / GIB:>8.1f} "
+                     f"{c.tokens_per_s:>10,.0f} {c.mfu:>5.0%}  {c.main}")
+    best, c = shown[0]
+    if len(shown) > 1:
+        other, d = shown[1]
+        lines.append(f"why: {c.seconds:.2f} s a step against {d.seconds:.2f} s for #2 ({d.seconds / c.seconds:.2f}x); "
+                     + ", ".join(f"{k} {c.parts.get(k, 0):.2f} vs {d.parts.get(k, 0):.2f} s"
+                                 for k in sorted(set(c.parts) | set(d.parts),
+                                                 key=lambda k: -abs(c.parts.get(k, 0) - d.parts.get(k, 0)))[:3]))
+    lines.append("use it: " + " ".join(f"--set {s}" for s in best.overrides()))
+    return lines
+
+
+def best_of_each(ranked: list[tuple[Candidate, Cost]]) -> list[tuple[Candidate, Cost]]:
+    """The fastest candidate of each layout (strategy, tp, cp, pp and schedule, ep), in order."""
+    seen, out = set(), []
+    for cand, c in ranked:
+        key = (cand.strategy, cand.tp, cand.cp, cand.pp, cand.schedule, cand.ep)
+        if key not in seen:
+            seen.add(key)
+            out.append((cand, c))
+    return out
+
+
+def shape_name(cfg: Config) -> str:
+    arch = cfg.model.architecture or {}
+    return f"a {arch.get('model_type', 'model')} from model.architecture"
