@@ -78,3 +78,23 @@ def test_the_cost_model_charges_the_bubble_and_the_links_a_group_crosses(config_
     node, cluster = (predicted(Candidate("fsdp", tp=8), per_node) for per_node in (64, 8))
     assert node.parts["fsdp"] < cluster.parts["fsdp"] and "bubble" not in node.parts
     assert cluster.parts["tp"] == pytest.approx(node.parts["tp"])  # tp stays inside a node either way
+
+
+def test_the_dry_runs_verdict_names_a_faster_layout_and_never_changes_the_config(config_70b):
+    """submit.sh --dry-run's planner line (login/plan.verdict) for 70B under plain fsdp with
+    checkpointing on 64 H100s: it fits; the planner's best is faster by the ratio of the two
+    predicted steps; the config on disk is untouched."""
+    from llmtrain.login.plan import candidate_of, verdict
+    before = config_70b.read_text()
+    cfg = load_config(config_70b, [*CLUSTER, "parallel.strategy=fsdp", "train.micro_batch_size=1"], world_size=64)
+    line = verdict(cfg)  # the GPU named in slurm.extra_args: --gres=gpu:h100:8
+    shape, gpu = model_shape(cfg), gpu_named("h100")
+    mine = cost(cfg, ParallelDims.from_config(cfg, 64, 8), shape, gpu, 8, estimate(cfg, 64, shape=shape).total)
+    best, c = plan(cfg, shape, 64, 8, gpu)[0]
+    assert best != candidate_of(cfg) and c.seconds < mine.seconds
+    assert line.startswith(f"fits ({mine.memory / GIB:.1f} GiB a H100), predicted {mine.tokens_per_s:,.0f} tokens/s a GPU; "
+                           f"the planner's best is {mine.seconds / c.seconds:.2f}x faster: {best.describe()}, micro batch "
+                           f"{best.micro_batch} (llmtrain plan --config {config_70b}")
+    assert config_70b.read_text() == before
+    tight = load_config(config_70b, [*CLUSTER, "parallel.strategy=ddp"], world_size=64)
+    assert verdict(tight).startswith("does not fit (")

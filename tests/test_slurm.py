@@ -164,6 +164,8 @@ def test_dry_run_prints_the_exact_sbatch_command(job_config):
     estimate = proc.stdout[proc.stdout.index("memory estimate (llmtrain estimate):"):]
     assert re.search(r"^  llama: [\d,]+ parameters .*ddp on 2 ranks", estimate, re.MULTILINE), estimate
     assert re.search(r"^  total +\d+\.\d\d ", estimate, re.MULTILINE), estimate
+    assert ("planner: the slurm section names no GPU it knows (--gres=gpu:h100:8, a partition); `llmtrain plan "
+            "--gpu NAME` plans for one") in estimate  # a CPU test cluster
     assert command[command.index("sbatch"):] == [
         "sbatch", "--parsable", "--job-name=dry", "--nodes=1", "--ntasks-per-node=1",
         "--cpus-per-task=1", "--mem=0", "--time=02:30:00", f"--output={run_dir}/%x-%j.out",

@@ -576,6 +576,18 @@ def cmd_submit(args) -> int:
             print("memory estimate (llmtrain estimate):\n" + "\n".join(f"  {line}" for line in report(cfg)[0]))
         except Exception as e:  # noqa: BLE001 -- the dry run's answer stands without it
             print(f"memory estimate: not available ({e})")
+            return 0
+        from .login.plan import gpu_in, verdict
+        try:
+            gpu = gpu_in(None, cfg)
+        except UserError:
+            print("planner: the slurm section names no GPU it knows (--gres=gpu:h100:8, a partition); "
+                  "`llmtrain plan --gpu NAME` plans for one")
+            return 0
+        try:
+            print(f"planner (llmtrain plan): {verdict(cfg, gpu)}")
+        except Exception as e:  # noqa: BLE001 -- as the estimate's
+            print(f"planner: not available ({e})")
     return 0
 
 

@@ -41,7 +41,7 @@ from dataclasses import dataclass
 
 from ..config import Config, UserError
 from ..parallel.dims import PIPELINE_FAMILIES, ParallelDims, layout_name
-from .estimate import GIB, HEADROOM, ModelShape, estimate
+from .estimate import GIB, HEADROOM, ModelShape, estimate, model_shape
 
 # Of the datasheet's peak, what a training step's kernels reach on average: large GEMMs 0.70-0.75
 # on an H100, attention and the elementwise rest far less. 0.5 puts Llama-3-70B on 64 H100s at
@@ -297,6 +297,37 @@ def cost(cfg: Config, dims: ParallelDims, shape: ModelShape, gpu: GPU, per_node:
     seconds = sum(parts.values())
     return Cost(seconds, parts, memory, step_tokens / world / seconds,
                 total * step_tokens / world / seconds / (gpu.bf16_tflops * 1e12))
+
+
+def candidate_of(cfg: Config) -> Candidate:
+    """The config's own choices as a candidate."""
+    par, model = cfg.parallel, cfg.model
+    return Candidate(par.strategy, par.tp, par.cp, par.pp, par.pp_schedule, par.ep,
+                     model.activation_checkpointing_every if model.activation_checkpointing else 0,
+                     cfg.train.micro_batch_size, par.reshard_after_forward, cfg.train.fp8 != "none")
+
+
+def verdict(cfg: Config, gpu: GPU | None = None) -> str:
+    """The planner's word on the config's own layout, for `submit.sh --dry-run`: whether it fits,
+    and how much faster the planner's best is ('fits; the planner's best is 1.40x faster: ...').
+    It never changes the config."""
+    gpu = gpu or gpu_in(None, cfg)
+    world, per_node = cfg.world_size, cfg.slurm.procs_per_node or cfg.slurm.gpus_per_node or 1
+    shape = model_shape(cfg)
+    dims = ParallelDims.from_config(cfg, world, per_node)
+    memory = estimate(cfg, world, shape=shape).total
+    mine = cost(cfg, dims, shape, gpu, per_node, memory)
+    fits = memory <= gpu.memory_gib * (1 - HEADROOM) * GIB
+    ranked = plan(cfg, shape, world, per_node, gpu)
+    said = (f"fits ({memory / GIB:.1f} GiB a {gpu.name}), predicted {mine.tokens_per_s:,.0f} tokens/s a GPU"
+            if fits else f"does not fit ({memory / GIB:.1f} GiB a {gpu.name})")
+    if not ranked:
+        return f"{said}; no layout fits {world} {gpu.name}s"
+    best, c = ranked[0]
+    if best == candidate_of(cfg) or c.seconds >= mine.seconds * 0.99:
+        return f"{said}; the planner finds nothing faster"
+    return (f"{said}; the planner's best is {mine.seconds / c.seconds:.2f}x faster: {best.describe()}, micro batch "
+            f"{best.micro_batch} (llmtrain plan --config {cfg.path} shows it and its --set arguments)")
 
 
 def report(cfg: Config, ranked: list[tuple[Candidate, Cost]], gpu: GPU, world: int, per_node: int,
