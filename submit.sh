@@ -19,6 +19,7 @@ usage() {
 Usage: bash submit.sh [options] [-- extra sbatch arguments]
 
   --config FILE       the run's config (default: config.yaml next to this script)
+  --preset NAME       a ready config of configs/presets/ (tiny-llama, llama3-8b, llama3-70b, ...)
   --set K=V           override a config value, e.g. --set train.max_steps=100 (repeatable)
   --nodes N, --gpus-per-node N, --procs-per-node N, --time T, --partition P, --account A,
   --qos Q             set slurm.nodes, slurm.gpus_per_node, ... (the same as --set slurm.KEY=V)
@@ -33,6 +34,12 @@ EOF
 
 die() { echo "submit.sh: $*" >&2; exit 1; }
 
+presets() {  # the preset names, comma-separated
+  local names="" f
+  for f in "$REPO"/configs/presets/*.yaml; do names+="${names:+, }$(basename "$f" .yaml)"; done
+  echo "$names"
+}
+
 # shellcheck source=lib/find-env.sh
 source "$REPO/lib/find-env.sh"
 
@@ -41,6 +48,10 @@ main() {
   while (($#)); do
     case "$1" in
       --config) config="${2:?--config needs a file}"; shift 2 ;;
+      --preset)
+        config="$REPO/configs/presets/${2:?--preset needs a name}.yaml"
+        [[ -f "$config" ]] || die "--preset: no preset named $2 (configs/presets: $(presets))"
+        shift 2 ;;
       --set) args+=(--set "${2:?--set needs section.key=value}"); shift 2 ;;
       --nodes | --gpus-per-node | --procs-per-node | --time | --partition | --account | --qos)
         args+=(--set "${KEYS[$1]}=${2:?$1 needs a value}"); shift 2 ;;

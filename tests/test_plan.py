@@ -6,12 +6,13 @@ links a group crosses."""
 
 from __future__ import annotations
 
-import dataclasses
+import json
 import re
+import subprocess
 
 import pytest
 
-from conftest import cli
+from conftest import REPO, cli
 from llmtrain.config import load_config
 from llmtrain.login.estimate import GIB, estimate, model_shape
 from llmtrain.login.plan import Candidate, best_of_each, cost, gpu_named, plan
@@ -98,3 +99,57 @@ def test_the_dry_runs_verdict_names_a_faster_layout_and_never_changes_the_config
     assert config_70b.read_text() == before
     tight = load_config(config_70b, [*CLUSTER, "parallel.strategy=ddp"], world_size=64)
     assert verdict(tight).startswith("does not fit (")
+
+
+LLAMA_405B = {**LLAMA_3_70B, "hidden_size": 16384, "intermediate_size": 53248, "num_hidden_layers": 126,
+              "num_attention_heads": 128}
+PRESET_MODELS = {"meta-llama/Meta-Llama-3-8B": "8b", "meta-llama/Meta-Llama-3-8B-Instruct": "8b",
+                 "meta-llama/Meta-Llama-3-70B": "70b", "meta-llama/Meta-Llama-3-70B-Instruct": "70b",
+                 "meta-llama/Llama-3.1-405B": "405b", "Qwen/Qwen3-30B-A3B": "30b-a3b"}
+
+
+@pytest.mark.slow  # the planner over each preset's cluster: ~8 s each
+@pytest.mark.parametrize("name", ["llama3-8b", "llama3-8b-lora", "llama3-70b", "llama3-70b-lora", "llama3.1-405b",
+                                  "qwen3-30b-a3b"])
+def test_each_preset_passes_check_config_fits_and_is_the_planners_best(home, name):
+    """The model's config.json stands in for the download (`--config-only` fetches it); the
+    preset passes check-config, the estimator says it fits its stated GPUs, and its layout is the
+    planner's best (without FP8) for its cluster."""
+    import json
+
+    from test_estimate import LLAMA_3_8B, QWEN3_30B_A3B
+    from llmtrain import preset
+    from llmtrain.login.plan import candidate_of
+    shapes = {"8b": LLAMA_3_8B, "70b": LLAMA_3_70B, "405b": LLAMA_405B, "30b-a3b": QWEN3_30B_A3B}
+    for model, size in PRESET_MODELS.items():
+        (home / "models" / model).mkdir(parents=True)
+        (home / "models" / model / "config.json").write_text(json.dumps(shapes[size]))
+    path = preset(name)
+    check = cli("check-config", path)
+    assert check.returncode == 0, check.stdout + check.stderr
+    est = cli("estimate", "--config", path)
+    assert est.returncode == 0 and re.search(r"^fits: [\d.]+ GiB <= 72.0 GiB usable of 80 GiB \(H100", est.stdout, re.M)
+    cfg = load_config(path)
+    per_node = cfg.slurm.gpus_per_node
+    best, _ = plan(cfg, model_shape(cfg), cfg.world_size, per_node, gpu_named("h100"), fp8=False)[0]
+    assert candidate_of(cfg) == best
+
+
+def test_a_preset_that_does_not_exist_is_one_line():
+    from llmtrain import preset
+    from llmtrain.config import UserError
+    with pytest.raises(UserError, match=r"^preset: no preset named llama5 \(.*configs/presets: llama3-70b, "):
+        preset("llama5")
+    proc = subprocess.run(["bash", str(REPO / "submit.sh"), "--preset", "llama5"], capture_output=True, text=True)
+    assert proc.returncode == 1 and proc.stderr.startswith(
+        "submit.sh: --preset: no preset named llama5 (configs/presets: llama3-70b-lora, llama3-70b, ")
+
+
+@pytest.mark.slow  # a real local run
+def test_the_tiny_preset_trains_on_this_machine(tmp_path):
+    proc = subprocess.run(["bash", str(REPO / "submit.sh"), "--preset", "tiny-llama", "--local", "--set",
+                           "train.max_steps=4", "--set", "train.warmup_steps=1", "--set", "train.eval_every=0", "--set",
+                           "train.checkpoint_every=0", "--set", "train.log_every=1", "--set", f"run.dir={tmp_path}"], capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    records = [json.loads(line) for line in (tmp_path / "tiny-llama" / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in records if r["kind"] == "train"] == [1, 2, 3, 4]

@@ -10,3 +10,19 @@ def submit(config, overrides=(), **options):
     Needs the environment setup.sh wrote (LLMTRAIN_HOME, LLMTRAIN_REPO). See login/submit.py."""
     from .login.submit import submit as queue
     return queue(config, overrides, **options)
+
+
+def preset(name: str):
+    """The path of a ready config, configs/presets/NAME.yaml of the repo setup.sh recorded
+    (LLMTRAIN_REPO), else of this checkout: `llmtrain.submit(llmtrain.preset("llama3-8b"),
+    ["slurm.nodes=2"])` is `bash submit.sh --preset llama3-8b --nodes 2`."""
+    import os
+    from pathlib import Path
+
+    from .config import UserError
+    folder = Path(os.environ.get("LLMTRAIN_REPO") or Path(__file__).resolve().parents[2]) / "configs" / "presets"
+    path = folder / f"{name}.yaml"
+    if not path.is_file():
+        names = ", ".join(sorted(p.stem for p in folder.glob("*.yaml"))) or "none"
+        raise UserError(f"preset: no preset named {name} ({folder}: {names})")
+    return path

@@ -4,7 +4,7 @@
     llmtrain prepare --config FILE [--set ...]
     llmtrain train --config FILE [--set ...]          # usually under torchrun
     llmtrain estimate --config FILE [--set ...] [--world-size N] [--gpu-mem GIB]   # memory per GPU
-    llmtrain plan --config FILE [--set ...] [--nodes N] [--gpus-per-node G] [--gpu NAME] [--apply OUT]
+    llmtrain plan --config FILE [--set ...] [--nodes N] [--gpus-per-node G] [--gpu NAME] [--no-fp8] [--apply OUT]
     llmtrain export --run-dir DIR [--step N] --out DIR [--dtype fp32|bf16|fp16]
     llmtrain generate (--model DIR | --run-dir DIR [--step N]) --prompt TEXT [--chat]
     llmtrain status RUN_DIR|JOB_ID|NAME [--config FILE] [--follow]   # NAME: a run in run.dir
@@ -383,6 +383,8 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--gpu", help="the GPU (h100, h200, b200, a100-80gb, ...; default: the one named in "
                    "slurm.extra_args, partition or qos)")
     p.add_argument("--top", type=int, default=5, help="layouts shown (default: 5)")
+    p.add_argument("--no-fp8", action="store_true", help="leave FP8 out (it needs the fp8 extra, torchao; "
+                   "default: FP8 where the GPU has it)")
     p.add_argument("--apply", metavar="OUT", help="write the config with the best layout to OUT (checked "
                    "as check-config does; default: write nothing)")
     p.set_defaults(func=cmd_plan)
@@ -755,7 +757,7 @@ def cmd_plan(args) -> int:
     neutral = ["parallel.strategy=fsdp", "parallel.tp=1", "parallel.cp=1", "parallel.pp=1", "parallel.ep=1",
                "parallel.shard_size=null", "train.micro_batch_size=1", "train.fp8=none"]
     cfg = load_config(args.config, [*args.overrides, *cluster, *neutral], world_size=nodes * per_node)
-    ranked = plan(cfg, model_shape(cfg), nodes * per_node, per_node, gpu)
+    ranked = plan(cfg, model_shape(cfg), nodes * per_node, per_node, gpu, fp8=not args.no_fp8)
     print("\n".join(report(cfg, ranked, gpu, nodes * per_node, per_node, args.top)))
     if not ranked:
         return 1

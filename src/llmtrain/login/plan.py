@@ -177,7 +177,7 @@ def model_dict(shape: ModelShape) -> dict:
             "num_experts": shape.experts, "tie_word_embeddings": not shape.head_linear}
 
 
-def candidates(cfg: Config, shape: ModelShape, world: int, per_node: int, gpu: GPU):
+def candidates(cfg: Config, shape: ModelShape, world: int, per_node: int, gpu: GPU, fp8: bool = True):
     """Every candidate the layout owner accepts for this model on `world` GPUs of `per_node` a
     node: strategy x tp (inside a node) x cp x pp (1F1B; interleaved with 2 stages a rank) x ep
     (MoE: dividing the experts and shard x cp) x checkpointing (off, 1 in 2, every layer) x the
@@ -212,17 +212,19 @@ def candidates(cfg: Config, shape: ModelShape, world: int, per_node: int, gpu: G
                             for checkpointing in (0, 2, 1):
                                 for micro in [m for m in range(1, per_rank + 1) if per_rank % m == 0]:
                                     for reshard in ((True, False) if strategy != "ddp" and pp == 1 else (True,)):
-                                        for fp8 in ((False, True) if gpu.fp8_tflops and pp == 1 else (False,)):
+                                        for f8 in ((False, True) if fp8 and gpu.fp8_tflops and pp == 1 else (False,)):
                                             yield dataclasses.replace(base, checkpointing=checkpointing,
-                                                                      micro_batch=micro, reshard=reshard, fp8=fp8), dims
+                                                                      micro_batch=micro, reshard=reshard, fp8=f8), dims
 
 
-def plan(cfg: Config, shape: ModelShape, world: int, per_node: int, gpu: GPU) -> list[tuple[Candidate, Cost]]:
-    """The candidates that fit the GPU's memory less HEADROOM, fastest first. A micro batch that
-    does not fit is the last one tried of its layout (a larger one needs more)."""
+def plan(cfg: Config, shape: ModelShape, world: int, per_node: int, gpu: GPU,
+         fp8: bool = True) -> list[tuple[Candidate, Cost]]:
+    """The candidates that fit the GPU's memory less HEADROOM, fastest first (`fp8` False: none
+    with FP8). A micro batch that does not fit is the last one tried of its layout (a larger one
+    needs more)."""
     usable = gpu.memory_gib * (1 - HEADROOM) * GIB
     fitting, too_big = [], set()
-    for cand, dims in candidates(cfg, shape, world, per_node, gpu):
+    for cand, dims in candidates(cfg, shape, world, per_node, gpu, fp8):
         key = dataclasses.replace(cand, micro_batch=0, fp8=False)
         if key in too_big:
             continue
