@@ -15,7 +15,7 @@ import pytest
 from conftest import REPO, cli
 from llmtrain.config import load_config
 from llmtrain.login.estimate import GIB, estimate, model_shape
-from llmtrain.login.plan import Candidate, best_of_each, cost, gpu_named, plan
+from llmtrain.login.plan import Candidate, best_of_each, cost, gpu_in, gpu_named, plan
 from llmtrain.parallel.dims import ParallelDims
 from test_estimate import LLAMA_3_70B, llama
 
@@ -33,7 +33,8 @@ def test_plan_ranks_70b_layouts_on_64_h100s_each_fitting_and_valid(config_70b, t
                "--apply", tmp_path / "best.yaml")
     assert proc.returncode == 0, proc.stderr
     out = proc.stdout
-    assert out.startswith("plan: a llama from model.architecture on 8 nodes x 8 H100 (80 GiB")
+    assert out.startswith("plan: a llama from model.architecture on 8 nodes x 8 H100 (80 GiB, 989 bf16 TFLOP/s; "
+                          "datasheet figures), seq_len 8192")
     rows = re.findall(r"^ +(\d) +(.+?) +(\d+) +([\d.]+) +([\d,]+) +(\d+)%  (.+)$", out, re.M)
     assert [int(r[0]) for r in rows] == [1, 2, 3, 4, 5]
     speeds = [int(r[4].replace(",", "")) for r in rows]
@@ -153,3 +154,25 @@ def test_the_tiny_preset_trains_on_this_machine(tmp_path):
     assert proc.returncode == 0, proc.stderr[-2000:]
     records = [json.loads(line) for line in (tmp_path / "tiny-llama" / "metrics.jsonl").read_text().splitlines()]
     assert [r["step"] for r in records if r["kind"] == "train"] == [1, 2, 3, 4]
+
+
+def test_a_preflight_record_of_the_cluster_replaces_the_datasheet(config_70b, home):
+    """A job's preflight on this cluster's H100s measured a GEMM at half the datasheet's
+    expectation and 10 GB/s across nodes: the planner states it, compute takes twice as long, and
+    an FSDP group across nodes waits on the measured network."""
+    record = {"device_name": "NVIDIA H100 80GB HBM3", "job_id": "4242", "time": 1.8e9, "nodes": 8,
+              "ranks_per_node": 8, "matmul": {"size": 8192, "dtype": "bfloat16"},
+              "matmul_tflops": 0.36 * 989, "intra_node_busbw_gbps": 300.0, "inter_node_busbw_gbps": 10.0}
+    (home / "cluster").mkdir()
+    (home / "cluster" / "NVIDIA-H100-80GB-HBM3.json").write_text(json.dumps(record))
+    cfg = load_config(config_70b, [*CLUSTER, "parallel.strategy=fsdp"], world_size=64)
+    shape, sheet, cluster = model_shape(cfg), gpu_named("h100"), gpu_in("h100", cfg)
+    assert cluster.measured.startswith("measured by job 4242's preflight on 8 nodes")
+    alt = Candidate("fsdp", micro_batch=1).config(cfg)
+    dims = ParallelDims.from_config(alt, 64, 8)
+    a, b = (cost(alt, dims, shape, gpu, 8, 0) for gpu in (sheet, cluster))
+    assert b.parts["compute"] == pytest.approx(2 * a.parts["compute"])
+    assert b.parts["fsdp"] > a.parts["fsdp"]  # 10 GB/s against 40 (50 at 80%)
+    out = cli("plan", "--config", config_70b, "--nodes", "8", "--gpus-per-node", "8", "--gpu", "h100", "--top", "1")
+    assert ("(80 GiB, 989 bf16 TFLOP/s; measured by job 4242's preflight on 8 nodes, 2027-01-15: a 356 TFLOP/s bf16 "
+            "GEMM, all-reduce 300 GB/s inside a node, 10 across)") in out.stdout

@@ -8,11 +8,12 @@ import os
 import re
 
 import pytest
+import torch
 import yaml
 
 from conftest import tiny_config
 from llmtrain.cli import main
-from llmtrain.training.preflight import by_node, matmul_tflops, slow_nodes, verdict
+from llmtrain.training.preflight import by_node, describe_bw, matmul_tflops, record_cluster, slow_nodes, verdict
 
 
 @pytest.mark.parametrize("figures,slow", [
@@ -51,7 +52,7 @@ def test_more_threads_than_cores_alone_do_not_make_a_node_slow():
 def test_a_node_is_as_fast_as_its_slowest_rank_and_the_line_names_it(tmp_path):
     """One throttled GPU sets the pace of a synchronous job: node2's rank 3 makes node2 slow."""
     ranks = [{"rank": r, "local_rank": r % 2, "node": f"node{r // 2 + 1}", "matmul_tflops": tf,
-              "all_reduce_busbw_gbps": 10.0} for r, tf in enumerate([1.0, 1.1, 1.0, 0.3])]
+              "intra_node_busbw_gbps": 10.0, "inter_node_busbw_gbps": 2.0} for r, tf in enumerate([1.0, 1.1, 1.0, 0.3])]
     nodes = by_node(ranks)
     assert nodes["node2"]["ranks"] == [2, 3] and nodes["node2"]["matmul_tflops"] == 0.3
     assert nodes["node2"]["matmul_tflops_median"] == pytest.approx(0.65)
@@ -62,6 +63,19 @@ def test_a_node_is_as_fast_as_its_slowest_rank_and_the_line_names_it(tmp_path):
         f"it anyway (slurm.exclude_slow_nodes: true leaves it out); figures in {path}")
     assert "stopping before training (slurm.exclude_slow_nodes): the job asks to come back without it" \
         in verdict(nodes, slow, 0.7, True, path)
+    assert describe_bw(nodes["node1"]) == "10 GB/s inside the node, 2 across nodes (bus bandwidth)"
+
+
+def test_the_cluster_record_gives_the_planner_the_nodes_median_figures(home, monkeypatch):
+    """$LLMTRAIN_HOME/cluster/<device>.json: the median node's matmul and the median rank's
+    bandwidths, which llmtrain plan takes over the datasheet's (tests/test_plan.py)."""
+    ranks = [{"rank": r, "node": f"node{r // 2 + 1}", "matmul_tflops": tf, "intra_node_busbw_gbps": 10.0 + r,
+              "inter_node_busbw_gbps": 2.0} for r, tf in enumerate([1.0, 1.1, 0.9, 0.3, 0.8, 0.8])]
+    record_cluster(torch.device("cpu"), "17", by_node(ranks), ranks)
+    record = json.loads((home / "cluster" / "cpu.json").read_text())
+    assert (record["device_name"], record["job_id"], record["nodes"], record["ranks_per_node"]) == ("cpu", "17", 3, 2)
+    assert record["matmul_tflops"] == 0.8  # nodes at 1.0, 0.3 and 0.8: their slowest ranks
+    assert (record["intra_node_busbw_gbps"], record["inter_node_busbw_gbps"]) == (12.5, 2.0)
 
 
 @pytest.fixture

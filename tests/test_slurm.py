@@ -92,13 +92,14 @@ def test_two_node_job_completes_with_everything_in_the_run_dir(job_config):
                       r"0\.7x\); training on it anyway \(slurm\.exclude_slow_nodes: true leaves it "
                       r"out\); figures in (.*)$", log, re.MULTILINE)
     assert named and named.group(3) == str(record), log
-    assert re.search(r"preflight: node1 \(2 ranks\): matmul \S+ TFLOP/s .* all-reduce \S+ GB/s", log)
+    assert re.search(r"preflight: node1 \(2 ranks\): matmul \S+ TFLOP/s .* all-reduce \S+ GB/s inside the node, "
+                     r"\S+ across nodes \(bus bandwidth\)$", log, re.MULTILINE), log
     assert "node1 is slow" not in log
     figures = json.loads(record.read_text())
     nodes = figures["nodes"]
     assert sorted(nodes) == ["node1", "node2"] and list(figures["slow"]) == ["node2"]
     assert 0 < nodes["node2"]["matmul_tflops"] < 0.7 * nodes["node1"]["matmul_tflops"]
-    assert all(n["all_reduce_busbw_gbps"] > 0 for n in nodes.values())
+    assert all(n["intra_node_busbw_gbps"] > 0 and n["inter_node_busbw_gbps"] > 0 for n in nodes.values())
     assert sorted(r["node"] for r in figures["ranks"]) == ["node1", "node1", "node2", "node2"]
 
 

@@ -27,7 +27,10 @@ this GPU's tensor-parallel group, m: micro-batches a step, L: layers, h: hidden,
     p2p       the activations sent to the next stage and their gradients back
 
 Every collective moves its bytes at LINK_EFFICIENCY of the GPU's NVLink bandwidth when its group
-sits inside a node, else of the GPU's network bandwidth. What the model does not know: kernel
+sits inside a node, else of the GPU's network bandwidth. Where a job's preflight measured the
+cluster (training/preflight.py writes $LLMTRAIN_HOME/cluster/<GPU>.json), its all-reduce bus
+bandwidths inside and across nodes replace those, and compute scales by its GEMM rate against
+GEMM_EFFICIENCY of the datasheet. What the model does not know: kernel
 efficiency at small shapes, NCCL's latency at thousands of ranks, the overlap FSDP2's prefetch
 reaches, stragglers. Its figures rank layouts; they are not a promise of tokens/s
 (doc/benchmarks.md, "The planner", compares them with measured runs).
@@ -37,6 +40,7 @@ from __future__ import annotations
 
 import dataclasses
 import re
+import time
 from dataclasses import dataclass
 
 from ..config import Config, UserError
@@ -52,16 +56,30 @@ FP8_OVERHEAD = 0.75  # of FP8's matmul speed left after its casts and scales (to
 HOST_READ_S = 30e-6  # one device-to-host read of expert parallel's splits, the stream drained
 
 
+GEMM_EFFICIENCY = 0.72  # of the datasheet's bf16 peak the preflight's 8192 x 8192 product reaches on an H100
+
+
 @dataclass(frozen=True)
 class GPU:
     """A GPU's datasheet figures: memory, dense tensor-core peaks, and the bandwidth one GPU has
-    to its node's others (NVLink, one direction) and to other nodes (its share of the network)."""
+    to its node's others (NVLink, one direction) and to other nodes (its share of the network);
+    and, where a job's preflight measured the cluster (training/preflight.record_cluster), its
+    bf16 GEMM rate and its all-reduce bus bandwidths inside and across nodes, which replace them."""
     name: str
     memory_gib: float
     bf16_tflops: float
     fp8_tflops: float | None  # None: no FP8 tensor cores
     nvlink_gbs: float
     network_gbs: float
+    gemm_tflops: float | None = None
+    intra_gbs: float | None = None
+    inter_gbs: float | None = None
+    measured: str = ""  # where the measurements come from; "": the datasheet alone
+
+    @property
+    def compute_scale(self) -> float:
+        """The measured GEMM rate against the datasheet's expectation (1: none measured)."""
+        return self.gemm_tflops / (self.bf16_tflops * GEMM_EFFICIENCY) if self.gemm_tflops else 1.0
 
 
 # Names as users and Slurm spell them -> the datasheet (dense, no sparsity); the first match wins.
@@ -91,16 +109,44 @@ def gpu_named(name: str) -> GPU:
 
 def gpu_in(name: str | None, cfg: Config) -> GPU:
     """--gpu's GPU, else the one the slurm section names (extra_args' --gres or --constraint,
-    the partition, the qos); UserError where neither names one."""
+    the partition, the qos), with the cluster's measurements where a preflight recorded them;
+    UserError where neither names one."""
     if name:
-        return gpu_named(name)
+        return measured(gpu_named(name))
     s = cfg.slurm
     text = " ".join(str(x) for x in (*s.extra_args, s.partition or "", s.qos or "")).lower()
     for pattern, gpu in GPUS:
         if re.search(pattern, text):
-            return gpu
+            return measured(gpu)
     raise UserError("--gpu: the slurm section names no GPU the planner knows (slurm.extra_args' --gres, the "
                     "partition); name it: --gpu h100")
+
+
+def measured(gpu: GPU) -> GPU:
+    """`gpu` with the newest preflight record of its kind ($LLMTRAIN_HOME/cluster/*.json, a
+    device name the GPU's pattern matches): its GEMM rate and bandwidths."""
+    import json
+    import os
+    from pathlib import Path
+    home = os.environ.get("LLMTRAIN_HOME")
+    pattern = next(p for p, g in GPUS if g.name == gpu.name)
+    records = []
+    for path in sorted(Path(home).glob("cluster/*.json")) if home else ():
+        try:
+            record = json.loads(path.read_text())
+        except (OSError, ValueError):
+            continue
+        if re.search(pattern, str(record.get("device_name", "")).lower()) and record.get("matmul", {}).get(
+                "dtype") == "bfloat16":
+            records.append(record)
+    if not records:
+        return gpu
+    r = max(records, key=lambda r: r.get("time", 0))
+    when = time.strftime("%Y-%m-%d", time.gmtime(r.get("time", 0)))
+    return dataclasses.replace(
+        gpu, gemm_tflops=r.get("matmul_tflops"), intra_gbs=r.get("intra_node_busbw_gbps"),
+        inter_gbs=r.get("inter_node_busbw_gbps"),
+        measured=f"measured by job {r.get('job_id')}'s preflight on {r.get('nodes')} nodes, {when}")
 
 
 @dataclass(frozen=True)
@@ -256,16 +302,19 @@ def cost(cfg: Config, dims: ParallelDims, shape: ModelShape, gpu: GPU, per_node:
     total, linear = _flops_per_token(shape, seq)
     checkpointed = (-(-L // cfg.model.activation_checkpointing_every) / L) if cfg.model.activation_checkpointing else 0
     flops = total * step_tokens / world * (1 + checkpointed / 3)
-    peak = gpu.bf16_tflops * 1e12 * MATMUL_EFFICIENCY
+    peak = gpu.bf16_tflops * 1e12 * MATMUL_EFFICIENCY * gpu.compute_scale
     if t.fp8 != "none" and gpu.fp8_tflops:
-        fp8 = gpu.fp8_tflops * 1e12 * MATMUL_EFFICIENCY * FP8_OVERHEAD
+        fp8 = gpu.fp8_tflops * 1e12 * MATMUL_EFFICIENCY * FP8_OVERHEAD * gpu.compute_scale
         compute = flops * (linear / total) / fp8 + flops * (1 - linear / total) / peak
     else:
         compute = flops / peak
 
     def link(ranks_spanned: int) -> float:  # bytes/s of a group whose ranks lie within `ranks_spanned` consecutive ones
-        gbs = gpu.nvlink_gbs if ranks_spanned <= per_node else gpu.network_gbs
-        return gbs * 1e9 * LINK_EFFICIENCY
+        inside = ranks_spanned <= per_node
+        busbw = gpu.intra_gbs if inside else gpu.inter_gbs  # measured: what a collective reaches
+        if busbw:
+            return busbw * 1e9
+        return (gpu.nvlink_gbs if inside else gpu.network_gbs) * 1e9 * LINK_EFFICIENCY
 
     tokens = t.micro_batch_size * seq // cp  # a micro-batch's tokens on this GPU's tensor-parallel group
     parts = {"compute": compute}
@@ -336,8 +385,11 @@ def report(cfg: Config, ranked: list[tuple[Candidate, Cost]], gpu: GPU, world: i
            top: int = 5) -> list[str]:
     """The best `top` as a table, why the best wins over the next, and its --set arguments."""
     nodes = world // per_node
+    facts = (f"{gpu.measured}: a {gpu.gemm_tflops:.0f} TFLOP/s bf16 GEMM, all-reduce "
+             f"{gpu.intra_gbs or 0:.0f} GB/s inside a node, {gpu.inter_gbs or 0:.0f} across" if gpu.measured
+             else "datasheet figures")
     head = (f"plan: {cfg.model.name_or_path or shape_name(cfg)} on {nodes} node{'s' if nodes != 1 else ''} x "
-            f"{per_node} {gpu.name} ({gpu.memory_gib:g} GiB, {gpu.bf16_tflops:g} bf16 TFLOP/s), seq_len "
+            f"{per_node} {gpu.name} ({gpu.memory_gib:g} GiB, {gpu.bf16_tflops:g} bf16 TFLOP/s; {facts}), seq_len "
             f"{cfg.data.seq_len}, global batch {cfg.train.global_batch_size}")
     if not ranked:
         return [head, "no layout fits: every candidate needs more than "

@@ -11,10 +11,16 @@ process group exists and before the model is built, every rank measures:
   share a machine's memory do not disturb each other's figure: a core's speed, whatever threads
   each process trains with), repeated for 0.1 s and at least 5 times, as TFLOP/s (2 n^3 per
   product);
-- all-reduce: the best of a few timed sums of one buffer over all ranks (CUDA 64 MiB, CPU
-  4 MiB, fp32), as bus bandwidth in GB/s, 2 (n - 1) / n x bytes / seconds (nccl-tests' "busbw":
-  comparable across world sizes). Every rank times the same collective, so this is the group's
-  figure: it is reported, not judged.
+- all-reduce: the best of a few timed sums of one buffer (CUDA 64 MiB, CPU 4 MiB, fp32), as bus
+  bandwidth in GB/s, 2 (n - 1) / n x bytes / seconds (nccl-tests' "busbw": comparable across
+  group sizes), twice: inside each node (its ranks, every node at once: NVLink on a GPU node),
+  then across nodes (the ranks of one local rank on every node, every such group at once: each
+  GPU's share of the network, all NICs busy). A world-wide all-reduce mixed the two and, at
+  512+ ranks, measured latency more than bandwidth. Reported, not judged.
+
+Rank 0 also records the cluster's figures for `llmtrain plan` (login/plan.py), which takes them
+over the datasheet's: `$LLMTRAIN_HOME/cluster/<device name>.json`, the device's name, the nodes'
+median matmul and the two bandwidths (the median over ranks).
 
 Each node's matmul figure is its slowest rank's: training is synchronous, so one throttled GPU
 sets the pace of the whole job. A node is slow when that figure is below `slurm.slow_node_ratio`
@@ -42,15 +48,18 @@ from __future__ import annotations
 import json
 import math
 import os
+import re
 import statistics
 import subprocess
 import time
 from collections import defaultdict
+from pathlib import Path
 
 import torch
 import torch.distributed as dist
 
 from ..config import Config
+from ..data.sources import HOME_VAR
 from ..rundir import Log, RunPaths, hostname, latest_checkpoint
 from ..files import write_atomic
 from .control import write_exit
@@ -79,7 +88,7 @@ def run(cfg: Config, world: World, log: Log) -> str:
     mine = {"rank": world.rank, "local_rank": world.local_rank, "node": me,
             "threads": torch.get_num_threads(),  # training's; a CPU matmul is timed on one
             "matmul_tflops": matmul_tflops(world.device, slowed),
-            "all_reduce_busbw_gbps": all_reduce_busbw(world.device, world.world_size)}
+            **links_busbw(world.device, world.world_size, local_world_size(world.world_size))}
     if world.device.type == "cuda":  # its matrices freed: the run's peak memory is the run's own
         torch.cuda.empty_cache()
         torch.cuda.reset_peak_memory_stats(world.device)
@@ -99,6 +108,7 @@ def run(cfg: Config, world: World, log: Log) -> str:
             "matmul": {"size": size, "dtype": str(dtype).removeprefix("torch."), "seconds": MATMUL_S},
             "all_reduce_bytes": ALL_REDUCE_BYTES[world.device.type], "slow_node_ratio": ratio,
             "nodes": nodes, "ranks": ranks, "slow": slow, "stopped": stop}, indent=2) + "\n")
+        record_cluster(world.device, job, nodes, ranks)
         for node, n in nodes.items():
             log.info(f"preflight: {node} ({len(n['ranks'])} rank{'s' * (len(n['ranks']) != 1)}): "
                      f"matmul {n['matmul_tflops']:.3g} TFLOP/s (slowest rank; median "
@@ -151,22 +161,70 @@ def _timed_products(device: torch.device, n: int, dtype: torch.dtype, slowed: bo
     return 2 * n ** 3 / best / 1e12
 
 
-def all_reduce_busbw(device: torch.device, world_size: int) -> float | None:
-    """The best of REPEATS timed all-reduces (sums) of one fp32 buffer, as bus bandwidth in
-    GB/s; None for a group of one. The warm-up also lines the ranks up after their matmuls."""
-    if world_size == 1:
+def local_world_size(world_size: int) -> int:
+    """The ranks of a node (torchrun's LOCAL_WORLD_SIZE; the world where it is not set)."""
+    return int(os.environ.get("LOCAL_WORLD_SIZE", world_size))
+
+
+def links_busbw(device: torch.device, world_size: int, per_node: int) -> dict:
+    """{"intra_node_busbw_gbps": inside this node, "inter_node_busbw_gbps": across nodes}, each
+    None where its groups are of one rank (or the ranks do not fill whole nodes). Every rank
+    makes every group (node-major ranks, as torchrun numbers them) and drops its own after."""
+    out = {"intra_node_busbw_gbps": None, "inter_node_busbw_gbps": None}
+    if world_size == 1 or per_node < 1 or world_size % per_node:
+        return out
+    rank = dist.get_rank()
+    nodes = [list(range(n, n + per_node)) for n in range(0, world_size, per_node)]
+    columns = [list(range(local, world_size, per_node)) for local in range(per_node)]
+    for key, groups in (("intra_node_busbw_gbps", nodes), ("inter_node_busbw_gbps", columns)):
+        if len(groups[0]) == 1:
+            continue
+        made = [(members, dist.new_group(members)) for members in groups]
+        mine = next(group for members, group in made if rank in members)
+        out[key] = all_reduce_busbw(device, len(groups[0]), mine)
+        dist.destroy_process_group(mine)
+    return out
+
+
+def all_reduce_busbw(device: torch.device, size: int, group=None) -> float | None:
+    """The best of REPEATS timed all-reduces (sums) of one fp32 buffer over `group` (`size`
+    ranks), as bus bandwidth in GB/s; None for a group of one. The warm-up also lines the ranks
+    up after their matmuls."""
+    if size == 1:
         return None
     nbytes = ALL_REDUCE_BYTES[device.type]
     buf = torch.zeros(nbytes // 4, dtype=torch.float32, device=device)  # zeros: sums stay finite
-    dist.all_reduce(buf)
+    dist.all_reduce(buf, group=group)
     best = math.inf
     for _ in range(REPEATS):
         sync(device)
         t0 = time.perf_counter()
-        dist.all_reduce(buf)
+        dist.all_reduce(buf, group=group)
         sync(device)
         best = min(best, time.perf_counter() - t0)
-    return 2 * (world_size - 1) / world_size * nbytes / best / 1e9
+    return 2 * (size - 1) / size * nbytes / best / 1e9
+
+
+def record_cluster(device: torch.device, job: str, nodes: dict, ranks: list[dict]) -> None:
+    """The cluster's figures for the planner: $LLMTRAIN_HOME/cluster/<device name>.json."""
+    home = os.environ.get(HOME_VAR)
+    if not home:
+        return
+    name = torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"
+    size, dtype = MATMUL[device.type]
+
+    def median(key: str):
+        values = [r[key] for r in ranks if r.get(key) is not None]
+        return statistics.median(values) if values else None
+    path = Path(home) / "cluster" / f"{re.sub(r'[^A-Za-z0-9.-]+', '-', name).strip('-')}.json"
+    path.parent.mkdir(parents=True, exist_ok=True)
+    write_atomic(path, json.dumps({
+        "device_name": name, "job_id": job, "time": time.time(), "nodes": len(nodes),
+        "ranks_per_node": max(len(n["ranks"]) for n in nodes.values()),
+        "matmul": {"size": size, "dtype": str(dtype).removeprefix("torch.")},
+        "matmul_tflops": statistics.median(n["matmul_tflops"] for n in nodes.values()),
+        "intra_node_busbw_gbps": median("intra_node_busbw_gbps"),
+        "inter_node_busbw_gbps": median("inter_node_busbw_gbps")}, indent=2) + "\n")
 
 
 def sync(device: torch.device) -> None:
@@ -182,11 +240,12 @@ def by_node(ranks: list[dict]) -> dict[str, dict]:
         groups[r["node"]].append(r)
     nodes = {}
     for node, rs in sorted(groups.items()):
-        bws = [r["all_reduce_busbw_gbps"] for r in rs if r["all_reduce_busbw_gbps"] is not None]
         nodes[node] = {"ranks": [r["rank"] for r in rs],
                        "matmul_tflops": min(r["matmul_tflops"] for r in rs),
-                       "matmul_tflops_median": statistics.median(r["matmul_tflops"] for r in rs),
-                       "all_reduce_busbw_gbps": statistics.median(bws) if bws else None}
+                       "matmul_tflops_median": statistics.median(r["matmul_tflops"] for r in rs)}
+        for key in ("intra_node_busbw_gbps", "inter_node_busbw_gbps"):
+            bws = [r[key] for r in rs if r.get(key) is not None]
+            nodes[node][key] = statistics.median(bws) if bws else None
     return nodes
 
 
@@ -219,8 +278,13 @@ def verdict(nodes: dict[str, dict], slow: dict[str, float], ratio: float, exclud
 
 
 def describe_bw(node: dict) -> str:
-    bw = node["all_reduce_busbw_gbps"]
-    return "none (one rank)" if bw is None else f"{bw:.3g} GB/s bus bandwidth"
+    """'187 GB/s inside the node, 41.2 across nodes (bus bandwidth)'."""
+    intra, inter = node["intra_node_busbw_gbps"], node["inter_node_busbw_gbps"]
+    if intra is None and inter is None:
+        return "none (one rank)"
+    inside = "none inside the node (one rank)" if intra is None else f"{intra:.3g} GB/s inside the node"
+    across = "one node" if inter is None else f"{inter:.3g} across nodes"
+    return f"{inside}, {across} (bus bandwidth)"
 
 
 def job_excluded_nodes(job: str) -> list[str]:
