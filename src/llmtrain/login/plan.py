@@ -13,8 +13,9 @@ this GPU's tensor-parallel group, m: micro-batches a step, L: layers, h: hidden,
               (a third of a layer's, for each checkpointed layer), at MATMUL_EFFICIENCY of the
               datasheet's dense bf16 peak (the kernels' average, not a GEMM's best); FP8's linear FLOPs at its fp8 peak, less FP8_OVERHEAD
     fsdp      all-gathers of the GPU's tensor-parallel part of the weights (p bytes; twice a
-              micro-batch resharded after forward, once without, once a step under pp) and one
-              fp32 reduce-scatter a step, (S - 1) / S of it on the wire over S shards; hsdp adds the
+              micro-batch resharded after forward, once without, once a step under pp) and fp32
+              reduce-scatters (every micro-batch, or once a step), (S - 1) / S of it on the wire
+              over S shards; hsdp adds the
               replicas' all-reduce of a shard's gradients; ddp one all-reduce of every gradient.
               They overlap compute: only what exceeds it, plus one layer's gather and reduction, is
               exposed
@@ -162,6 +163,7 @@ class Candidate:
     micro_batch: int = 1
     reshard: bool = True  # fsdp: free a layer's gathered weights after its forward
     fp8: bool = False
+    reduce_each: bool = True  # fsdp: reduce-scatter the gradients every micro-batch, not once a step
 
     def overrides(self) -> list[str]:
         """The `--set` arguments that make a config this candidate."""
@@ -175,6 +177,7 @@ class Candidate:
             sets.append(f"model.activation_checkpointing_every={self.checkpointing}")
         if self.strategy != "ddp" and self.pp == 1:
             sets.append(f"parallel.reshard_after_forward={'true' if self.reshard else 'false'}")
+            sets.append(f"parallel.reduce_every_micro_batch={'true' if self.reduce_each else 'false'}")
         return sets
 
     def describe(self) -> str:
@@ -182,13 +185,15 @@ class Candidate:
                            schedule=self.schedule if self.pp > 1 else "", ep=self.ep)
         ac = {0: "no checkpointing", 1: "checkpointing"}.get(self.checkpointing,
                                                               f"checkpointing 1 in {self.checkpointing}")
-        extras = [ac] + (["kept gathered"] if self.strategy != "ddp" and self.pp == 1 and not self.reshard else [])
+        fsdp = self.strategy != "ddp" and self.pp == 1
+        extras = [ac] + (["kept gathered"] if fsdp and not self.reshard else []) + (
+            ["reduced once a step"] if fsdp and not self.reduce_each else [])
         return f"{name}, {', '.join(extras + (['fp8'] if self.fp8 else []))}"
 
     def config(self, cfg: Config) -> Config:
         par = dataclasses.replace(cfg.parallel, strategy=self.strategy, tp=self.tp, cp=self.cp, pp=self.pp,
                                   pp_schedule=self.schedule, pp_stages_per_rank=None, ep=self.ep,
-                                  reshard_after_forward=self.reshard,
+                                  reshard_after_forward=self.reshard, reduce_every_micro_batch=self.reduce_each,
                                   shard_size=cfg.parallel.shard_size if self.strategy == "hsdp" else None)
         model = dataclasses.replace(cfg.model, activation_checkpointing=bool(self.checkpointing),
                                     activation_checkpointing_every=self.checkpointing or 1)
@@ -228,7 +233,8 @@ def candidates(cfg: Config, shape: ModelShape, world: int, per_node: int, gpu: G
     node: strategy x tp (inside a node) x cp x pp (1F1B; interleaved with 2 stages a rank) x ep
     (MoE: dividing the experts and shard x cp) x checkpointing (off, 1 in 2, every layer) x the
     micro batches dividing a rank's share of the global batch x keeping fsdp's weights gathered x
-    FP8 (where the GPU has it; not under pp); yields (candidate, its ParallelDims). One data-parallel
+    reducing fsdp's gradients once a step (with accumulation) x FP8 (where the GPU has it; not
+    under pp); yields (candidate, its ParallelDims). One data-parallel
     rank is ddp's alone, one replica fsdp's."""
     t = cfg.train
     model = model_dict(shape)
@@ -257,10 +263,13 @@ def candidates(cfg: Config, shape: ModelShape, world: int, per_node: int, gpu: G
                                 continue
                             for checkpointing in (0, 2, 1):
                                 for micro in [m for m in range(1, per_rank + 1) if per_rank % m == 0]:
-                                    for reshard in ((True, False) if strategy != "ddp" and pp == 1 else (True,)):
+                                    fsdp = strategy != "ddp" and pp == 1
+                                    for reshard, each in (((True, True), (False, True), (True, False), (False, False))
+                                                          if fsdp and per_rank > micro else
+                                                          ((True, True), (False, True)) if fsdp else ((True, True),)):
                                         for f8 in ((False, True) if fp8 and gpu.fp8_tflops and pp == 1 else (False,)):
-                                            yield dataclasses.replace(base, checkpointing=checkpointing,
-                                                                      micro_batch=micro, reshard=reshard, fp8=f8), dims
+                                            yield dataclasses.replace(base, checkpointing=checkpointing, micro_batch=micro,
+                                                                      reshard=reshard, fp8=f8, reduce_each=each), dims
 
 
 def plan(cfg: Config, shape: ModelShape, world: int, per_node: int, gpu: GPU,
@@ -323,7 +332,8 @@ def cost(cfg: Config, dims: ParallelDims, shape: ModelShape, gpu: GPU, per_node:
     if dims.sharded:
         shards = dims.shard * cp
         gathers = 1 if pp > 1 else (2 if cfg.parallel.reshard_after_forward else 1) * m
-        moved = (gathers * weights * p + weights * 4) * (shards - 1) / shards / pp
+        reductions = m if pp == 1 and cfg.parallel.reduce_every_micro_batch else 1
+        moved = (gathers * weights * p + reductions * weights * 4) * (shards - 1) / shards / pp
         comm = moved / link(shards * tp)
         if dims.replicate > 1:
             comm += 2 * weights / shards * 4 * (dims.replicate - 1) / dims.replicate / pp / link(world)
@@ -353,9 +363,11 @@ def cost(cfg: Config, dims: ParallelDims, shape: ModelShape, gpu: GPU, per_node:
 def candidate_of(cfg: Config) -> Candidate:
     """The config's own choices as a candidate."""
     par, model = cfg.parallel, cfg.model
+    fsdp = par.strategy != "ddp" and par.pp == 1  # where the two FSDP2 choices are the planner's to make
     return Candidate(par.strategy, par.tp, par.cp, par.pp, par.pp_schedule, par.ep,
                      model.activation_checkpointing_every if model.activation_checkpointing else 0,
-                     cfg.train.micro_batch_size, par.reshard_after_forward, cfg.train.fp8 != "none")
+                     cfg.train.micro_batch_size, par.reshard_after_forward or not fsdp, cfg.train.fp8 != "none",
+                     par.reduce_every_micro_batch or not fsdp)
 
 
 def verdict(cfg: Config, gpu: GPU | None = None) -> str:
