@@ -4,12 +4,13 @@ from __future__ import annotations
 
 import pytest
 import torch
+import yaml
 import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 from transformers import LlamaConfig, LlamaForCausalLM
 
-from conftest import DEMO, tiny_config
-from llmtrain.config import load_config
+from conftest import DEMO, prepared_home, read_metrics, tiny_config, torchrun
+from llmtrain.config import ConfigError, load_config
 from llmtrain.model.build import decoder_layers
 from llmtrain.parallel.precision import configure_matmul_precision
 from llmtrain.parallel.weights import local_slices
@@ -158,3 +159,40 @@ def test_a_bf16_lora_run_keeps_its_frozen_base_in_bf16_and_trains_the_same(group
     assert torch.equal(loss, loss32)
     for name, g in grads32.items():
         assert torch.equal(grads[name], g), name
+
+
+@pytest.fixture(scope="module")
+def compressed(tmp_path_factory):
+    """DDP on 2 processes, exact and with each gradient compression; 8 steps, warmup 2."""
+    cfg = tiny_config(train={"max_steps": 8, "warmup_steps": 2, "eval_every": 0, "checkpoint_every": 0})
+    with prepared_home(tmp_path_factory, "compressed", cfg) as (root, path):
+        for how in ("none", "bf16", "powersgd"):
+            torchrun(2, "train", "--config", path, "--set", f"run.name={how}", "--set", f"parallel.grad_compression={how}")
+        yield root / "home" / "runs"
+
+
+@pytest.mark.slow  # real torchrun runs
+def test_gradient_compression_follows_ddps_curve_within_what_it_rounds_away(compressed):
+    """bf16 on the wire: DDP's curve within bf16's rounding of the summed gradients. PowerSGD
+    (rank 4): plain all-reduces through the warmup (the same steps as DDP), then an approximation
+    the error feedback keeps near DDP's curve; each says so at start-up."""
+    exact, bf16, power = (read_metrics(compressed / how) for how in ("none", "bf16", "powersgd"))
+    loss = lambda records: [r["loss"] for r in records if r["kind"] == "train"]  # noqa: E731
+    assert len(loss(exact)) == 8
+    assert max(abs(a - b) / a for a, b in zip(loss(exact), loss(bf16))) < 2e-3
+    # steps 1-3 compute their losses before any compressed gradient (step 3's is the first)
+    assert loss(power)[:3] == pytest.approx(loss(exact)[:3], abs=1e-6) and abs(loss(power)[3] - loss(exact)[3]) > 1e-5
+    assert max(abs(a - b) / a for a, b in zip(loss(exact), loss(power))) < 0.02
+    logs = {how: (compressed / how / "logs" / "rank-0.log").read_text() for how in ("bf16", "powersgd")}
+    assert "gradients: all-reduced in bf16 (parallel.grad_compression: a DDP communication hook)" in logs["bf16"]
+    assert ("gradients: compressed by PowerSGD at rank 4 from step 3, with error feedback "
+            "(parallel.grad_compression); plain all-reduces before") in logs["powersgd"]
+
+
+def test_gradient_compression_is_ddps_alone(tmp_path):
+    path = tmp_path / "c.yaml"
+    path.write_text(yaml.safe_dump(tiny_config(parallel={"strategy": "fsdp", "grad_compression": "bf16"})))
+    with pytest.raises(ConfigError) as e:
+        load_config(path, world_size=2)
+    assert ("parallel.grad_compression: compresses DDP's all-reduce of the gradients (got bf16 with parallel.strategy "
+            "fsdp); use parallel.strategy ddp over several ranks, or set it to none") in e.value.problems

@@ -176,3 +176,28 @@ def test_a_preflight_record_of_the_cluster_replaces_the_datasheet(config_70b, ho
     out = cli("plan", "--config", config_70b, "--nodes", "8", "--gpus-per-node", "8", "--gpu", "h100", "--top", "1")
     assert ("(80 GiB, 989 bf16 TFLOP/s; measured by job 4242's preflight on 8 nodes, 2027-01-15: a 356 TFLOP/s bf16 "
             "GEMM, all-reduce 300 GB/s inside a node, 10 across)") in out.stdout
+
+
+def test_gradient_compression_is_known_to_the_estimator_and_the_planner(config_70b):
+    """A 1B Llama (Llama-3.2-1B's shape) under DDP on 8 nodes of 8 H100s: PowerSGD's error
+    feedback costs 4 bytes a parameter in the estimate; on the wire bf16 halves DDP's all-reduce
+    and PowerSGD (rank 4) moves its factors only; the planner keeps the user's choice on its DDP
+    rows and never picks one unasked."""
+    sets = [*CLUSTER, "parallel.strategy=ddp", "model.architecture.hidden_size=2048",
+            "model.architecture.intermediate_size=8192", "model.architecture.num_hidden_layers=16",
+            "model.architecture.num_attention_heads=32", "train.micro_batch_size=2"]
+    path = config_70b
+    runs = {how: load_config(path, [*sets, f"parallel.grad_compression={how}"], world_size=64)
+            for how in ("none", "bf16", "powersgd")}
+    shape, gpu = model_shape(runs["none"]), gpu_named("h100")
+    est = {how: estimate(c, 64, shape=shape) for how, c in runs.items()}
+    assert est["powersgd"].comm - est["none"].comm == 4 * shape.trainable and est["bf16"].total == est["none"].total
+    wire = {how: cost(c, ParallelDims.from_config(c, 64, 8), shape, gpu, 8, 0).parts["ddp"] for how, c in runs.items()}
+    assert wire["bf16"] < wire["none"] and wire["powersgd"] < 0.1 * wire["bf16"]
+    ranked = plan(runs["bf16"], shape, 64, 8, gpu)
+
+    def all_reduces(c: Candidate) -> bool:  # DDP over several data-parallel ranks
+        return c.strategy == "ddp" and ParallelDims.from_config(c.config(runs["bf16"]), 64, 8).loss_ranks > 1
+    assert any(all_reduces(c) for c, _ in ranked)
+    assert all(c.compression == ("bf16" if all_reduces(c) else "none") for c, _ in ranked)
+    assert all(c.compression == "none" for c, _ in plan(runs["none"], shape, 64, 8, gpu))

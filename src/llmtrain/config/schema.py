@@ -282,6 +282,11 @@ class ParallelConfig:
     # only holds its gradient shard. false: once per step, but every rank then keeps all layers'
     # full fp32 gradients until the last micro-batch (+4 bytes per parameter per GPU: 32 GB at 8B)
     reduce_every_micro_batch: bool = True
+    # ddp over slow links: gradients all-reduced in bf16 (half the bytes, rounded) or compressed by
+    # PowerSGD at powersgd_rank (a few percent of the bytes, approximated, the error fed back);
+    # neither is exact (parallel/compression.py)
+    grad_compression: Literal["none", "bf16", "powersgd"] = "none"
+    powersgd_rank: int = 4
     socket_ifname: Optional[str] = None  # network interface for NCCL/gloo (e.g. ib0)
     collective_timeout_s: int = 600  # a collective stuck this long ends the job, naming the rank
     startup_timeout_s: int = 1800  # building, loading weights, resuming and the first step

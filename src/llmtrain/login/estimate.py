@@ -360,12 +360,14 @@ def estimate(cfg: Config, world_size: int | None = None, micro_batch: int | None
         }
     else:  # DDP: every gradient held in its buckets; autocast caches each layer's weights
         cast = p * m.layer_matrix_params if autocast else 0
+        # PowerSGD's error feedback: an fp32 copy of every gradient, kept from step to step
+        feedback = 4 * m.trainable if par.grad_compression == "powersgd" else 0
         phases = {
-            "the loss, at the end of forward": (held, L * cast, kept, loss, 0),
+            "the loss, at the end of forward": (held, L * cast, kept, loss, feedback),
             "the backward of the last layer": (held or 4 * m.head_trainable,
                                                (L - checkpointed + bool(checkpointed)) * cast,
-                                               kept + recompute + backward, 0, 0),
-            "the backward of the first layer": (grads, cast, layer_acts + backward + mask, 0, 0),
+                                               kept + recompute + backward, 0, feedback),
+            "the backward of the first layer": (grads, cast, layer_acts + backward + mask, 0, feedback),
         }
     # each part's share of this rank's trainable parameters: the hidden matrices and the rest
     hidden = whole.hidden_params / max(1, whole.trainable)

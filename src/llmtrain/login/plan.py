@@ -16,7 +16,8 @@ this GPU's tensor-parallel group, m: micro-batches a step, L: layers, h: hidden,
               micro-batch resharded after forward, once without, once a step under pp) and fp32
               reduce-scatters (every micro-batch, or once a step), (S - 1) / S of it on the wire
               over S shards; hsdp adds the
-              replicas' all-reduce of a shard's gradients; ddp one all-reduce of every gradient.
+              replicas' all-reduce of a shard's gradients; ddp one all-reduce of every gradient
+              (in bf16, or as PowerSGD's factors, under parallel.grad_compression).
               They overlap compute: only what exceeds it, plus one layer's gather and reduction, is
               exposed
     tp        sequence parallel's all-gathers and reduce-scatters, 4 a layer forward, 4 backward
@@ -164,6 +165,7 @@ class Candidate:
     reshard: bool = True  # fsdp: free a layer's gathered weights after its forward
     fp8: bool = False
     reduce_each: bool = True  # fsdp: reduce-scatter the gradients every micro-batch, not once a step
+    compression: str = "none"  # ddp: the config's parallel.grad_compression (lossy: never chosen for it)
 
     def overrides(self) -> list[str]:
         """The `--set` arguments that make a config this candidate."""
@@ -173,6 +175,8 @@ class Candidate:
                 f"train.micro_batch_size={self.micro_batch}", f"train.fp8={'tensorwise' if self.fp8 else 'none'}"]
         if self.pp > 1:
             sets.append(f"parallel.pp_schedule={self.schedule}")
+        if self.compression != "none":
+            sets.append(f"parallel.grad_compression={self.compression}")
         if self.checkpointing:
             sets.append(f"model.activation_checkpointing_every={self.checkpointing}")
         if self.strategy != "ddp" and self.pp == 1:
@@ -188,12 +192,14 @@ class Candidate:
         fsdp = self.strategy != "ddp" and self.pp == 1
         extras = [ac] + (["kept gathered"] if fsdp and not self.reshard else []) + (
             ["reduced once a step"] if fsdp and not self.reduce_each else [])
+        extras += [f"{self.compression} gradients"] if self.compression != "none" else []
         return f"{name}, {', '.join(extras + (['fp8'] if self.fp8 else []))}"
 
     def config(self, cfg: Config) -> Config:
         par = dataclasses.replace(cfg.parallel, strategy=self.strategy, tp=self.tp, cp=self.cp, pp=self.pp,
                                   pp_schedule=self.schedule, pp_stages_per_rank=None, ep=self.ep,
                                   reshard_after_forward=self.reshard, reduce_every_micro_batch=self.reduce_each,
+                                  grad_compression=self.compression,
                                   shard_size=cfg.parallel.shard_size if self.strategy == "hsdp" else None)
         model = dataclasses.replace(cfg.model, activation_checkpointing=bool(self.checkpointing),
                                     activation_checkpointing_every=self.checkpointing or 1)
@@ -249,6 +255,11 @@ def candidates(cfg: Config, shape: ModelShape, world: int, per_node: int, gpu: G
                         for ep in [n for n in powers if n == 1 or (shape.experts and shape.experts % n == 0)]:
                             base = Candidate(strategy, tp, cp, pp, schedule, ep)
                             alt = base.config(cfg)
+                            if strategy == "ddp" and cfg.parallel.grad_compression != "none":
+                                dims = ParallelDims.from_config(alt, world, per_node)
+                                if dims.loss_ranks > 1:  # the user's compression, where DDP all-reduces
+                                    base = dataclasses.replace(base, compression=cfg.parallel.grad_compression)
+                                    alt = base.config(cfg)
                             try:
                                 dims = ParallelDims.from_config(alt, world, per_node)
                             except UserError:
@@ -337,9 +348,13 @@ def cost(cfg: Config, dims: ParallelDims, shape: ModelShape, gpu: GPU, per_node:
         comm = moved / link(shards * tp)
         if dims.replicate > 1:
             comm += 2 * weights / shards * 4 * (dims.replicate - 1) / dims.replicate / pp / link(world)
-    else:
-        dp = dims.dp
-        comm = 2 * weights * 4 * (dp - 1) / max(dp, 1) / pp / link(dp * cp * tp) if dp > 1 else 0.0
+    else:  # DDP's all-reduce of fp32 gradients, bf16 or PowerSGD's rank-r factors (parallel/compression.py)
+        dp, how = dims.dp, cfg.parallel.grad_compression
+        wire = 2.0 if how == "bf16" else 4.0
+        if how == "powersgd" and shape.layer_weights:
+            wire *= sum(cfg.parallel.powersgd_rank * (r + c) for _, r, c in shape.layer_weights) / sum(
+                r * c for _, r, c in shape.layer_weights)
+        comm = 2 * weights * wire * (dp - 1) / max(dp, 1) / pp / link(dp * cp * tp) if dp > 1 else 0.0
     parts["fsdp" if dims.sharded else "ddp"] = max(0.0, comm - compute) + comm / max(L // pp, 1)
     if tp > 1:  # sequence parallel: 4 collectives a layer forward, 4 backward, 4 a recomputed layer
         parts["tp"] = (8 + 4 * checkpointed) * L / pp * m * tokens * h * p * (tp - 1) / tp / link(tp)
@@ -367,7 +382,7 @@ def candidate_of(cfg: Config) -> Candidate:
     return Candidate(par.strategy, par.tp, par.cp, par.pp, par.pp_schedule, par.ep,
                      model.activation_checkpointing_every if model.activation_checkpointing else 0,
                      cfg.train.micro_batch_size, par.reshard_after_forward or not fsdp, cfg.train.fp8 != "none",
-                     par.reduce_every_micro_batch or not fsdp)
+                     par.reduce_every_micro_batch or not fsdp, par.grad_compression)
 
 
 def verdict(cfg: Config, gpu: GPU | None = None) -> str:

@@ -227,6 +227,12 @@ class ParallelDims:
                      "ranks); set train.compile: false with parallel.cp > 1")
         if self.pipeline > 1 and usable:
             p += self._pipeline_problems(cfg, dp)
+        if par.grad_compression != "none" and (self.sharded or self.loss_ranks == 1):
+            p.append(f"parallel.grad_compression: compresses DDP's all-reduce of the gradients (got {par.grad_compression} "
+                     f"with {'parallel.strategy ' + self.strategy if self.sharded else 'one data-parallel rank'}); use "
+                     f"parallel.strategy ddp over several ranks, or set it to none")
+        if par.powersgd_rank < 1:
+            p.append(f"parallel.powersgd_rank: must be >= 1 (got {par.powersgd_rank})")
         if par.tp > 1 and not t.chunked_loss:
             p.append("train.chunked_loss: tensor parallel computes the loss from each rank's slice of the "
                      "vocabulary, chunk by chunk; set train.chunked_loss: true (got false)")

@@ -47,6 +47,7 @@ from ..model.build import build_model, decoder_layers, pretrained_dir
 from ..model.lora import apply_lora, frozen_weights, init_adapters
 from . import float8
 from .dims import SHARDED_STRATEGIES
+from . import compression
 from .experts import apply_expert_parallel, shard_experts
 from .pipeline import keep_stage
 from .precision import DTYPES
@@ -117,9 +118,11 @@ def parallelize(cfg: Config, config, world: World, watch=None, resuming: bool = 
         # With context parallel, gradients as views of the buckets came out wrong after a no_sync
         # micro-batch (grad norm 1.40 for 1.20 at step 1, torch 2.13, gloo; exact without
         # accumulation): they get their own tensors there, one more gradient-sized copy.
+        group = world.layout.mesh("loss").get_group()
         model = DDP(model, device_ids=[world.local_rank] if world.device.type == "cuda" else None,
-                    process_group=world.layout.mesh("loss").get_group(),
-                    gradient_as_bucket_view=world.dims.context == 1, **{no_sync: False})
+                    process_group=group, gradient_as_bucket_view=world.dims.context == 1, **{no_sync: False})
+        if cfg.parallel.grad_compression != "none":  # bf16 or PowerSGD on the wire (parallel/compression.py)
+            compression.register(model, cfg, group)
     return model
 
 

@@ -28,6 +28,7 @@ from ..model.build import (flops_per_token, model_config, num_params, pretrained
                            vocab_padding)
 from ..model.loss import chunk_head
 from ..model.moe import MoE
+from ..parallel import compression
 from ..parallel.float8 import describe as describe_fp8
 from ..parallel.pipeline import summed_over_stages
 from ..parallel.precision import configure_matmul_precision, grad_scaler
@@ -149,6 +150,8 @@ def run(cfg: Config, world: World, watch: Watchdog, run_lock: RunLock) -> None:
               f"loss at {moe.aux_coef:g})" if moe is not None else "")
     log.info(f"model: {n_params:,} parameters{active}, {world.dims.describe()} on "
              f"{world.device.type}, {t.precision}")
+    if cfg.parallel.grad_compression != "none":
+        log.info(compression.describe(cfg))
     if t.fp8 != "none":
         log.info(describe_fp8(unwrap(model), t.fp8, t.precision, world.device.type, world.dims.tensor, t.compile))
     if cfg.model.lora is not None:
