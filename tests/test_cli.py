@@ -152,7 +152,7 @@ def test_help_lists_the_users_commands_and_not_the_scripts_plumbing(monkeypatch)
     assert proc.returncode == 0
     listed = re.findall(r"^    (\S+)", proc.stdout, flags=re.M)
     assert listed == ["check-config", "submit", "sweep", "prepare", "train", "export", "generate",
-                      "status", "control", "plot", "bench", "estimate", "download"]
+                      "status", "control", "plot", "bench", "estimate", "plan", "download"]
     assert "    check-config  validate a config without importing torch" in proc.stdout.splitlines()
     assert "`llmtrain sweep status SWEEP_DIR`" in " ".join(proc.stdout.split())
     for plumbing in ("requeue", "sbatch-command", "sweep-status"):

@@ -201,3 +201,19 @@ def test_gradient_compression_is_known_to_the_estimator_and_the_planner(config_7
     assert any(all_reduces(c) for c, _ in ranked)
     assert all(c.compression == ("bf16" if all_reduces(c) else "none") for c, _ in ranked)
     assert all(c.compression == "none" for c, _ in plan(runs["none"], shape, 64, 8, gpu))
+
+
+def test_nothing_fits_and_a_model_not_on_disk_are_one_line_each(home, write_config):
+    """Llama-3.1-405B on one node of 8 H100s: no layout fits (exit 1, the line says what to
+    change); a hub model whose config files are not downloaded: the command that fetches them."""
+    cfg = llama(LLAMA_405B, 8, data={"seq_len": 8192}, train={"global_batch_size": 16})
+    proc = cli("plan", "--config", write_config(cfg), "--gpu", "h100")
+    assert proc.returncode == 1 and proc.stdout.splitlines()[-1] == (
+        "no layout fits: every candidate needs more than 72.0 GiB a GPU; add nodes or lower data.seq_len")
+    hub = llama(LLAMA_3_70B, 8)
+    hub["model"] = {"name_or_path": "meta-llama/Meta-Llama-3-70B"}
+    path = write_config(hub, "hub.yaml")
+    proc = cli("plan", "--config", path, "--gpu", "h100")
+    assert proc.returncode != 0 and "Traceback" not in proc.stderr
+    assert proc.stderr.strip().endswith(f"the planner needs only its config files, not the weights: bash "
+                                        f"download_data_model.sh --config {path} --config-only")

@@ -757,7 +757,13 @@ def cmd_plan(args) -> int:
     neutral = ["parallel.strategy=fsdp", "parallel.tp=1", "parallel.cp=1", "parallel.pp=1", "parallel.ep=1",
                "parallel.shard_size=null", "train.micro_batch_size=1", "train.fp8=none"]
     cfg = load_config(args.config, [*args.overrides, *cluster, *neutral], world_size=nodes * per_node)
-    ranked = plan(cfg, model_shape(cfg), nodes * per_node, per_node, gpu, fp8=not args.no_fp8)
+    from .data.tokenizer import ModelNotFound
+    try:
+        shape = model_shape(cfg)
+    except ModelNotFound as e:  # as estimate's: the config files are enough
+        raise ModelNotFound(e.what, e.value, e.path, f"the planner needs only its config files, not the weights: "
+                            f"bash download_data_model.sh --config {args.config} --config-only") from None
+    ranked = plan(cfg, shape, nodes * per_node, per_node, gpu, fp8=not args.no_fp8)
     print("\n".join(report(cfg, ranked, gpu, nodes * per_node, per_node, args.top)))
     if not ranked:
         return 1
