@@ -41,6 +41,7 @@ reaches, stragglers. Its figures rank layouts; they are not a promise of tokens/
 from __future__ import annotations
 
 import dataclasses
+import itertools
 import re
 import time
 from dataclasses import dataclass
@@ -166,6 +167,7 @@ class Candidate:
     fp8: bool = False
     reduce_each: bool = True  # fsdp: reduce-scatter the gradients every micro-batch, not once a step
     compression: str = "none"  # ddp: the config's parallel.grad_compression (lossy: never chosen for it)
+    shard_size: int | None = None  # hsdp: the shard group (None: a node's data-parallel ranks)
 
     def overrides(self) -> list[str]:
         """The `--set` arguments that make a config this candidate."""
@@ -177,6 +179,8 @@ class Candidate:
             sets.append(f"parallel.pp_schedule={self.schedule}")
         if self.compression != "none":
             sets.append(f"parallel.grad_compression={self.compression}")
+        if self.strategy == "hsdp":
+            sets.append(f"parallel.shard_size={self.shard_size if self.shard_size else 'null'}")
         if self.checkpointing:
             sets.append(f"model.activation_checkpointing_every={self.checkpointing}")
         if self.strategy != "ddp" and self.pp == 1:
@@ -186,7 +190,7 @@ class Candidate:
 
     def describe(self) -> str:
         name = layout_name(self.strategy, self.tp, self.cp, pp=self.pp,
-                           schedule=self.schedule if self.pp > 1 else "", ep=self.ep)
+                           schedule=self.schedule if self.pp > 1 else "", ep=self.ep, shard=self.shard_size or 0)
         ac = {0: "no checkpointing", 1: "checkpointing"}.get(self.checkpointing,
                                                               f"checkpointing 1 in {self.checkpointing}")
         fsdp = self.strategy != "ddp" and self.pp == 1
@@ -200,7 +204,7 @@ class Candidate:
                                   pp_schedule=self.schedule, pp_stages_per_rank=None, ep=self.ep,
                                   reshard_after_forward=self.reshard, reduce_every_micro_batch=self.reduce_each,
                                   grad_compression=self.compression,
-                                  shard_size=cfg.parallel.shard_size if self.strategy == "hsdp" else None)
+                                  shard_size=self.shard_size if self.strategy == "hsdp" else None)
         model = dataclasses.replace(cfg.model, activation_checkpointing=bool(self.checkpointing),
                                     activation_checkpointing_every=self.checkpointing or 1)
         train = dataclasses.replace(cfg.train, micro_batch_size=self.micro_batch,
@@ -234,53 +238,61 @@ def model_dict(shape: ModelShape) -> dict:
             "num_experts": shape.experts, "tie_word_embeddings": not shape.head_linear}
 
 
-def candidates(cfg: Config, shape: ModelShape, world: int, per_node: int, gpu: GPU, fp8: bool = True):
-    """Every candidate the layout owner accepts for this model on `world` GPUs of `per_node` a
-    node: strategy x tp (inside a node) x cp x pp (1F1B; interleaved with 2 stages a rank) x ep
-    (MoE: dividing the experts and shard x cp) x checkpointing (off, 1 in 2, every layer) x the
-    micro batches dividing a rank's share of the global batch x keeping fsdp's weights gathered x
-    reducing fsdp's gradients once a step (with accumulation) x FP8 (where the GPU has it; not
-    under pp); yields (candidate, its ParallelDims). One data-parallel
-    rank is ddp's alone, one replica fsdp's."""
-    t = cfg.train
+def layouts(cfg: Config, shape: ModelShape, world: int, per_node: int):
+    """Every layout the layout owner accepts for this model on `world` GPUs of `per_node` a node:
+    strategy x tp (inside a node) x cp x pp (1F1B; interleaved with 2 stages a rank) x ep (MoE:
+    dividing the experts and shard x cp) x hsdp's shard group (a node's data-parallel ranks, or 2,
+    4, ... nodes'); yields (candidate, its ParallelDims). One data-parallel rank is ddp's alone,
+    one replica fsdp's."""
     model = model_dict(shape)
     powers = [n for n in (1, 2, 4, 8, 16, 32, 64) if n <= world]
-    for strategy in ("ddp", "fsdp", "hsdp"):
-        for tp in [n for n in powers if n <= per_node and per_node % n == 0]:
-            for cp in powers:
-                for pp in [n for n in powers if n == 1 or (shape.model_type in PIPELINE_FAMILIES and n <= shape.layers)]:
-                    if tp * cp * pp > world:
-                        continue
-                    for schedule in (("1f1b", "interleaved_1f1b") if pp > 1 else ("1f1b",)):
-                        for ep in [n for n in powers if n == 1 or (shape.experts and shape.experts % n == 0)]:
-                            base = Candidate(strategy, tp, cp, pp, schedule, ep)
-                            alt = base.config(cfg)
-                            if strategy == "ddp" and cfg.parallel.grad_compression != "none":
-                                dims = ParallelDims.from_config(alt, world, per_node)
-                                if dims.loss_ranks > 1:  # the user's compression, where DDP all-reduces
-                                    base = dataclasses.replace(base, compression=cfg.parallel.grad_compression)
-                                    alt = base.config(cfg)
-                            try:
-                                dims = ParallelDims.from_config(alt, world, per_node)
-                            except UserError:
-                                continue
-                            if (dims.problems() or dims.config_problems(alt) or cfg.data.seq_len % dims.seq_len_divisor
-                                    or dims.model_problems(shape.model_type, model)):
-                                continue
-                            if (strategy != "ddp" and dims.dp == 1) or (strategy == "hsdp" and dims.replicate == 1):
-                                continue  # nothing to shard, or one replica: ddp's or fsdp's layout again
-                            per_rank = t.global_batch_size // dims.dp if dims.dp else 0
-                            if per_rank < 1 or t.global_batch_size % dims.dp:
-                                continue
-                            for checkpointing in (0, 2, 1):
-                                for micro in [m for m in range(1, per_rank + 1) if per_rank % m == 0]:
-                                    fsdp = strategy != "ddp" and pp == 1
-                                    for reshard, each in (((True, True), (False, True), (True, False), (False, False))
-                                                          if fsdp and per_rank > micro else
-                                                          ((True, True), (False, True)) if fsdp else ((True, True),)):
-                                        for f8 in ((False, True) if fp8 and gpu.fp8_tflops and pp == 1 else (False,)):
-                                            yield dataclasses.replace(base, checkpointing=checkpointing, micro_batch=micro,
-                                                                      reshard=reshard, fp8=f8, reduce_each=each), dims
+    pps = [n for n in powers if n == 1 or (shape.model_type in PIPELINE_FAMILIES and n <= shape.layers)]
+    eps = [n for n in powers if n == 1 or (shape.experts and shape.experts % n == 0)]
+    tps = [n for n in powers if n <= per_node and per_node % n == 0]
+    for strategy, tp, cp, pp, ep in itertools.product(("ddp", "fsdp", "hsdp"), tps, powers, pps, eps):
+        if tp * cp * pp > world:
+            continue
+        for schedule in ("1f1b", "interleaved_1f1b") if pp > 1 else ("1f1b",):
+            for shard_size in _shard_sizes(strategy, world // (tp * cp * pp), per_node // (tp * cp)):
+                base = Candidate(strategy, tp, cp, pp, schedule, ep, shard_size=shard_size)
+                dims = ParallelDims.from_config(base.config(cfg), world, per_node)
+                if strategy == "ddp" and cfg.parallel.grad_compression != "none" and dims.loss_ranks > 1:
+                    base = dataclasses.replace(base, compression=cfg.parallel.grad_compression)  # the user's
+                alt = base.config(cfg)
+                if (dims.problems() or dims.config_problems(alt) or cfg.data.seq_len % dims.seq_len_divisor
+                        or dims.model_problems(shape.model_type, model)):
+                    continue
+                if (strategy != "ddp" and dims.dp == 1) or (strategy == "hsdp" and dims.replicate == 1):
+                    continue  # nothing to shard, or one replica: ddp's or fsdp's layout again
+                if cfg.train.global_batch_size % dims.dp == 0:
+                    yield base, dims
+
+
+def _shard_sizes(strategy: str, dp: int, node_dp: int) -> list[int | None]:
+    """hsdp's shard groups to try: a node's data-parallel ranks (None: the default), then 2, 4,
+    ... nodes' while they leave 2 replicas or more; one, None, for the other strategies."""
+    if strategy != "hsdp" or node_dp < 1:
+        return [None]
+    return [None] + [node_dp * k for k in (2, 4, 8, 16) if node_dp * k * 2 <= dp and dp % (node_dp * k) == 0]
+
+
+def candidates(cfg: Config, shape: ModelShape, world: int, per_node: int, gpu: GPU, fp8: bool = True):
+    """Each layout (layouts()) x checkpointing (off, 1 in 2, every layer) x the micro batches
+    dividing a rank's share of the global batch x keeping fsdp's weights gathered x reducing
+    fsdp's gradients once a step (with accumulation) x FP8 (where the GPU has it; not under pp);
+    yields (candidate, its ParallelDims)."""
+    for base, dims in layouts(cfg, shape, world, per_node):
+        per_rank = cfg.train.global_batch_size // dims.dp
+        fsdp = base.strategy != "ddp" and base.pp == 1
+        for checkpointing in (0, 2, 1):
+            for micro in [m for m in range(1, per_rank + 1) if per_rank % m == 0]:
+                gathers = [(True, True), (False, True)] if fsdp else [(True, True)]
+                if fsdp and per_rank > micro:  # accumulation: the reduction's two places
+                    gathers += [(True, False), (False, False)]
+                for (reshard, each), f8 in itertools.product(
+                        gathers, (False, True) if fp8 and gpu.fp8_tflops and base.pp == 1 else (False,)):
+                    yield dataclasses.replace(base, checkpointing=checkpointing, micro_batch=micro, reshard=reshard,
+                                              fp8=f8, reduce_each=each), dims
 
 
 def plan(cfg: Config, shape: ModelShape, world: int, per_node: int, gpu: GPU,
@@ -424,9 +436,9 @@ def report(cfg: Config, ranked: list[tuple[Candidate, Cost]], gpu: GPU, world: i
     shown = best_of_each(ranked)[:top]
     lines = [head, f"{len(ranked)} candidates fit; the fastest {len(shown)} layouts, each at its best micro batch, "
                    f"checkpointing and FP8 (predicted):",
-             f"  {'#':>2}  {'layout':<58} {'micro':>5} {'GiB/GPU':>8} {'tok/s/GPU':>10} {'MFU':>5}  main cost"]
+             f"  {'#':>2}  {'layout':<70} {'micro':>5} {'GiB/GPU':>8} {'tok/s/GPU':>10} {'MFU':>5}  main cost"]
     for i, (cand, c) in enumerate(shown, 1):
-        lines.append(f"  {i:>2}  {cand.describe():<58} {cand.micro_batch:>5} {c.memory / GIB:>8.1f} "
+        lines.append(f"  {i:>2}  {cand.describe():<70} {cand.micro_batch:>5} {c.memory / GIB:>8.1f} "
                      f"{c.tokens_per_s:>10,.0f} {c.mfu:>5.0%}  {c.main}")
     best, c = shown[0]
     if len(shown) > 1:
