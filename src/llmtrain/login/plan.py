@@ -42,11 +42,15 @@ from __future__ import annotations
 
 import dataclasses
 import itertools
+import json
+import os
 import re
 import time
 from dataclasses import dataclass
+from pathlib import Path
 
 from ..config import Config, UserError
+from ..data.sources import HOME_VAR
 from ..parallel.dims import PIPELINE_FAMILIES, ParallelDims, layout_name
 from .estimate import GIB, HEADROOM, ModelShape, estimate, model_shape
 
@@ -128,10 +132,7 @@ def gpu_in(name: str | None, cfg: Config) -> GPU:
 def measured(gpu: GPU) -> GPU:
     """`gpu` with the newest preflight record of its kind ($LLMTRAIN_HOME/cluster/*.json, a
     device name the GPU's pattern matches): its GEMM rate and bandwidths."""
-    import json
-    import os
-    from pathlib import Path
-    home = os.environ.get("LLMTRAIN_HOME")
+    home = os.environ.get(HOME_VAR)
     pattern = next(p for p, g in GPUS if g.name == gpu.name)
     records = []
     for path in sorted(Path(home).glob("cluster/*.json")) if home else ():
@@ -394,7 +395,8 @@ def candidate_of(cfg: Config) -> Candidate:
     return Candidate(par.strategy, par.tp, par.cp, par.pp, par.pp_schedule, par.ep,
                      model.activation_checkpointing_every if model.activation_checkpointing else 0,
                      cfg.train.micro_batch_size, par.reshard_after_forward or not fsdp, cfg.train.fp8 != "none",
-                     par.reduce_every_micro_batch or not fsdp, par.grad_compression)
+                     par.reduce_every_micro_batch or not fsdp, par.grad_compression,
+                     par.shard_size if par.strategy == "hsdp" else None)
 
 
 def verdict(cfg: Config, gpu: GPU | None = None) -> str:
