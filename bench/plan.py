@@ -1,0 +1,132 @@
+"""The planner's cost model (login/plan.py) against measured runs on this machine.
+
+    python bench/plan.py [--steps 30]
+
+Trains bench/throughput.py's model (Llama, 4 layers x 256, seq_len 256, micro batch 8, fp32, a
+global batch of 16) under each layout this machine can run: one process, and two under ddp,
+fsdp, fsdp x tp 2, fsdp x cp 2 and pp 2 (1F1B). For each it prints the planner's predicted
+tokens/s and the estimator's memory against the measured median tokens/s (after the first log
+window) and peak memory. The planner's "GPU" is this CPU: its compute rate is a large fp32 matmul
+measured here at the threads each process trains with, its links gloo over loopback (an
+all-reduce measured here), so what this checks is the compute and memory models and how the
+layouts' extra work adds up, not a cluster's links or a GPU's kernels. Needs an environment from
+setup.sh.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import re
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from throughput import MICRO, launcher, llmtrain_config  # noqa: E402
+
+LAYOUTS = {  # name: (processes, --set overrides)
+    "one process": (1, ["parallel.strategy=ddp"]),
+    "ddp": (2, ["parallel.strategy=ddp"]),
+    "fsdp": (2, ["parallel.strategy=fsdp"]),
+    "fsdp x tp 2": (2, ["parallel.strategy=fsdp", "parallel.tp=2"]),
+    "fsdp x cp 2": (2, ["parallel.strategy=fsdp", "parallel.cp=2"]),
+    "pp 2 (1f1b)": (2, ["parallel.strategy=ddp", "parallel.pp=2"]),
+}
+BUSBW = """
+import torch, torch.distributed as dist
+from llmtrain.training.preflight import all_reduce_busbw
+dist.init_process_group("gloo")
+bw = all_reduce_busbw(torch.device("cpu"), dist.get_world_size())
+if dist.get_rank() == 0:
+    print(bw)
+dist.destroy_process_group()
+"""
+
+
+def matmul_tflops(threads: int, n: int = 1024) -> float:
+    """The best of 10 fp32 products of two n x n matrices on `threads` threads."""
+    torch.set_num_threads(threads)
+    a = torch.randn(n, n)
+    b = torch.randn(n, n)
+    torch.mm(a, b)
+    best = min(_timed(a, b) for _ in range(10))
+    return 2 * n ** 3 / best / 1e12
+
+
+def _timed(a, b) -> float:
+    t0 = time.perf_counter()
+    torch.mm(a, b)
+    return time.perf_counter() - t0
+
+
+def busbw(tmp: Path) -> float:
+    script = tmp / "busbw.py"
+    script.write_text(BUSBW)
+    out = subprocess.run([*launcher(2), str(script)], capture_output=True, text=True, check=True).stdout
+    return float(out.strip().splitlines()[-1])
+
+
+def measured(tmp: Path, name: str, nproc: int, sets: list[str], steps: int) -> tuple[float, float]:
+    """(median tokens/s of the log windows after the first, peak GiB above the process's memory
+    before the model: on a CPU the peak is the process's resident memory, torch's libraries
+    included) of one run."""
+    config = llmtrain_config(tmp, nproc, name="-" + name.replace(" ", "").replace("(", "").replace(")", ""))
+    run = ["--set", f"run.name={config.stem}", "--set", f"train.max_steps={steps}",
+           "--set", f"train.global_batch_size={2 * MICRO}"] + [x for s in sets for x in ("--set", s)]
+    subprocess.run([sys.executable, "-m", "llmtrain", "prepare", "--config", str(config)], check=True,
+                   capture_output=True)
+    proc = subprocess.run([*launcher(nproc), "-m", "llmtrain", "train", "--config", str(config), *run],
+                          capture_output=True, text=True)
+    if proc.returncode:
+        sys.exit(f"{name}: llmtrain train failed:\n{proc.stderr[-3000:]}")
+    records = [json.loads(line) for line in (tmp / "runs" / config.stem / "metrics.jsonl").read_text().splitlines()]
+    train = [r for r in records if r["kind"] == "train"][1:]
+    log = (tmp / "runs" / config.stem / "logs" / "rank-0.log").read_text()
+    before = float(re.search(r"\(([\d.]+) GiB before the model\)", log)[1])
+    return statistics.median(r["tokens_per_sec"] for r in train), max(r["peak_mem_gib"] for r in train) - before
+
+
+def predicted(tmp: Path, name: str, nproc: int, sets: list[str], gemm: float, bw: float) -> tuple[float, float]:
+    """(predicted tokens/s, estimated GiB) of the same run: this CPU as the planner's GPU."""
+    from llmtrain.config import load_config
+    from llmtrain.login.estimate import GIB, estimate, model_shape
+    from llmtrain.login.plan import GEMM_EFFICIENCY, GPU, cost
+    from llmtrain.parallel.dims import ParallelDims
+    config = llmtrain_config(tmp, nproc, name="-p")
+    cfg = load_config(config, [f"train.global_batch_size={2 * MICRO}", "slurm.procs_per_node=null",
+                               "slurm.gpus_per_node=2", *sets], world_size=nproc)
+    cpu = GPU("this CPU", 24, gemm / GEMM_EFFICIENCY, None, bw, bw, gemm_tflops=gemm, intra_gbs=bw, inter_gbs=bw,
+              measured="here")
+    shape = model_shape(cfg)
+    memory = estimate(cfg, nproc, shape=shape).total
+    c = cost(cfg, ParallelDims.from_config(cfg, nproc, nproc), shape, cpu, max(nproc, 2), memory)
+    return c.tokens_per_s * nproc, memory / GIB
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--steps", type=int, default=30)
+    args = ap.parse_args()
+    with tempfile.TemporaryDirectory() as d:
+        tmp = Path(d)
+        rates = {1: matmul_tflops(2), 2: matmul_tflops(1)}  # a process's threads: 2 alone, 1 each of 2
+        bw = busbw(tmp)
+        print(f"this machine: fp32 matmul {rates[1]:.3f} TFLOP/s on 2 threads, {rates[2]:.3f} on 1; "
+              f"gloo all-reduce {bw:.2f} GB/s bus bandwidth (2 processes)")
+        print("| layout | predicted tokens/s | measured | measured / predicted | estimated GiB | measured GiB (peak above the start) |")
+        print("| --- | ---: | ---: | ---: | ---: | ---: |")
+        for name, (nproc, sets) in LAYOUTS.items():
+            tokens, peak = measured(tmp, name, nproc, sets, args.steps)
+            guess, memory = predicted(tmp, name, nproc, sets, rates[nproc], bw)
+            print(f"| {name} | {guess:,.0f} | {tokens:,.0f} | {tokens / guess:.2f} | {memory:.2f} | {peak:.2f} |",
+                  flush=True)
+
+
+if __name__ == "__main__":
+    main()
