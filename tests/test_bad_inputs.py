@@ -184,6 +184,8 @@ ROWS = [
      r"train\.global_batch_size: must be divisible by micro_batch_size x world size = \d+ x 3 = \d+ \(got \d+\)"),
     ("estimate-bad-gpu", lambda r, g, t: ["estimate", "--config", g, "--gpu-mem", "0"], 1,
      r"error: --gpu-mem: must be a GPU's memory in GiB, > 0 \(got 0\.0\)"),
+    ("plan-unknown-gpu", lambda r, g, t: ["plan", "--config", g, "--gpu", "k80"], 1,
+     r"error: --gpu: 'k80' is not a GPU the planner knows \(H100 NVL, .*, MI300X\); name one of those"),
     ("submit-no-process", lambda r, g, t: ["submit", "--config", g, "--local", "--nproc", "0"], 1,
      r"error: --nproc: must be a positive integer \(got 0\)"),
     ("sweep-slurm-key", lambda r, g, t: ["sweep", "--config", g, "--local", "--grid", "slurm.nodes=1,2"], 2,
