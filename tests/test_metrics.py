@@ -88,6 +88,26 @@ def test_a_failing_tracker_is_dropped_with_a_warning_and_the_jsonl_goes_on(tmp_p
     assert said == ["Broken: its service ended with the stop signal; the steps from here on are in "
                     "metrics.jsonl only"]
 
+    # The service may also die between the last step and the close (scancel during the save).
+    class Unfinished:
+        def log(self, record):
+            pass
+
+        def close(self, failed=False):
+            raise ConnectionResetError(104, "Connection reset by peer")
+
+    said = []
+    writer = MetricsWriter(None, 0, [Unfinished()], warn=said.append, stopping=lambda: True)
+    writer.write({"kind": "train", "step": 1, "loss": 1.0})
+    writer.close()
+    assert said == ["Unfinished: its service ended with the stop signal before it closed; metrics.jsonl "
+                    "has every step (the next launch logs them again)"]
+    said = []
+    writer = MetricsWriter(None, 0, [Unfinished()], warn=said.append)
+    writer.close()
+    assert said == ["warning: Unfinished did not close cleanly (ConnectionResetError: [Errno 104] Connection "
+                    "reset by peer)"]
+
 
 def test_provenance_never_carries_a_value_exported_to_the_job(monkeypatch):
     from llmtrain.rundir import provenance

@@ -218,7 +218,11 @@ class MetricsWriter:
             try:
                 sink.close(failed)
             except Exception as e:
-                self.warn(f"warning: {type(sink).__name__} did not close cleanly ({type(e).__name__}: {e})")
+                if self.stopping():  # its service ended with the stop signal before it could finish
+                    self.warn(f"{type(sink).__name__}: its service ended with the stop signal before it "
+                              f"closed; metrics.jsonl has every step (the next launch logs them again)")
+                else:
+                    self.warn(f"warning: {type(sink).__name__} did not close cleanly ({type(e).__name__}: {e})")
         self.sinks = []
 
 
