@@ -63,15 +63,23 @@ def logged_step(run_dir: Path) -> int:
         return 0
 
 
-@pytest.mark.parametrize("strategy,async_save", [("ddp", False), ("fsdp", True)])
-def test_killed_and_restarted_run_is_bit_identical(setup, strategy, async_save):
-    """A synchronous save (DDP) and an async one (FSDP2 DTensor shards). FSDP2 with a synchronous
-    save is killed and restarted in test_finetune.py (LoRA), and resumed on other world sizes below."""
+def reference(setup, strategy: str) -> Path:
+    """The uninterrupted 2-process run of `strategy` (16 steps, saved every 5), made by the first
+    test that asks."""
     root, config = setup
     ref_dir = root / "home" / "runs" / f"ref-{strategy}"
     if not ref_dir.exists():
         torchrun(2, "train", "--config", config, "--set", f"run.name=ref-{strategy}",
                  "--set", f"parallel.strategy={strategy}")
+    return ref_dir
+
+
+@pytest.mark.parametrize("strategy,async_save", [("ddp", False), ("fsdp", True)])
+def test_killed_and_restarted_run_is_bit_identical(setup, strategy, async_save):
+    """A synchronous save (DDP) and an async one (FSDP2 DTensor shards). FSDP2 with a synchronous
+    save is killed and restarted in test_finetune.py (LoRA), and resumed on other world sizes below."""
+    root, config = setup
+    ref_dir = reference(setup, strategy)
 
     name = f"killed-{strategy}-{async_save}"
     run_dir = root / "home" / "runs" / name
@@ -106,9 +114,7 @@ def test_a_resume_reads_the_checkpoint_index_on_one_rank(setup, tmp_path):
     With rank 1 unable to open it, the resume from step 10 trains the uninterrupted curve bit
     for bit."""
     root, config = setup
-    ref_dir = root / "home" / "runs" / "ref-fsdp"
-    if not ref_dir.exists():
-        torchrun(2, "train", "--config", config, "--set", "run.name=ref-fsdp", "--set", "parallel.strategy=fsdp")
+    ref_dir = reference(setup, "fsdp")
     copy = root / "home" / "runs" / "index-once"
     shutil.copytree(ref_dir, copy)
     for later in ("step-00000015", "step-00000016"):
@@ -235,12 +241,11 @@ def test_a_resume_takes_the_configs_optimizer_settings(setup):
     """weight_decay/betas/eps changed for a resume are used, not the checkpoint's."""
     root, config = setup
     first = ["--set", "train.max_steps=8", "--set", "train.checkpoint_every=4"]
-    for name in ("wd-same", "wd-changed"):
-        cli("train", "--config", config, "--set", f"run.name={name}", *first,
-                 "--set", "train.eval_every=0", check=True)
-        ckpts = root / "home" / "runs" / name / "checkpoints"
-        shutil.rmtree(ckpts / "step-00000008")
-        (ckpts / "latest").write_text("step-00000004\n")
+    runs = root / "home" / "runs"
+    cli("train", "--config", config, "--set", "run.name=wd-same", *first, "--set", "train.eval_every=0", check=True)
+    shutil.rmtree(runs / "wd-same" / "checkpoints" / "step-00000008")
+    (runs / "wd-same" / "checkpoints" / "latest").write_text("step-00000004\n")
+    shutil.copytree(runs / "wd-same", runs / "wd-changed")  # two resumes of one checkpoint
     cli("train", "--config", config, "--set", "run.name=wd-same", *first,
              "--set", "train.eval_every=0", check=True)
     proc = cli("train", "--config", config, "--set", "run.name=wd-changed", *first,
@@ -311,11 +316,7 @@ def test_damaged_newest_checkpoint_falls_back_to_the_previous(setup):
 
 
 def test_export_loads_in_plain_transformers_with_identical_logits(setup, tmp_path):
-    root, config = setup
-    name = "export"
-    torchrun(2, "train", "--config", config, "--set", f"run.name={name}", "--set", "parallel.strategy=fsdp",
-             "--set", "train.max_steps=6")
-    run_dir = root / "home" / "runs" / name
+    run_dir = reference(setup, "fsdp")  # its DTensor shards, saved by 2 ranks
     out = tmp_path / "hf"
     cli("export", "--run-dir", run_dir, "--out", out, check=True)
     assert {"config.json", "model.safetensors", "tokenizer.json"} <= {p.name for p in out.iterdir()}

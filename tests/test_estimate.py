@@ -326,7 +326,8 @@ CASES = {"ddp": ["parallel.strategy=ddp"],
 @pytest.fixture(scope="module")
 def probed(tmp_path_factory):
     """(config, {case: the larger of the two ranks' peaks in bytes}) from one torchrun of
-    tests/memory_probe.py over all four cases."""
+    tests/memory_probe.py over all the cases: the four dense ones and the MoE ones (their
+    overrides make the model PROBED_MOE, below)."""
     root = tmp_path_factory.mktemp("estimate")
     with pytest.MonkeyPatch.context() as mp:
         mp.setenv("LLMTRAIN_HOME", str(root / "home"))
@@ -336,11 +337,11 @@ def probed(tmp_path_factory):
             train={"micro_batch_size": 1, "global_batch_size": 2, "precision": "fp32"})))
         cmd = torchrun_command(2)
         cmd[-2:] = [str(REPO / "tests" / "memory_probe.py"), str(config), str(root),
-                    *(f"{name}={','.join(overrides)}" for name, overrides in CASES.items())]
+                    *(f"{name}={','.join(overrides)}" for name, overrides in {**CASES, **MOE_CASES}.items())]
         proc = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
         assert proc.returncode == 0, proc.stdout + proc.stderr
         ranks = [json.loads((root / f"rank-{rank}.json").read_text()) for rank in (0, 1)]
-        yield config, {case: max(r[case]["peak"] for r in ranks) for case in CASES}
+        yield config, {case: max(r[case]["peak"] for r in ranks) for case in {**CASES, **MOE_CASES}}
 
 
 @pytest.mark.slow
@@ -430,27 +431,19 @@ PROBED_MOE = {"model_type": "qwen3_moe", "hidden_size": 256, "intermediate_size"
               "num_experts": 8, "num_experts_per_tok": 2, "num_hidden_layers": 4, "num_attention_heads": 4,
               "num_key_value_heads": 2, "head_dim": 64, "max_position_embeddings": 256, "vocab_size": 4096,
               "tie_word_embeddings": False}
-MOE_CASES = {"ddp": ["parallel.strategy=ddp"],
-             "fsdp-checkpointed": ["parallel.strategy=fsdp", "model.activation_checkpointing=true"]}
+_AS_MOE = [f"model.architecture.{key}={value}" for key, value in PROBED_MOE.items()] + [  # PROBED's keys too
+    "train.micro_batch_size=4", "train.global_batch_size=8"]
+MOE_CASES = {"moe-ddp": [*_AS_MOE, "parallel.strategy=ddp"],
+             "moe-fsdp-checkpointed": [*_AS_MOE, "parallel.strategy=fsdp", "model.activation_checkpointing=true"]}
 
 
 @pytest.mark.slow
-def test_an_moe_estimate_is_within_15_percent_of_the_measured_peak(tmp_path, monkeypatch):
+def test_an_moe_estimate_is_within_15_percent_of_the_measured_peak(probed):
     """The trainer's own step (its router hooks and load-balancing loss included) under torch's
     memory tracker (tests/memory_probe.py), against the estimate: 0.99-1.01 when written."""
-    monkeypatch.setenv("LLMTRAIN_HOME", str(tmp_path / "home"))
-    config = tmp_path / "config.yaml"
-    config.write_text(yaml.safe_dump(tiny_config(
-        model={"architecture": PROBED_MOE}, data={"seq_len": 256},
-        train={"micro_batch_size": 4, "global_batch_size": 8, "precision": "fp32"})))
-    cli("prepare", "--config", config, check=True)
-    cmd = torchrun_command(2)
-    cmd[-2:] = [str(REPO / "tests" / "memory_probe.py"), str(config), str(tmp_path),
-                *(f"{name}={','.join(overrides)}" for name, overrides in MOE_CASES.items())]
-    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
-    assert proc.returncode == 0, proc.stdout + proc.stderr
-    ranks = [json.loads((tmp_path / f"rank-{rank}.json").read_text()) for rank in (0, 1)]
+    config, peaks = probed
     for case, overrides in MOE_CASES.items():
-        peak = max(r[case]["peak"] for r in ranks)
-        est = estimate(load_config(config, overrides, world_size=2), world_size=2)
-        assert 0.85 <= est.total / peak <= 1.15, (case, est.total / peak, est)
+        cfg = load_config(config, overrides, world_size=2)
+        assert cfg.model.architecture == PROBED_MOE  # the case is the MoE model, whole
+        est = estimate(cfg, world_size=2)
+        assert 0.85 <= est.total / peaks[case] <= 1.15, (case, est.total / peaks[case], est)

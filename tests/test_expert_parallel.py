@@ -7,6 +7,8 @@ each."""
 
 from __future__ import annotations
 
+import shutil
+
 import pytest
 import torch
 import yaml
@@ -31,13 +33,18 @@ def config(arch: dict) -> dict:
 @pytest.fixture(scope="module")
 def qwen(tmp_path_factory):
     """One process (4 micro-batches of 2 a step), ep 2 on 2 (2 each), ep 2 x 2-way shards on 4
-    (1 each), and ep 2 stopped at step 3 then resumed by one process."""
+    (1 each), and ep 2's step-3 checkpoint resumed by one process."""
     with prepared_home(tmp_path_factory, "ep", config(QWEN3_MOE)) as (root, path):
         cli("train", "--config", path, "--set", "run.name=one", check=True)
         torchrun(2, "train", "--config", path, "--set", "run.name=ep2", "--set", "parallel.ep=2")
-        torchrun(2, "train", "--config", path, "--set", "run.name=moved", "--set", "parallel.ep=2",
-                 "--set", "train.max_steps=3")
+        # ep 2's run as its step-3 checkpoint left it (the schedule is constant: what a run
+        # stopped at step 3 saves), resumed by one process
+        runs = root / "home" / "runs"
+        shutil.copytree(runs / "ep2", runs / "moved")
+        shutil.rmtree(runs / "moved" / "checkpoints" / "step-00000006")
+        (runs / "moved" / "checkpoints" / "latest").write_text("step-00000003\n")
         cli("train", "--config", path, "--set", "run.name=moved", check=True)
+        assert "resumed from" in (runs / "moved" / "logs" / "rank-0.log").read_text()
         yield root, path
 
 

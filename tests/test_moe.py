@@ -6,6 +6,8 @@ matrices apart; check-config refuses the families it cannot train."""
 
 from __future__ import annotations
 
+import shutil
+
 import pytest
 import torch
 import yaml
@@ -106,7 +108,7 @@ def test_the_load_balancing_loss_leaves_padding_out():
 def runs(tmp_path_factory):
     """A from-scratch Qwen3-MoE with activation checkpointing, trained by one process (2
     micro-batches a step) and by FSDP over 2 (one each), with AdamW and with Muon; by one
-    process stopped at step 3 and resumed; by HSDP in bf16; by a pipeline of 2 stages (a MoE
+    process resumed from the first's step-3 checkpoint; by HSDP in bf16; by a pipeline of 2 stages (a MoE
     layer each, both micro-batches through both)."""
     cfg = tiny_config(model={"architecture": QWEN3_MOE, "activation_checkpointing": True},
                       train={"max_steps": 6, "warmup_steps": 1, "lr_schedule": "constant", "eval_every": 3,
@@ -117,9 +119,12 @@ def runs(tmp_path_factory):
         muon = ("--set", "train.optimizer=muon", "--set", "train.lr=0.02")
         cli("train", "--config", config, "--set", "run.name=muon", *muon, check=True)
         torchrun(2, "train", "--config", config, "--set", "run.name=fsdp_muon", "--set", "parallel.strategy=fsdp", *muon)
-        for steps in (3, 6):
-            cli("train", "--config", config, "--set", "run.name=resumed", "--set", f"train.max_steps={steps}",
-                check=True)
+        runs = root / "home" / "runs"  # one's step-3 checkpoint (a constant schedule), resumed
+        shutil.copytree(runs / "one", runs / "resumed")
+        shutil.rmtree(runs / "resumed" / "checkpoints" / "step-00000006")
+        (runs / "resumed" / "checkpoints" / "latest").write_text("step-00000003\n")
+        cli("train", "--config", config, "--set", "run.name=resumed", check=True)
+        assert "resumed from" in (runs / "resumed" / "logs" / "rank-0.log").read_text()
         torchrun(2, "train", "--config", config, "--set", "run.name=hsdp_bf16", "--set", "parallel.strategy=hsdp",
                  "--set", "parallel.shard_size=1", "--set", "train.precision=bf16")
         torchrun(2, "train", "--config", config, "--set", "run.name=pp", "--set", "parallel.pp=2")

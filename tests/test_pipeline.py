@@ -147,7 +147,7 @@ def test_gpipe_document_masks_and_sliding_windows_under_pp2_give_one_process_cur
              "--set", "parallel.pp_schedule=gpipe")
     assert_same_curve(run_dir(setup, "gpipe"), single, tol=1e-4)
     # Positions restart at each document: every stage builds the block-diagonal mask from them.
-    masked = reference_run(tmp_path_factory, "single-docs", CONFIG, "data.document_masking=true")
+    masked = reference_run(tmp_path_factory, "single", CONFIG, "data.document_masking=true")  # test_context_parallel's too
     torchrun(2, "train", "--config", setup[1], "--set", "run.name=pp2-docs", "--set", "parallel.pp=2",
              "--set", "data.document_masking=true")
     assert_same_curve(run_dir(setup, "pp2-docs"), masked, tol=1e-4)
