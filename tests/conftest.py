@@ -58,12 +58,13 @@ def pytest_sessionfinish(session):
 # the end, and a worker that runs out of tests takes half of the other's queue. (A fixture that
 # both workers share, like test_slurm's preemption trials, runs once under a file lock.) After the
 # list, only modules of short tests: the local launches of test_scripts.py, last in file order,
-# were the tail (modules by their time in a --durations run of the suite, 2026-11-27).
+# were the tail (modules by their time in a --durations run of the slow tier, 2026-11-28).
 LONGEST_FIRST = ("test_scripts.py::test_setup_", "test_slurm.py", "test_sweep.py::test_a_local_",
-                 "test_bigmodel.py", "test_tensor_parallel.py", "test_context_parallel.py", "test_control.py",
-                 "test_checkpoint.py", "test_train.py", "test_finetune.py", "test_optimizers.py", "test_scripts.py",
-                 "test_observe.py", "test_float8.py", "test_download.py", "test_export.py", "test_estimate.py",
-                 "test_mixture.py", "test_cli.py", "test_plan.py", "test_status.py")
+                 "test_pipeline.py", "test_control.py", "test_checkpoint.py", "test_bigmodel.py", "test_train.py",
+                 "test_optimizers.py", "test_tensor_parallel.py", "test_expert_parallel.py", "test_estimate.py",
+                 "test_finetune.py", "test_moe.py", "test_context_parallel.py", "test_observe.py", "test_parallel.py",
+                 "test_scripts.py", "test_export.py", "test_status.py", "test_float8.py", "test_cli.py",
+                 "test_download.py", "test_plan.py", "test_attention.py", "test_bad_inputs.py", "test_mixture.py")
 
 
 def pytest_collection_modifyitems(items):

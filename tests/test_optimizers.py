@@ -7,13 +7,14 @@ exported weights."""
 from __future__ import annotations
 
 import json
+from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
 import torch
 import yaml
 
-from conftest import assert_same_curve, losses, prepared_home, run_dir, tiny_config, torchrun
+from conftest import assert_same_curve, cli, losses, prepared_home, run_dir, tiny_config, torchrun
 from llmtrain.config import ConfigError, load_config
 from llmtrain.optimizers import lr_at
 from llmtrain.optimizers.lion import Lion
@@ -290,15 +291,25 @@ def prepared(tmp_path_factory):
         yield home
 
 
-@pytest.mark.slow
-def test_lion_on_fsdp2_gives_ddps_curve_and_resumes_bit_for_bit(prepared):
-    """Lion's update is elementwise: FSDP2's shards update as DDP's whole tensors do. Resumed at
-    step 4 from the FSDP2 run's checkpoint, steps 5-8 repeat its losses exactly."""
+def single(prepared, name: str, *sets: str) -> Path:
+    """One process's run of the module's config with `sets` (in this process; made by the first
+    test that asks): the curve every layout must give (one process's is DDP's: test_train.py)."""
     _, config = prepared
-    torchrun(2, "train", "--config", config, "--set", "run.name=ddp")
+    if not run_dir(prepared, name).exists():
+        cli("train", "--config", config, "--set", f"run.name={name}", *(x for s in sets for x in ("--set", s)),
+            check=True)
+    return run_dir(prepared, name)
+
+
+@pytest.mark.slow
+def test_lion_on_fsdp2_gives_one_process_curve_and_resumes_bit_for_bit(prepared):
+    """Lion's update is elementwise: FSDP2's shards update as one process's whole tensors do.
+    Resumed at step 4 from the FSDP2 run's checkpoint, steps 5-8 repeat its losses exactly."""
+    _, config = prepared
+    one = single(prepared, "lion-single")
     torchrun(2, "train", "--config", config, "--set", "run.name=fsdp", "--set", "parallel.strategy=fsdp")
-    assert_same_curve(run_dir(prepared, "fsdp"), run_dir(prepared, "ddp"), tol=1e-4)
-    train = [loss for kind, _, loss in losses(run_dir(prepared, "ddp")) if kind == "train"]
+    assert_same_curve(run_dir(prepared, "fsdp"), one, tol=1e-4)
+    train = [loss for kind, _, loss in losses(one) if kind == "train"]
     assert train[-1] < train[0] - 0.3  # it learns
     ckpt = run_dir(prepared, "fsdp") / "checkpoints" / "step-00000004"
     torchrun(2, "train", "--config", config, "--set", "run.name=resumed", "--set", "parallel.strategy=fsdp",
@@ -317,10 +328,9 @@ def test_lion_under_tensor_parallel_sums_a_replicated_weights_gradient_first(pre
     (a partial sum over its tokens); Lion sums it before the sign, or the two copies drift
     apart and the curve leaves one process's."""
     _, config = prepared
-    from conftest import cli
-    cli("train", "--config", config, "--set", "run.name=lion-single", check=True)
+    one = single(prepared, "lion-single")
     torchrun(2, "train", "--config", config, "--set", "run.name=lion-tp2", "--set", "parallel.tp=2")
-    assert_same_curve(run_dir(prepared, "lion-tp2"), run_dir(prepared, "lion-single"), tol=1e-4)
+    assert_same_curve(run_dir(prepared, "lion-tp2"), one, tol=1e-4)
 
 
 
@@ -337,21 +347,21 @@ def assert_resumes_bit_for_bit(prepared, whole: str, resumed: str, *sets: str, n
 
 
 @pytest.mark.slow
-def test_muon_gives_ddps_curve_under_fsdp2_and_fsdp_x_tp_and_resumes_bit_for_bit(prepared):
+def test_muon_gives_one_process_curve_under_fsdp2_and_fsdp_x_tp_and_resumes_bit_for_bit(prepared):
     """Muon orthogonalises whole matrices: under FSDP2 each rank gets whole matrices of a stack of
     shards (all-to-all), under FSDP2 x tp 2 (4 ranks) over both mesh dimensions (FSDP2's strided
-    split of the tp shards); both must give DDP's curve (where every rank holds every matrix), and
+    split of the tp shards); both must give one process's curve (which holds every matrix), and
     the loss falls. Resumed at step 4, FSDP2's steps 5-8 repeat exactly."""
     _, config = prepared
     muon = ("train.optimizer=muon", "train.lr=3e-3", "train.weight_decay=0.1", "train.lr_schedule=constant")
     sets = [x for s in muon for x in ("--set", s)]
-    torchrun(2, "train", "--config", config, "--set", "run.name=muon-ddp", *sets)
+    one = single(prepared, "muon-single", *muon)
     torchrun(2, "train", "--config", config, "--set", "run.name=muon-fsdp", "--set", "parallel.strategy=fsdp", *sets)
     torchrun(4, "train", "--config", config, "--set", "run.name=muon-fsdp-tp2", "--set", "parallel.strategy=fsdp",
              "--set", "parallel.tp=2", "--set", "slurm.procs_per_node=4", *sets)
     for layout in ("muon-fsdp", "muon-fsdp-tp2"):
-        assert_same_curve(run_dir(prepared, layout), run_dir(prepared, "muon-ddp"), tol=1e-4)
-    train = [loss for kind, _, loss in losses(run_dir(prepared, "muon-ddp")) if kind == "train"]
+        assert_same_curve(run_dir(prepared, layout), one, tol=1e-4)
+    train = [loss for kind, _, loss in losses(one) if kind == "train"]
     assert train[-1] < train[0] - 1.0, train  # it learns (6.25 -> 4.88 measured)
     assert_resumes_bit_for_bit(prepared, "muon-fsdp", "muon-resumed", "parallel.strategy=fsdp", *muon)
 
@@ -397,7 +407,6 @@ def test_schedule_free_evaluates_and_exports_its_average_and_resumes_bit_for_bit
     model.load_state_dict(raw.read(list(raw.tensors)), strict=False)
     assert abs(loss_of(model) - logged[8]) > 1e-3
 
-    from conftest import cli
     ckpt = run_dir(prepared, "sf") / "checkpoints" / "step-00000004"
     refused = cli("train", "--config", config, "--set", "run.name=sf-beta1", *(x for s in sf[:3] for x in ("--set", s)),
                   "--set", "train.beta1=0.95", "--set", f"train.resume={ckpt}")
