@@ -96,7 +96,8 @@ def predicted(tmp: Path, name: str, nproc: int, sets: list[str], gemm: float, bw
     """(predicted tokens/s, estimated GiB) of the same run: this CPU as the planner's GPU."""
     from llmtrain.config import load_config
     from llmtrain.login.estimate import GIB, estimate, model_shape
-    from llmtrain.login.plan import GEMM_EFFICIENCY, GPU, cost
+    from llmtrain.gpus import GEMM_EFFICIENCY, GPU
+    from llmtrain.login.plan import cost
     from llmtrain.parallel.dims import ParallelDims
     config = llmtrain_config(tmp, nproc, name="-p")
     cfg = load_config(config, [f"train.global_batch_size={2 * MICRO}", "slurm.procs_per_node=null",

@@ -174,7 +174,7 @@ def test_mfu_is_in_the_metrics_on_a_known_gpu(setup):
     _, config = setup
     name = torch.cuda.get_device_name(0)
     if peak_tflops(name, "bf16", True) is None:
-        pytest.skip(f"no peak FLOP/s known for {name!r} in llmtrain.metrics.PEAK_TFLOPS")
+        pytest.skip(f"no peak FLOP/s known for {name!r} in llmtrain.gpus.GPUS")
     llmtrain("train", "--config", config, "--set", "run.name=mfu", "--set", "train.precision=bf16",
              "--set", "train.log_every=3", check=True)
     train = [r for r in read_metrics(run_dir(setup, "mfu")) if r["kind"] == "train"]

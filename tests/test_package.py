@@ -29,7 +29,7 @@ def test_the_declared_torch_lower_bound_is_the_oldest_torch_the_code_runs_on():
 def login_modules() -> list[str]:
     pkg = REPO / "src" / "llmtrain"
     return (["llmtrain.cli", "llmtrain.config", "llmtrain.rundir", "llmtrain.metrics", "llmtrain.tracking",
-             "llmtrain.errors", "llmtrain.files", "llmtrain.optimizers", "llmtrain.data.sources",
+             "llmtrain.errors", "llmtrain.files", "llmtrain.gpus", "llmtrain.optimizers", "llmtrain.data.sources",
              "llmtrain.parallel.dims", "llmtrain.parallel.tensor", "llmtrain.parallel.world"]
             + [f"llmtrain.login.{p.stem}" for p in sorted((pkg / "login").glob("*.py"))])
 
@@ -49,7 +49,7 @@ def test_nothing_the_login_node_runs_imports_torch():
 # The package's layers, lowest first (doc/architecture.md, "Modules"): a module imports only from
 # lower layers, or from its own folder (its own module for a top-level one). Lazy imports count.
 LAYERS = [
-    ["errors", "files", "optimizers", "data.sources", "parallel.tensor", "model.moe"],  # the leaves
+    ["errors", "files", "gpus", "optimizers", "data.sources", "parallel.tensor", "model.moe"],  # the leaves
     ["parallel.dims"],  # the layout, on the tensor-parallel plans
     ["rundir", "metrics"],
     ["config"],

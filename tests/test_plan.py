@@ -60,7 +60,7 @@ def test_a_gpu_the_planner_does_not_know_is_one_line(config_70b):
     proc = cli("plan", "--config", config_70b, "--gpu", "k80")
     assert proc.returncode != 0 and "Traceback" not in proc.stderr
     assert proc.stderr.strip().splitlines()[-1].startswith(
-        "error: --gpu: 'k80' is not a GPU the planner knows (H100 NVL, H100 PCIe, GH200, H200, H100, B200")
+        "error: --gpu: 'k80' is not a GPU the planner knows (H100 NVL, H100 PCIe, GH200, H200 NVL, H200, H100, B200")
 
 
 def test_the_cost_model_charges_the_bubble_and_the_links_a_group_crosses(config_70b):

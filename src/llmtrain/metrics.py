@@ -5,43 +5,20 @@ from __future__ import annotations
 
 import contextlib
 import json
-import re
 import resource
 import sys
 import time
 from pathlib import Path
 
 from .files import write_atomic
-
-# Peak dense FLOP/s per GPU (no sparsity), from the vendors' datasheets, by the name torch
-# reports ("NVIDIA H100 80GB HBM3" is the SXM part): first match wins, so variants come before
-# the plain name, and \b keeps L4 from matching L40 and A10 from A100 or A10G (not published).
-# Columns, in TFLOP/s: bf16/fp16 tensor cores, TF32 tensor cores, plain fp32.
-PEAK_TFLOPS = [
-    (r"\bH100\b.*\bPCIe\b", 756, 378, 51),
-    (r"\bH100\b.*\bNVL\b", 835, 418, 60),
-    (r"\bH100\b", 989, 495, 67),
-    (r"\bH200\b.*\bNVL\b", 835, 418, 60),
-    (r"\bG?H200\b", 989, 495, 67),
-    (r"\bB200\b", 2250, 1100, 75),
-    (r"\bA100\b", 312, 156, 19.5),
-    (r"\bL40S\b", 362, 183, 91.6),
-    (r"\bL40\b", 181, 90.5, 90.5),
-    (r"\bL4\b", 121, 60, 30.3),
-    (r"\bA10\b", 125, 62.5, 31.2),
-    (r"\bV100\b", 125, None, 15.7),  # fp16 tensor cores; no bf16 or TF32 units
-]
+from .gpus import gpu_called
 
 
 def peak_tflops(device_name: str, precision: str, tf32: bool) -> float | None:
-    """The peak a step in `precision` can reach on `device_name`; None for a GPU not listed
-    (set train.peak_tflops to get MFU there)."""
-    for pattern, half, tf32_peak, fp32 in PEAK_TFLOPS:
-        if re.search(pattern, device_name):
-            if precision in ("bf16", "fp16"):
-                return half
-            return (tf32 and tf32_peak) or fp32
-    return None
+    """The peak a step in `precision` can reach on `device_name` (gpus.GPUS); None for a GPU
+    not listed or whose peak is not published (set train.peak_tflops to get MFU there)."""
+    gpu = gpu_called(device_name)
+    return gpu.peak_tflops(precision, tf32) if gpu else None
 
 
 def peak_flops(device, precision: str = "bf16", tf32: bool = True,

@@ -233,7 +233,7 @@ class TrainConfig:
     # the linear layers' matmuls in float8 (torchao): tensorwise or rowwise scales (parallel/float8.py)
     fp8: Literal["none", "tensorwise", "rowwise"] = "none"
     tf32: bool = True  # fp32 matmuls on Ampere+ GPUs use TF32 tensor cores (about 1e-3 relative error)
-    peak_tflops: Optional[float] = None  # one GPU's dense peak for MFU; None: metrics.PEAK_TFLOPS
+    peak_tflops: Optional[float] = None  # one GPU's dense peak for MFU; None: the table (gpus.GPUS)
     seed: int = 1234
     log_every: int = 10  # steps between metrics lines
     eval_every: int = 500  # steps between evaluations; 0 disables evaluation

@@ -99,24 +99,16 @@ for Llama-style layers (RMSNorm, gated MLP) run eagerly (not compiled).
 from __future__ import annotations
 
 import math
-import re
 from dataclasses import dataclass
 
 from ..config import Config, UserError
+from ..gpus import gpu_called
 from ..optimizers import OPTIMIZERS, state_bytes
 from ..parallel.dims import PIPELINE_FAMILIES, ParallelDims, layout_name
 
 GIB = 2**30
 HEADROOM = 0.10  # of a GPU's memory: CUDA context, NCCL buffers, allocator fragmentation
 PRECISION_BYTES = {"bf16": 2, "fp16": 2, "fp32": 4}
-# GPU names as Slurm configs spell them (gres, constraints, partitions) -> GiB; the first match wins.
-GPU_MEMORY_GIB = [
-    (r"h100[-_ ]?nvl", "H100 NVL", 94), (r"gh200", "GH200", 96), (r"h200", "H200", 141),
-    (r"h100", "H100", 80), (r"b200", "B200", 180), (r"a100[-_ ]?(sxm4?[-_ ]?)?80", "A100 80GB", 80),
-    (r"a100", "A100 (the 40GB model assumed)", 40), (r"l40s?\b", "L40(S)", 48), (r"a40\b", "A40", 48),
-    (r"\bl4\b", "L4", 24), (r"a10g?\b", "A10", 24), (r"v100[-_ ]?32", "V100 32GB", 32),
-    (r"v100", "V100 (the 16GB model assumed)", 16), (r"mi300x", "MI300X", 192), (r"mi250x?", "MI250", 64),
-]
 MUON_STEP = "Muon's optimizer step (its updates, a stack orthogonalised)"
 ROWS = {"parameters": "parameters", "gradients": "gradients", "optimizer": "optimizer state",
         "param_copies": "param copies", "activations": "activations", "loss": "loss", "comm": "comm buffers"}
@@ -536,12 +528,15 @@ def gpu_memory(cfg: Config, gpu_mem_gib: float | None = None) -> tuple[str, floa
         if not gpu_mem_gib > 0 or math.isinf(gpu_mem_gib):
             raise UserError(f"--gpu-mem: must be a GPU's memory in GiB, > 0 (got {gpu_mem_gib})")
         return "--gpu-mem", gpu_mem_gib
+    gpu = gpu_called(slurm_text(cfg))
+    return (f"{gpu.name}, named in the slurm section", gpu.memory_gib) if gpu else None
+
+
+def slurm_text(cfg: Config) -> str:
+    """What of the slurm section can name a GPU: extra_args (--gres, --constraint), the
+    partition and the qos."""
     s = cfg.slurm
-    text = " ".join(str(x) for x in (*s.extra_args, s.partition or "", s.qos or "")).lower()
-    for pattern, name, gib in GPU_MEMORY_GIB:
-        if re.search(pattern, text):
-            return f"{name}, named in the slurm section", gib
-    return None
+    return " ".join(str(x) for x in (*s.extra_args, s.partition or "", s.qos or ""))
 
 
 def largest_micro_batch(cfg: Config, usable: float, world: int, shape: ModelShape) -> int | None:

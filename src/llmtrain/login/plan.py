@@ -52,7 +52,8 @@ from pathlib import Path
 from ..config import Config, UserError
 from ..data.sources import HOME_VAR
 from ..parallel.dims import PIPELINE_FAMILIES, ParallelDims, layout_name
-from .estimate import GIB, HEADROOM, ModelShape, estimate, model_shape
+from ..gpus import GPU, GPUS, gpu_called, pattern_of
+from .estimate import GIB, HEADROOM, ModelShape, estimate, model_shape, slurm_text
 
 # Of the datasheet's peak, what a training step's kernels reach on average: large GEMMs 0.70-0.75
 # on an H100, attention and the elementwise rest far less. 0.5 puts Llama-3-70B on 64 H100s at
@@ -63,55 +64,14 @@ FP8_OVERHEAD = 0.75  # of FP8's matmul speed left after its casts and scales (to
 HOST_READ_S = 30e-6  # one device-to-host read of expert parallel's splits, the stream drained
 
 
-GEMM_EFFICIENCY = 0.72  # of the datasheet's bf16 peak the preflight's 8192 x 8192 product reaches on an H100
-
-
-@dataclass(frozen=True)
-class GPU:
-    """A GPU's datasheet figures: memory, dense tensor-core peaks, and the bandwidth one GPU has
-    to its node's others (NVLink, one direction) and to other nodes (its share of the network);
-    and, where a job's preflight measured the cluster (training/preflight.record_cluster), its
-    bf16 GEMM rate and its all-reduce bus bandwidths inside and across nodes, which replace them."""
-    name: str
-    memory_gib: float
-    bf16_tflops: float
-    fp8_tflops: float | None  # None: no FP8 tensor cores
-    nvlink_gbs: float
-    network_gbs: float
-    gemm_tflops: float | None = None
-    intra_gbs: float | None = None
-    inter_gbs: float | None = None
-    measured: str = ""  # where the measurements come from; "": the datasheet alone
-
-    @property
-    def compute_scale(self) -> float:
-        """The measured GEMM rate against the datasheet's expectation (1: none measured)."""
-        return self.gemm_tflops / (self.bf16_tflops * GEMM_EFFICIENCY) if self.gemm_tflops else 1.0
-
-
-# Names as users and Slurm spell them -> the datasheet (dense, no sparsity); the first match wins.
-# Network: one 400 Gb/s InfiniBand NIC per GPU (50 GB/s) on H100/H200/B200 nodes, 200 Gb/s on A100s.
-GPUS = [
-    (r"h100[-_ ]?nvl", GPU("H100 NVL", 94, 835, 1670, 300, 50)),
-    (r"h100[-_ ]?pcie", GPU("H100 PCIe", 80, 756, 1513, 64, 25)),
-    (r"gh200", GPU("GH200", 96, 989, 1979, 450, 50)),
-    (r"h200", GPU("H200", 141, 989, 1979, 450, 50)),
-    (r"h100", GPU("H100", 80, 989, 1979, 450, 50)),
-    (r"b200", GPU("B200", 180, 2250, 4500, 900, 50)),
-    (r"a100[-_ ]?(sxm4?[-_ ]?)?80", GPU("A100 80GB", 80, 312, None, 300, 25)),
-    (r"a100", GPU("A100 40GB", 40, 312, None, 300, 25)),
-    (r"l40s", GPU("L40S", 48, 362, 733, 32, 25)),
-    (r"mi300x", GPU("MI300X", 192, 1307, 2615, 448, 50)),
-]
-
-
 def gpu_named(name: str) -> GPU:
-    """The GPU `name` spells (`h100`, `H200`, `a100-80gb`); UserError naming those known."""
-    for pattern, gpu in GPUS:
-        if re.search(pattern, name.lower()):
-            return gpu
-    known = ", ".join(gpu.name for _, gpu in GPUS)
-    raise UserError(f"--gpu: {name!r} is not a GPU the planner knows ({known}); name one of those")
+    """The GPU `name` spells (`h100`, `H200`, `a100-80gb`); UserError naming those the planner
+    knows (the table's GPUs with a network figure)."""
+    gpu = gpu_called(name)
+    if gpu is None or gpu.network_gbs is None or gpu.bf16_tflops is None:
+        known = ", ".join(g.name for _, g in GPUS if g.network_gbs is not None and g.bf16_tflops is not None)
+        raise UserError(f"--gpu: {name!r} is not a GPU the planner knows ({known}); name one of those")
+    return gpu
 
 
 def gpu_in(name: str | None, cfg: Config) -> GPU:
@@ -120,20 +80,18 @@ def gpu_in(name: str | None, cfg: Config) -> GPU:
     UserError where neither names one."""
     if name:
         return measured(gpu_named(name))
-    s = cfg.slurm
-    text = " ".join(str(x) for x in (*s.extra_args, s.partition or "", s.qos or "")).lower()
-    for pattern, gpu in GPUS:
-        if re.search(pattern, text):
-            return measured(gpu)
-    raise UserError("--gpu: the slurm section names no GPU the planner knows (slurm.extra_args' --gres, the "
-                    "partition); name it: --gpu h100")
+    gpu = gpu_called(slurm_text(cfg))
+    if gpu is None or gpu.network_gbs is None or gpu.bf16_tflops is None:
+        raise UserError("--gpu: the slurm section names no GPU the planner knows (slurm.extra_args' --gres, the "
+                        "partition); name it: --gpu h100")
+    return measured(gpu)
 
 
 def measured(gpu: GPU) -> GPU:
     """`gpu` with the newest preflight record of its kind ($LLMTRAIN_HOME/cluster/*.json, a
     device name the GPU's pattern matches): its GEMM rate and bandwidths."""
     home = os.environ.get(HOME_VAR)
-    pattern = next(p for p, g in GPUS if g.name == gpu.name)
+    pattern = pattern_of(gpu)
     records = []
     for path in sorted(Path(home).glob("cluster/*.json")) if home else ():
         try:
