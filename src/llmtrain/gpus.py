@@ -73,7 +73,8 @@ GPUS = [
     (r"v100[-_ ]?((sxm2|pcie)[-_ ]?)?32", GPU("V100 32GB", 32, 125, None, 150, None, fp32_tflops=15.7)),
     (r"v100", GPU("V100 16GB", 16, 125, None, 150, None, fp32_tflops=15.7)),
     (r"mi300x", GPU("MI300X", 192, 1307, 2615, 448, 50, tf32_tflops=654, fp32_tflops=163)),
-    (r"mi250x?", GPU("MI250", 64, 383, None, 200, None, fp32_tflops=47.9)),
+    # torch sees each of an MI250's two dies as a device (64 GiB); AMD publishes the package's peaks
+    (r"mi250x?", GPU("MI250", 64, None, None, None, None)),
 ]
 
 
