@@ -43,6 +43,11 @@ class GPU:
         """The measured GEMM rate against the datasheet's expectation (1: none measured)."""
         return self.gemm_tflops / (self.bf16_tflops * GEMM_EFFICIENCY) if self.gemm_tflops else 1.0
 
+    @property
+    def plannable(self) -> bool:
+        """Whether the planner can cost it: a bf16 peak and a network figure."""
+        return self.bf16_tflops is not None and self.network_gbs is not None
+
     def peak_tflops(self, precision: str, tf32: bool) -> float | None:
         """The peak a step in `precision` can reach (fp32 with TF32 allowed: the TF32 units)."""
         if precision in ("bf16", "fp16"):
@@ -84,7 +89,3 @@ def gpu_called(text: str) -> GPU | None:
     text = text.lower()
     return next((gpu for pattern, gpu in GPUS if re.search(pattern, text)), None)
 
-
-def pattern_of(gpu: GPU) -> str:
-    """The table's pattern for `gpu` (one of GPUS), to find it in other text."""
-    return next(p for p, g in GPUS if g.name == gpu.name)

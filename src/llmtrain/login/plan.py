@@ -44,7 +44,6 @@ import dataclasses
 import itertools
 import json
 import os
-import re
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -52,7 +51,7 @@ from pathlib import Path
 from ..config import Config, UserError
 from ..data.sources import HOME_VAR
 from ..parallel.dims import PIPELINE_FAMILIES, ParallelDims, layout_name
-from ..gpus import GPU, GPUS, gpu_called, pattern_of
+from ..gpus import GPU, GPUS, gpu_called
 from .estimate import GIB, HEADROOM, ModelShape, estimate, model_shape, slurm_text
 
 # Of the datasheet's peak, what a training step's kernels reach on average: large GEMMs 0.70-0.75
@@ -68,8 +67,8 @@ def gpu_named(name: str) -> GPU:
     """The GPU `name` spells (`h100`, `H200`, `a100-80gb`); UserError naming those the planner
     knows (the table's GPUs with a network figure)."""
     gpu = gpu_called(name)
-    if gpu is None or gpu.network_gbs is None or gpu.bf16_tflops is None:
-        known = ", ".join(g.name for _, g in GPUS if g.network_gbs is not None and g.bf16_tflops is not None)
+    if gpu is None or not gpu.plannable:
+        known = ", ".join(g.name for _, g in GPUS if g.plannable)
         raise UserError(f"--gpu: {name!r} is not a GPU the planner knows ({known}); name one of those")
     return gpu
 
@@ -81,7 +80,7 @@ def gpu_in(name: str | None, cfg: Config) -> GPU:
     if name:
         return measured(gpu_named(name))
     gpu = gpu_called(slurm_text(cfg))
-    if gpu is None or gpu.network_gbs is None or gpu.bf16_tflops is None:
+    if gpu is None or not gpu.plannable:
         raise UserError("--gpu: the slurm section names no GPU the planner knows (slurm.extra_args' --gres, the "
                         "partition); name it: --gpu h100")
     return measured(gpu)
@@ -89,17 +88,16 @@ def gpu_in(name: str | None, cfg: Config) -> GPU:
 
 def measured(gpu: GPU) -> GPU:
     """`gpu` with the newest preflight record of its kind ($LLMTRAIN_HOME/cluster/*.json, a
-    device name the GPU's pattern matches): its GEMM rate and bandwidths."""
+    device name the table reads as this GPU): its GEMM rate and bandwidths."""
     home = os.environ.get(HOME_VAR)
-    pattern = pattern_of(gpu)
     records = []
     for path in sorted(Path(home).glob("cluster/*.json")) if home else ():
         try:
             record = json.loads(path.read_text())
         except (OSError, ValueError):
             continue
-        if re.search(pattern, str(record.get("device_name", "")).lower()) and record.get("matmul", {}).get(
-                "dtype") == "bfloat16":
+        called = gpu_called(str(record.get("device_name", "")))
+        if called is not None and called.name == gpu.name and record.get("matmul", {}).get("dtype") == "bfloat16":
             records.append(record)
     if not records:
         return gpu
