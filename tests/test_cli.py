@@ -177,3 +177,44 @@ def test_the_torchrun_agent_gives_its_workers_time_to_save_on_a_stop_signal():
                             env={**env, "TORCH_ELASTIC_SHUTDOWN_TIMEOUT": "45"})
     assert (ours.stdout, theirs.stdout) == ("900\n", "45\n"), ours.stderr + theirs.stderr
 
+
+
+WORKER_SAVING_ON_SIGTERM = """
+import pathlib, signal, sys, time
+folder = pathlib.Path(sys.argv[1])
+stop = []
+signal.signal(signal.SIGTERM, lambda *_: stop.append(1))
+(folder / "ready").touch()
+while not stop:
+    time.sleep(0.01)
+time.sleep(1.5)  # the save
+(folder / "saved").write_text(str(len(stop)))
+"""
+
+
+def test_repeated_stop_signals_to_the_torchrun_agent_leave_its_workers_their_save(tmp_path):
+    """A kill -9'd local launcher's agent gets its parent-death SIGTERM once per thread of the
+    dying launcher (three within 0.3 s, seen with strace). torch's agent exited at the third while
+    its workers saved, and they died with it (a checkpoint half-written: a CI failure). The first
+    stop signal is the one that counts: the agent ends after its worker, with 128 + 15."""
+    import signal
+    import time
+    worker = tmp_path / "worker.py"
+    worker.write_text(WORKER_SAVING_ON_SIGTERM)
+    agent = subprocess.Popen([sys.executable, "-m", "llmtrain.training.torchrun", "--standalone",
+                              "--nproc-per-node", "1", str(worker), str(tmp_path)],
+                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        deadline = time.monotonic() + 120
+        while not (tmp_path / "ready").exists():
+            assert agent.poll() is None and time.monotonic() < deadline, agent.communicate()
+            time.sleep(0.05)
+        for _ in range(3):
+            agent.send_signal(signal.SIGTERM)
+            time.sleep(0.1)
+        _, err = agent.communicate(timeout=60)
+    finally:
+        agent.kill()
+    assert (tmp_path / "saved").read_text() == "1", err  # saved before the agent ended; told once
+    assert agent.returncode == 128 + signal.SIGTERM, err
+    assert "Traceback" not in err, err

@@ -9,7 +9,7 @@ ARGS` is `torchrun ARGS` (same options, same agent); only how a run ends on stde
   one line naming the first failing rank, its host and its exit code or signal.
 - A stop signal to the agent (scancel, a preemption: SIGTERM to every process of the job):
   the workers save and stop, as on Ctrl-C, and the agent ends with 128 + the signal's number
-  instead of a SignalException traceback.
+  instead of a SignalException traceback. Repeats of a stop signal are ignored while they save.
 
 A failure is exit 1. submit.sh --local, train.slurm and llmtrain bench start training through it."""
 
@@ -35,6 +35,7 @@ SHUTDOWN_TIMEOUT_S = 900
 os.environ.setdefault("TORCH_ELASTIC_SHUTDOWN_TIMEOUT", str(SHUTDOWN_TIMEOUT_S))
 os.environ["TORCH_CPP_LOG_LEVEL"] = "ERROR"
 from torch.distributed.elastic.multiprocessing import SignalException  # noqa: E402
+from torch.distributed.elastic.multiprocessing import api as _workers  # noqa: E402
 from torch.distributed.elastic.multiprocessing.errors import ChildFailedError  # noqa: E402
 from torch.distributed.run import main  # noqa: E402
 
@@ -69,11 +70,37 @@ class _Replaced(logging.Filter):
         return not any(part in str(record.msg) for part in self.parts)
 
 
+def first_stop_signal_only() -> None:
+    """torch's agent takes each stop signal as a new one: the second shuts the workers down again
+    and the third raises out of the shutdown, so the agent exits while they save, and its workers
+    die with it (training/distributed.py `die_with_launcher`), the checkpoint half-written.
+    Repeats are what a kill -9'd `llmtrain submit --local` sends: the kernel sends the parent-death
+    signal once per thread of the dying launcher (the child is handed from thread to thread as each
+    ends; three SIGTERMs in 0.3 s, seen with strace). So the first stop signal starts the shutdown
+    and the ones after it are ignored; SHUTDOWN_TIMEOUT_S (then a SIGKILL) still bounds it."""
+    handler = getattr(_workers, "_terminate_process_handler", None)
+    if handler is None:  # not the torch this was written for: its own handling stays
+        return
+
+    def first_only(signum, frame):
+        for sig in signal.valid_signals():
+            if signal.getsignal(sig) is first_only:
+                signal.signal(sig, _ignored)
+        handler(signum, frame)
+    # PContext.start() registers the module's handler by name when it starts the workers.
+    _workers._terminate_process_handler = first_only
+
+
+def _ignored(signum, frame) -> None:
+    pass
+
+
 def launch(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else list(argv)
     quiet = argv[:1] == [QUIET_USER_ERROR]
     for name, parts in _REPLACED.items():
         logging.getLogger(name).addFilter(_Replaced(parts))
+    first_stop_signal_only()
     try:
         main(argv[quiet:])
     except ChildFailedError as e:
