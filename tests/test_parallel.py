@@ -168,6 +168,9 @@ def compressed(tmp_path_factory):
     with prepared_home(tmp_path_factory, "compressed", cfg) as (root, path):
         for how in ("none", "bf16", "powersgd"):
             torchrun(2, "train", "--config", path, "--set", f"run.name={how}", "--set", f"parallel.grad_compression={how}")
+        # ZeRO-1 (FSDP2, weights kept gathered, gradients reduced once a step) over 2 micro-batches
+        torchrun(2, "train", "--config", path, "--set", "run.name=zero1", "--set", "parallel.strategy=fsdp",
+                 "--set", "parallel.zero=1", "--set", "train.micro_batch_size=2")
         yield root / "home" / "runs"
 
 
@@ -187,6 +190,46 @@ def test_gradient_compression_follows_ddps_curve_within_what_it_rounds_away(comp
     assert "gradients: all-reduced in bf16 (parallel.grad_compression: a DDP communication hook)" in logs["bf16"]
     assert ("gradients: compressed by PowerSGD at rank 4 from step 3, with error feedback "
             "(parallel.grad_compression); plain all-reduces before") in logs["powersgd"]
+
+
+@pytest.mark.slow  # real torchrun runs
+def test_zero_1_gives_ddps_curve(compressed):
+    """parallel.zero 1 shards the optimizer state (and the weights between steps) and reduces the
+    gradients once a step, over 2 micro-batches here: DDP's curve (one micro-batch) to 1e-4."""
+    loss = lambda run: [r["loss"] for r in read_metrics(compressed / run) if r["kind"] == "train"]  # noqa: E731
+    assert len(loss("zero1")) == 8
+    assert loss("zero1") == pytest.approx(loss("none"), rel=1e-4)
+    log = (compressed / "zero1" / "logs" / "rank-0.log").read_text()
+    assert "fsdp over 2 ranks" in log and "global batch 8 = 2 x 2 ranks x 2 accumulation steps" in log
+
+
+def test_zero_stages_are_fsdp2_settings_by_name(tmp_path):
+    """parallel.zero N sets the strategy and stage N's FSDP2 keys; a key set otherwise is refused,
+    not overridden; pipeline stages have no ZeRO stage."""
+    path = tmp_path / "z.yaml"
+    cfg = tiny_config()
+    del cfg["parallel"]["strategy"]  # implied
+    path.write_text(yaml.safe_dump(cfg))
+    for n, reshard, each in ((3, True, True), (2, False, True), (1, False, False)):
+        par = load_config(path, [f"parallel.zero={n}"], world_size=2).parallel
+        assert (par.strategy, par.reshard_after_forward, par.reduce_every_micro_batch) == ("fsdp", reshard, each)
+    par = load_config(path, ["parallel.zero=2", "parallel.strategy=hsdp", "parallel.shard_size=2",
+                             "train.micro_batch_size=2"], world_size=4).parallel
+    assert (par.strategy, par.reshard_after_forward) == ("hsdp", False)  # the stage inside each shard group
+    for sets, line in (
+            (["parallel.zero=2", "parallel.reshard_after_forward=true"],
+             "parallel.reshard_after_forward: parallel.zero 2 sets it to false (got true); remove one of the two"),
+            (["parallel.zero=1", "parallel.strategy=ddp"],
+             "parallel.strategy: parallel.zero 1 sets it to fsdp (got ddp); remove one of the two"),
+            (["parallel.zero=4"], "parallel.zero: must be 1, 2 or 3 (got 4); 3 shards the weights, gradients and "
+             "optimizer state, 2 keeps the weights gathered through a layer's backward, 1 also reduces the "
+             "gradients once a step"),
+            (["parallel.zero=3", "parallel.pp=2"], "parallel.zero: not with parallel.pp (got pp 2): a pipeline stage "
+             "keeps its layers gathered over a step's micro-batches and reduces once a step anyway; remove "
+             "parallel.zero")):
+        with pytest.raises(ConfigError) as e:
+            load_config(path, sets, world_size=2)
+        assert line in e.value.problems, e.value.problems
 
 
 def test_gradient_compression_is_ddps_alone(tmp_path):

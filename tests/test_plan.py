@@ -203,6 +203,28 @@ def test_gradient_compression_is_known_to_the_estimator_and_the_planner(config_7
     assert all(c.compression == "none" for c, _ in plan(runs["none"], shape, 64, 8, gpu))
 
 
+def test_zero_stages_are_known_to_the_estimator_and_the_planner(config_70b):
+    """Llama-3-70B, fsdp x tp 8 on 64 H100s, 16 micro-batches a step: ZeRO-2 holds every layer
+    gathered (more memory, fewer gathers), ZeRO-1 also every layer's gradients until the step's
+    end (one reduce-scatter a step); the planner names the stage of a layout and its --set
+    arguments say it, consistently with the keys it sets."""
+    runs = {n: load_config(config_70b, [*CLUSTER, "parallel.strategy=fsdp", "parallel.tp=8", f"parallel.zero={n}"],
+                           world_size=64) for n in (1, 2, 3)}
+    shape, gpu = model_shape(runs[3]), gpu_named("h100")
+    est = {n: estimate(c, 64, shape=shape) for n, c in runs.items()}
+    assert est[3].total < est[2].total < est[1].total
+    assert est[1].gradients - est[2].gradients >= 4 * shape.trainable // 8  # the whole fp32 gradients / tp
+    fsdp = {n: cost(c, ParallelDims.from_config(c, 64, 8), shape, gpu, 8, 0).parts["fsdp"] for n, c in runs.items()}
+    assert fsdp[1] < fsdp[2] < fsdp[3]
+    for n, (reshard, each) in {1: (False, False), 2: (False, True), 3: (True, True)}.items():
+        cand = Candidate("fsdp", tp=8, reshard=reshard, reduce_each=each)
+        assert cand.zero == n and f"parallel.zero={n}" in cand.overrides()
+        assert (f"ZeRO-{n}" in cand.describe()) == (n != 3)  # fsdp is ZeRO-3 itself
+        applied = load_config(config_70b, [*CLUSTER, *cand.overrides()], world_size=64)
+        assert applied.parallel == runs[n].parallel
+    assert Candidate("fsdp", reduce_each=False).zero is None and Candidate("ddp").overrides()[-1] == "parallel.zero=null"
+
+
 def test_nothing_fits_and_a_model_not_on_disk_are_one_line_each(home, write_config):
     """Llama-3.1-405B on one node of 8 H100s: no layout fits (exit 1, the line says what to
     change); a hub model whose config files are not downloaded: the command that fetches them."""

@@ -469,7 +469,7 @@ def cmd_check_config(args) -> int:
     from .parallel.dims import ParallelDims, layout_name
     par = cfg.parallel  # hsdp's shard group stated, the default's too (a node's data-parallel ranks)
     shard = ParallelDims.from_config(cfg, args.world_size or cfg.world_size).shard if par.strategy == "hsdp" else 0
-    layout = layout_name(par.strategy, par.tp, par.cp, shard, par.pp, par.pp_schedule)
+    layout = layout_name(par.strategy, par.tp, par.cp, shard, par.pp, par.pp_schedule, par.ep, par.zero)
     print(f"{args.config}: OK — run {cfg.run.name!r}, {length} of "
           f"{t.global_batch_size} x {cfg.data.seq_len} tokens, {layout}, "
           f"{t.precision}; run_dir: {cfg.run_dir}")

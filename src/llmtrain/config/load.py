@@ -16,8 +16,8 @@ from ..data.sources import HOME_VAR
 from ..files import load_yaml
 from .environment import check_environment
 from .rules import validate
-from .schema import (_REQUIRED, _SECTION_TYPES, MIXTURE_OPTIONS, NOT_PATHS, SECTIONS, Config, ConfigError,
-                     DataConfig, _did_you_mean)
+from .schema import (_REQUIRED, _SECTION_TYPES, MIXTURE_OPTIONS, NOT_PATHS, SECTIONS, ZERO_STAGES, Config,
+                     ConfigError, DataConfig, ParallelConfig, _did_you_mean)
 
 
 def load_config(path: str | os.PathLike, overrides: list[str] = (),
@@ -109,7 +109,28 @@ def _build(raw: dict, base: Path, problems: list[str]) -> Config | None:
         sections[name] = _build_section(name, cls, body, base, problems)
     if any(s is None for s in sections.values()):
         return None
+    body = raw.get("parallel")
+    sections["parallel"] = _zero_stage(sections["parallel"], body if isinstance(body, dict) else {}, problems)
     return Config(**sections)
+
+
+def _zero_stage(par: ParallelConfig, given: dict, problems: list[str]) -> ParallelConfig:
+    """parallel.zero N sets the strategy (fsdp; hsdp stays) and stage N's FSDP2 keys. A key the
+    config sets otherwise is refused rather than silently overridden: which of the two was meant?"""
+    if par.zero is None:
+        return par
+    if par.zero not in ZERO_STAGES:
+        problems.append(f"parallel.zero: must be 1, 2 or 3 (got {par.zero}); 3 shards the weights, gradients and "
+                        f"optimizer state, 2 keeps the weights gathered through a layer's backward, 1 also reduces "
+                        f"the gradients once a step")
+        return par
+    implied = {"strategy": "hsdp" if par.strategy == "hsdp" else "fsdp", **ZERO_STAGES[par.zero]}
+    for key, value in implied.items():
+        if key in given and getattr(par, key) != value:
+            show = (lambda v: str(v).lower() if isinstance(v, bool) else v)
+            problems.append(f"parallel.{key}: parallel.zero {par.zero} sets it to {show(value)} (got "
+                            f"{show(getattr(par, key))}); remove one of the two")
+    return dataclasses.replace(par, **implied)
 
 
 def _build_section(section: str, cls: type, body: dict, base: Path, problems: list[str]):

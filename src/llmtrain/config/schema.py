@@ -246,11 +246,24 @@ class TrainConfig:
     max_bad_steps: int = 3  # consecutive steps with a non-finite loss/grad norm skipped before stopping
 
 
+# parallel.zero N: the FSDP2 settings of ZeRO stage N (config/load.py sets them; one the user sets
+# otherwise is refused, not overridden).
+ZERO_STAGES = {3: {"reshard_after_forward": True, "reduce_every_micro_batch": True},
+               2: {"reshard_after_forward": False, "reduce_every_micro_batch": True},
+               1: {"reshard_after_forward": False, "reduce_every_micro_batch": False}}
+
+
 @dataclass(frozen=True)
 class ParallelConfig:
     # ddp: a full replica per rank; fsdp: parameters, gradients and optimizer state sharded over
     # all ranks; hsdp: sharded within groups of shard_size ranks, replicated across groups
     strategy: Literal["ddp", "fsdp", "hsdp"] = "ddp"
+    # ZeRO's stages by name, as FSDP2 runs them (ZERO_STAGES): 3 = fsdp; 2 = weights kept gathered
+    # from a layer's forward to its backward (reshard_after_forward: false); 1 = that, and the
+    # gradients reduced once a step (reduce_every_micro_batch: false). The optimizer state is
+    # sharded in all three, the weights between steps too. Sets those keys and strategy fsdp
+    # (hsdp stays hsdp: the stage inside each shard group); None: the keys as given
+    zero: Optional[int] = None
     shard_size: Optional[int] = None  # hsdp: ranks per shard group; None: one node's data-parallel ranks (>= 2)
     # tensor parallel: ranks (inside a node) that split each layer's matmuls by heads and features,
     # and hold a slice of the sequence between layers (sequence parallel); the data-parallel

@@ -561,7 +561,7 @@ def report(cfg: Config, gpu_mem_gib: float | None = None,
                      else "every layer" if every == 1 else f"every {every} layers")
     par = cfg.parallel
     layout = layout_name(par.strategy, est.tp, par.cp, shard_size(cfg, est.world_size), par.pp, par.pp_schedule,
-                         par.ep)
+                         par.ep, par.zero)
     experts = (f", {shape.active:,} active per token ({shape.top_k} of {shape.experts} experts a layer)"
                if shape.experts else "")
     lines = [f"{shape.model_type}: {shape.params:,} parameters ({shape.trainable:,} trainable{experts}); {layout} on "
@@ -674,7 +674,12 @@ def _descriptions(cfg: Config, est: Estimate, shape: ModelShape) -> dict[str, st
                   else "not sharded" + (f" beyond {split}" if split else ""))  # hsdp's shard_size 1
                  + (f", {replicas} replicas" if replicas > 1 else ""))
         grads = "fp32 shards; unsharded ones in flight (the head's, a layer's)"
-        copies = f"{precision}: the root (embeddings, head) and the layers gathered now"
+        dims = dims_of(cfg, est.world_size)
+        if not cfg.parallel.reduce_every_micro_batch and dims.accumulation(cfg.train.global_batch_size, est.micro_batch) > 1:
+            grads = "fp32 shards, and every layer's unsharded until the last micro-batch (reduced once a step)"
+        copies = (f"{precision}: the root (embeddings, head) and the layers gathered now" if
+                  cfg.parallel.reshard_after_forward else
+                  f"{precision}: every layer, gathered from its forward to its backward (not resharded)")
         comm = "the prefetched layer's all-gather, a reduce-scatter input"
     pipelined = est.phase.startswith("pipeline rank")
     if pipelined and cfg.parallel.strategy != "ddp":

@@ -49,6 +49,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from ..config import Config, UserError
+from ..config.schema import ZERO_STAGES
 from ..data.sources import HOME_VAR
 from ..parallel.dims import PIPELINE_FAMILIES, ParallelDims, layout_name
 from ..gpus import GPU, GPUS, gpu_called
@@ -143,7 +144,16 @@ class Candidate:
         if self.strategy != "ddp" and self.pp == 1:
             sets.append(f"parallel.reshard_after_forward={'true' if self.reshard else 'false'}")
             sets.append(f"parallel.reduce_every_micro_batch={'true' if self.reduce_each else 'false'}")
+        sets.append(f"parallel.zero={self.zero or 'null'}")  # the same settings by name, or none
         return sets
+
+    @property
+    def zero(self) -> int | None:
+        """The ZeRO stage that these FSDP2 settings are (parallel.zero), if one is."""
+        if self.strategy == "ddp" or self.pp > 1:
+            return None
+        settings = {"reshard_after_forward": self.reshard, "reduce_every_micro_batch": self.reduce_each}
+        return next((n for n, stage in ZERO_STAGES.items() if stage == settings), None)
 
     def describe(self) -> str:
         name = layout_name(self.strategy, self.tp, self.cp, pp=self.pp,
@@ -151,8 +161,9 @@ class Candidate:
         ac = {0: "no checkpointing", 1: "checkpointing"}.get(self.checkpointing,
                                                               f"checkpointing 1 in {self.checkpointing}")
         fsdp = self.strategy != "ddp" and self.pp == 1
-        extras = [ac] + (["kept gathered"] if fsdp and not self.reshard else []) + (
-            ["reduced once a step"] if fsdp and not self.reduce_each else [])
+        stage = {1: ["ZeRO-1"], 2: ["ZeRO-2"], 3: []}.get(self.zero)  # 3: fsdp itself
+        extras = [ac] + (stage if stage is not None else ["kept gathered"] * (fsdp and not self.reshard) + [
+            "reduced once a step"] * (fsdp and not self.reduce_each))
         extras += [f"{self.compression} gradients"] if self.compression != "none" else []
         return f"{name}, {', '.join(extras + (['fp8'] if self.fp8 else []))}"
 
@@ -160,6 +171,7 @@ class Candidate:
         par = dataclasses.replace(cfg.parallel, strategy=self.strategy, tp=self.tp, cp=self.cp, pp=self.pp,
                                   pp_schedule=self.schedule, pp_stages_per_rank=None, ep=self.ep,
                                   reshard_after_forward=self.reshard, reduce_every_micro_batch=self.reduce_each,
+                                  zero=self.zero,
                                   grad_compression=self.compression,
                                   shard_size=self.shard_size if self.strategy == "hsdp" else None)
         model = dataclasses.replace(cfg.model, activation_checkpointing=bool(self.checkpointing),

@@ -227,6 +227,9 @@ class ParallelDims:
                      "ranks); set train.compile: false with parallel.cp > 1")
         if self.pipeline > 1 and usable:
             p += self._pipeline_problems(cfg, dp)
+        if par.zero is not None and self.pipeline > 1:
+            p.append(f"parallel.zero: not with parallel.pp (got pp {self.pipeline}): a pipeline stage keeps its layers "
+                     f"gathered over a step's micro-batches and reduces once a step anyway; remove parallel.zero")
         if par.grad_compression != "none" and (self.sharded or self.loss_ranks == 1):
             p.append(f"parallel.grad_compression: compresses DDP's all-reduce of the gradients (got {par.grad_compression} "
                      f"with {'parallel.strategy ' + self.strategy if self.sharded else 'one data-parallel rank'}); use "
@@ -378,14 +381,15 @@ def _unset_shard_size(dp: int, per_node: int, tp: int, cp: int) -> str:
 
 
 def layout_name(strategy: str, tp: int = 1, cp: int = 1, shard: int = 0, pp: int = 1, schedule: str = "",
-                ep: int = 1) -> str:
+                ep: int = 1, zero: int | None = None) -> str:
     """A layout as check-config and the estimator name it: 'fsdp', 'fsdp x cp 2 x tp 8',
     'hsdp x tp 8 (4-way shards)' (shard: hsdp's shard group, where known), 'pp 8 (1f1b) x fsdp x tp 8',
-    'fsdp x ep 8'."""
+    'fsdp x ep 8', 'fsdp (ZeRO-2)' (zero: parallel.zero, where set)."""
     name = (strategy + (f" x cp {cp}" if cp > 1 else "") + (f" x tp {tp}" if tp > 1 else "")
             + (f" x ep {ep}" if ep > 1 else ""))
     name = (f"pp {pp}{f' ({schedule})' if schedule else ''} x " if pp > 1 else "") + name
-    return name + (f" ({shard}-way shards)" if strategy == "hsdp" and shard else "")
+    return (name + (f" ({shard}-way shards)" if strategy == "hsdp" and shard else "")
+            + (f" (ZeRO-{zero})" if zero else ""))
 
 
 @dataclass(frozen=True)
