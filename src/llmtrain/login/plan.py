@@ -323,7 +323,8 @@ def cost(cfg: Config, dims: ParallelDims, shape: ModelShape, gpu: GPU, per_node:
     weights = (shape.params - L * shape.layer_expert_params * (1 - 1 / ep)) / tp
     if dims.sharded:
         shards = dims.shard * cp
-        gathers = 1 if pp > 1 else (2 if cfg.parallel.reshard_after_forward else 1) * m
+        kept = not cfg.parallel.reshard_after_forward and not cfg.parallel.reduce_every_micro_batch  # ZeRO-1
+        gathers = 1 if pp > 1 or kept else (2 if cfg.parallel.reshard_after_forward else 1) * m
         reductions = m if pp == 1 and cfg.parallel.reduce_every_micro_batch else 1
         moved = (gathers * weights * p + reductions * weights * 4) * (shards - 1) / shards / pp
         comm = moved / link(shards * tp)

@@ -272,6 +272,9 @@ def gradient_sync(model: torch.nn.Module, enabled: bool, cfg: Config):
     FSDP2/HSDP reduce-scatter after every micro-batch by default, so each rank only ever holds
     its gradient shard; `parallel.reduce_every_micro_batch: false` defers it to the last one at
     the cost of every layer's full fp32 gradient (+4 bytes per parameter per rank).
+    With the weights kept gathered after forward too (ZeRO-1: `parallel.zero: 1`), they stay
+    gathered until the last micro-batch's backward: one all-gather and one reduce-scatter a step,
+    as ZeRO-1's all-reduce.
     HSDP all-reduces the shards across replicas (between nodes) on the last micro-batch only:
     before it, FSDP2 adds each reduce-scattered shard into a buffer of the shard's size
     (`set_requires_all_reduce(False)`), so the memory is the same as reducing every time.
@@ -281,6 +284,8 @@ def gradient_sync(model: torch.nn.Module, enabled: bool, cfg: Config):
             yield
     elif isinstance(model, FSDPModule) and not cfg.parallel.reduce_every_micro_batch:
         model.set_requires_gradient_sync(enabled)  # neither reduce-scatter nor all-reduce
+        if not cfg.parallel.reshard_after_forward:
+            model.set_reshard_after_backward(enabled)
         yield
     elif isinstance(model, FSDPModule) and cfg.parallel.strategy == "hsdp":
         model.set_requires_all_reduce(enabled)
