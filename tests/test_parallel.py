@@ -169,8 +169,10 @@ def compressed(tmp_path_factory):
         for how in ("none", "bf16", "powersgd"):
             torchrun(2, "train", "--config", path, "--set", f"run.name={how}", "--set", f"parallel.grad_compression={how}")
         # ZeRO-1 (FSDP2, weights kept gathered, gradients reduced once a step) over 2 micro-batches
-        torchrun(2, "train", "--config", path, "--set", "run.name=zero1", "--set", "parallel.strategy=fsdp",
-                 "--set", "parallel.zero=1", "--set", "train.micro_batch_size=2")
+        for name, how in (("zero1", "none"), ("zero1-bf16", "bf16")):
+            torchrun(2, "train", "--config", path, "--set", f"run.name={name}", "--set", "parallel.strategy=fsdp",
+                     "--set", "parallel.zero=1", "--set", "train.micro_batch_size=2",
+                     "--set", f"parallel.grad_compression={how}")
         yield root / "home" / "runs"
 
 
@@ -193,14 +195,18 @@ def test_gradient_compression_follows_ddps_curve_within_what_it_rounds_away(comp
 
 
 @pytest.mark.slow  # real torchrun runs
-def test_zero_1_gives_ddps_curve(compressed):
+def test_zero_1_gives_ddps_curve_and_with_bf16_reductions_within_their_rounding(compressed):
     """parallel.zero 1 shards the optimizer state (and the weights between steps) and reduces the
-    gradients once a step, over 2 micro-batches here: DDP's curve (one micro-batch) to 1e-4."""
+    gradients once a step, over 2 micro-batches here: DDP's curve (one micro-batch) to 1e-4; with
+    grad_compression bf16 (FSDP2's reduce-scatter in bf16) within 1e-2."""
     loss = lambda run: [r["loss"] for r in read_metrics(compressed / run) if r["kind"] == "train"]  # noqa: E731
     assert len(loss("zero1")) == 8
     assert loss("zero1") == pytest.approx(loss("none"), rel=1e-4)
+    assert loss("zero1-bf16") == pytest.approx(loss("none"), rel=1e-2) and loss("zero1-bf16") != loss("zero1")
     log = (compressed / "zero1" / "logs" / "rank-0.log").read_text()
     assert "fsdp over 2 ranks" in log and "global batch 8 = 2 x 2 ranks x 2 accumulation steps" in log
+    assert ("gradients: reduce-scattered in bf16 (parallel.grad_compression: FSDP2's reduce dtype)"
+            in (compressed / "zero1-bf16" / "logs" / "rank-0.log").read_text())
 
 
 def test_zero_stages_are_fsdp2_settings_by_name(tmp_path):
@@ -232,10 +238,17 @@ def test_zero_stages_are_fsdp2_settings_by_name(tmp_path):
         assert line in e.value.problems, e.value.problems
 
 
-def test_gradient_compression_is_ddps_alone(tmp_path):
+def test_powersgd_is_ddps_alone_and_compression_needs_two_data_parallel_ranks(tmp_path):
     path = tmp_path / "c.yaml"
-    path.write_text(yaml.safe_dump(tiny_config(parallel={"strategy": "fsdp", "grad_compression": "bf16"})))
+    path.write_text(yaml.safe_dump(tiny_config(parallel={"strategy": "fsdp", "grad_compression": "powersgd"})))
     with pytest.raises(ConfigError) as e:
         load_config(path, world_size=2)
-    assert ("parallel.grad_compression: compresses DDP's all-reduce of the gradients (got bf16 with parallel.strategy "
-            "fsdp); use parallel.strategy ddp over several ranks, or set it to none") in e.value.problems
+    assert ("parallel.grad_compression: powersgd compresses DDP's all-reduce of the gradients (got it with "
+            "parallel.strategy fsdp); use parallel.strategy ddp, or bf16 (FSDP2 then reduce-scatters the gradients "
+            "in bf16)") in e.value.problems
+    with pytest.raises(ConfigError) as e:
+        load_config(path, ["parallel.strategy=ddp", "train.micro_batch_size=8", "parallel.grad_compression=bf16"],
+                    world_size=1)
+    assert ("parallel.grad_compression: compresses the gradients' reduction between data-parallel ranks (got bf16 "
+            "with one data-parallel rank); set it to none") in e.value.problems
+    assert load_config(path, ["parallel.grad_compression=bf16"], world_size=2).parallel.grad_compression == "bf16"

@@ -196,11 +196,20 @@ def test_gradient_compression_is_known_to_the_estimator_and_the_planner(config_7
     assert wire["bf16"] < wire["none"] and wire["powersgd"] < 0.1 * wire["bf16"]
     ranked = plan(runs["bf16"], shape, 64, 8, gpu)
 
-    def all_reduces(c: Candidate) -> bool:  # DDP over several data-parallel ranks
-        return c.strategy == "ddp" and ParallelDims.from_config(c.config(runs["bf16"]), 64, 8).loss_ranks > 1
-    assert any(all_reduces(c) for c, _ in ranked)
-    assert all(c.compression == ("bf16" if all_reduces(c) else "none") for c, _ in ranked)
+    def reduces(c: Candidate) -> bool:  # over several data-parallel ranks (DDP's all-reduce, FSDP2's reduce-scatter)
+        return ParallelDims.from_config(c.config(runs["bf16"]), 64, 8).loss_ranks > 1
+    assert any(reduces(c) and c.strategy == "ddp" for c, _ in ranked) and any(reduces(c) and c.strategy == "fsdp"
+                                                                             for c, _ in ranked)
+    assert all(c.compression == ("bf16" if reduces(c) else "none") for c, _ in ranked)
     assert all(c.compression == "none" for c, _ in plan(runs["none"], shape, 64, 8, gpu))
+    powersgd = plan(runs["powersgd"], shape, 64, 8, gpu)  # DDP's hook alone: FSDP2 rows go without
+    assert {c.compression for c, _ in powersgd if c.strategy != "ddp"} == {"none"}
+    assert any(c.compression == "powersgd" for c, _ in powersgd)
+    # FSDP2 reduce-scatters in bf16: half the bytes of its gradients on the wire
+    sharded = {how: load_config(path, [*sets, "parallel.strategy=fsdp", f"parallel.grad_compression={how}"],
+                                world_size=64) for how in ("none", "bf16")}
+    wire = {how: cost(c, ParallelDims.from_config(c, 64, 8), shape, gpu, 8, 0).parts["fsdp"] for how, c in sharded.items()}
+    assert wire["bf16"] < wire["none"]
 
 
 def test_zero_stages_are_known_to_the_estimator_and_the_planner(config_70b):

@@ -124,7 +124,7 @@ class Candidate:
     reshard: bool = True  # fsdp: free a layer's gathered weights after its forward
     fp8: bool = False
     reduce_each: bool = True  # fsdp: reduce-scatter the gradients every micro-batch, not once a step
-    compression: str = "none"  # ddp: the config's parallel.grad_compression (lossy: never chosen for it)
+    compression: str = "none"  # the config's parallel.grad_compression where the layout takes it (lossy: never chosen)
     shard_size: int | None = None  # hsdp: the shard group (None: a node's data-parallel ranks)
 
     def overrides(self) -> list[str]:
@@ -135,8 +135,7 @@ class Candidate:
                 f"train.micro_batch_size={self.micro_batch}", f"train.fp8={'tensorwise' if self.fp8 else 'none'}"]
         if self.pp > 1:
             sets.append(f"parallel.pp_schedule={self.schedule}")
-        if self.compression != "none":
-            sets.append(f"parallel.grad_compression={self.compression}")
+        sets.append(f"parallel.grad_compression={self.compression}")  # none too: the config's may not apply
         if self.strategy == "hsdp":
             sets.append(f"parallel.shard_size={self.shard_size if self.shard_size else 'null'}")
         if self.checkpointing:
@@ -225,8 +224,9 @@ def layouts(cfg: Config, shape: ModelShape, world: int, per_node: int):
             for shard_size in _shard_sizes(strategy, world // (tp * cp * pp), per_node // (tp * cp)):
                 base = Candidate(strategy, tp, cp, pp, schedule, ep, shard_size=shard_size)
                 dims = ParallelDims.from_config(base.config(cfg), world, per_node)
-                if strategy == "ddp" and cfg.parallel.grad_compression != "none" and dims.loss_ranks > 1:
-                    base = dataclasses.replace(base, compression=cfg.parallel.grad_compression)  # the user's
+                how = cfg.parallel.grad_compression  # the user's, where this layout can have it
+                if dims.loss_ranks > 1 and (how == "bf16" or (how == "powersgd" and strategy == "ddp")):
+                    base = dataclasses.replace(base, compression=how)
                 alt = base.config(cfg)
                 if (dims.problems() or dims.config_problems(alt) or cfg.data.seq_len % dims.seq_len_divisor
                         or dims.model_problems(shape.model_type, model)):
@@ -321,22 +321,24 @@ def cost(cfg: Config, dims: ParallelDims, shape: ModelShape, gpu: GPU, per_node:
     parts = {"compute": compute}
     # data parallel: the weights' gathers and the gradients' reduction, overlapping compute
     weights = (shape.params - L * shape.layer_expert_params * (1 - 1 / ep)) / tp
+    grads = weights * shape.trainable / shape.params  # LoRA: the adapters' alone are reduced
     if dims.sharded:
         shards = dims.shard * cp
         kept = not cfg.parallel.reshard_after_forward and not cfg.parallel.reduce_every_micro_batch  # ZeRO-1
         gathers = 1 if pp > 1 or kept else (2 if cfg.parallel.reshard_after_forward else 1) * m
         reductions = m if pp == 1 and cfg.parallel.reduce_every_micro_batch else 1
-        moved = (gathers * weights * p + reductions * weights * 4) * (shards - 1) / shards / pp
+        reduced = 2 if cfg.parallel.grad_compression == "bf16" else 4  # bytes a gradient on the wire
+        moved = (gathers * weights * p + reductions * grads * reduced) * (shards - 1) / shards / pp
         comm = moved / link(shards * tp)
         if dims.replicate > 1:
-            comm += 2 * weights / shards * 4 * (dims.replicate - 1) / dims.replicate / pp / link(world)
+            comm += 2 * grads / shards * reduced * (dims.replicate - 1) / dims.replicate / pp / link(world)
     else:  # DDP's all-reduce of fp32 gradients, bf16 or PowerSGD's rank-r factors (parallel/compression.py)
         dp, how = dims.dp, cfg.parallel.grad_compression
         wire = 2.0 if how == "bf16" else 4.0
         if how == "powersgd" and shape.layer_weights:
             wire *= sum(cfg.parallel.powersgd_rank * (r + c) for _, r, c in shape.layer_weights) / sum(
                 r * c for _, r, c in shape.layer_weights)
-        comm = 2 * weights * wire * (dp - 1) / max(dp, 1) / pp / link(dp * cp * tp) if dp > 1 else 0.0
+        comm = 2 * grads * wire * (dp - 1) / max(dp, 1) / pp / link(dp * cp * tp) if dp > 1 else 0.0
     parts["fsdp" if dims.sharded else "ddp"] = max(0.0, comm - compute) + comm / max(L // pp, 1)
     if tp > 1:  # sequence parallel: 4 collectives a layer forward, 4 backward, 4 a recomputed layer
         parts["tp"] = (8 + 4 * checkpointed) * L / pp * m * tokens * h * p * (tp - 1) / tp / link(tp)

@@ -8,8 +8,9 @@ communication hooks, registered on the DDP model once it exists (parallel/wrap.p
                the error fed back into the next step's gradient; vectors (norms) all-reduced
                whole. Plain all-reduces until the warmup ends (train.warmup_steps, at least 2).
 
-Both change the numbers (bf16 rounds, PowerSGD approximates): neither is exact, and check-config
-refuses them outside DDP. PowerSGD's error feedback (one fp32 gradient's worth) is not in the
+Both change the numbers (bf16 rounds, PowerSGD approximates): neither is exact. Under FSDP2
+(fsdp, hsdp, the ZeRO stages) bf16 is its MixedPrecisionPolicy's reduce dtype (parallel/wrap.py),
+not a hook; check-config refuses PowerSGD there. PowerSGD's error feedback (one fp32 gradient's worth) is not in the
 checkpoints: a resumed run starts it again from zero, plain all-reduces first.
 """
 
@@ -53,6 +54,8 @@ def start(cfg) -> int:
 def describe(cfg) -> str:
     """The start-up line."""
     how = cfg.parallel.grad_compression
+    if how == "bf16" and cfg.parallel.strategy != "ddp":
+        return "gradients: reduce-scattered in bf16 (parallel.grad_compression: FSDP2's reduce dtype)"
     if how == "bf16":
         return "gradients: all-reduced in bf16 (parallel.grad_compression: a DDP communication hook)"
     return (f"gradients: compressed by PowerSGD at rank {cfg.parallel.powersgd_rank} from step {start(cfg)}, with "

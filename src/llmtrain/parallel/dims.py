@@ -230,10 +230,13 @@ class ParallelDims:
         if par.zero is not None and self.pipeline > 1:
             p.append(f"parallel.zero: not with parallel.pp (got pp {self.pipeline}): a pipeline stage keeps its layers "
                      f"gathered over a step's micro-batches and reduces once a step anyway; remove parallel.zero")
-        if par.grad_compression != "none" and (self.sharded or self.loss_ranks == 1):
-            p.append(f"parallel.grad_compression: compresses DDP's all-reduce of the gradients (got {par.grad_compression} "
-                     f"with {'parallel.strategy ' + self.strategy if self.sharded else 'one data-parallel rank'}); use "
-                     f"parallel.strategy ddp over several ranks, or set it to none")
+        if par.grad_compression != "none" and self.loss_ranks == 1:
+            p.append(f"parallel.grad_compression: compresses the gradients' reduction between data-parallel ranks "
+                     f"(got {par.grad_compression} with one data-parallel rank); set it to none")
+        elif par.grad_compression == "powersgd" and self.sharded:
+            p.append(f"parallel.grad_compression: powersgd compresses DDP's all-reduce of the gradients (got it with "
+                     f"parallel.strategy {self.strategy}); use parallel.strategy ddp, or bf16 (FSDP2 then "
+                     f"reduce-scatters the gradients in bf16)")
         if par.powersgd_rank < 1:
             p.append(f"parallel.powersgd_rank: must be >= 1 (got {par.powersgd_rank})")
         if par.tp > 1 and not t.chunked_loss:

@@ -220,7 +220,9 @@ def apply_fsdp(model: torch.nn.Module, cfg: Config, mesh=None, experts=None) -> 
     freeing them would only cost another all-gather per micro-batch (torchtitan does the same).
     """
     dtype = DTYPES[cfg.train.precision]
-    mp = MixedPrecisionPolicy(param_dtype=dtype, reduce_dtype=torch.float32)
+    # parallel.grad_compression bf16: the gradients reduce-scattered (and hsdp's all-reduced) in bf16
+    reduce = torch.bfloat16 if cfg.parallel.grad_compression == "bf16" else torch.float32
+    mp = MixedPrecisionPolicy(param_dtype=dtype, reduce_dtype=reduce)
     reshard = cfg.parallel.reshard_after_forward
     layers = decoder_layers(model)
     if cfg.parallel.pp > 1:  # the schedule runs every micro-batch's forward before the backwards
