@@ -125,11 +125,12 @@ def _zero_stage(par: ParallelConfig, given: dict, problems: list[str]) -> Parall
                         f"the gradients once a step")
         return par
     implied = {"strategy": "hsdp" if par.strategy == "hsdp" else "fsdp", **ZERO_STAGES[par.zero]}
+    yaml_text = {True: "true", False: "false"}
     for key, value in implied.items():
         if key in given and getattr(par, key) != value:
-            show = (lambda v: str(v).lower() if isinstance(v, bool) else v)
-            problems.append(f"parallel.{key}: parallel.zero {par.zero} sets it to {show(value)} (got "
-                            f"{show(getattr(par, key))}); remove one of the two")
+            got = getattr(par, key)
+            problems.append(f"parallel.{key}: parallel.zero {par.zero} sets it to {yaml_text.get(value, value)} "
+                            f"(got {yaml_text.get(got, got)}); remove one of the two")
     return dataclasses.replace(par, **implied)
 
 

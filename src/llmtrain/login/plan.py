@@ -13,11 +13,12 @@ this GPU's tensor-parallel group, m: micro-batches a step, L: layers, h: hidden,
               (a third of a layer's, for each checkpointed layer), at MATMUL_EFFICIENCY of the
               datasheet's dense bf16 peak (the kernels' average, not a GEMM's best); FP8's linear FLOPs at its fp8 peak, less FP8_OVERHEAD
     fsdp      all-gathers of the GPU's tensor-parallel part of the weights (p bytes; twice a
-              micro-batch resharded after forward, once without, once a step under pp) and fp32
-              reduce-scatters (every micro-batch, or once a step), (S - 1) / S of it on the wire
-              over S shards; hsdp adds the
-              replicas' all-reduce of a shard's gradients; ddp one all-reduce of every gradient
-              (in bf16, or as PowerSGD's factors, under parallel.grad_compression).
+              micro-batch resharded after forward (ZeRO-3), once without (ZeRO-2), once a step
+              under pp and ZeRO-1) and reduce-scatters of the trainable parameters' gradients
+              (fp32, or bf16 under parallel.grad_compression; every micro-batch, or once a step),
+              (S - 1) / S of it on the wire over S shards; hsdp adds the replicas' all-reduce of a
+              shard's gradients; ddp one all-reduce of every trainable gradient (in bf16, or as
+              PowerSGD's factors, under parallel.grad_compression).
               They overlap compute: only what exceeds it, plus one layer's gather and reduction, is
               exposed
     tp        sequence parallel's all-gathers and reduce-scatters, 4 a layer forward, 4 backward
