@@ -169,9 +169,9 @@ def compressed(tmp_path_factory):
         for how in ("none", "bf16", "powersgd"):
             torchrun(2, "train", "--config", path, "--set", f"run.name={how}", "--set", f"parallel.grad_compression={how}")
         # ZeRO-1 (FSDP2, weights kept gathered, gradients reduced once a step) over 2 micro-batches
-        for name, how in (("zero1", "none"), ("zero1-bf16", "bf16")):
+        for name, zero, how in (("zero1", 1, "none"), ("zero2-bf16", 2, "bf16")):
             torchrun(2, "train", "--config", path, "--set", f"run.name={name}", "--set", "parallel.strategy=fsdp",
-                     "--set", "parallel.zero=1", "--set", "train.micro_batch_size=2",
+                     "--set", f"parallel.zero={zero}", "--set", "train.micro_batch_size=2",
                      "--set", f"parallel.grad_compression={how}")
         yield root / "home" / "runs"
 
@@ -195,18 +195,18 @@ def test_gradient_compression_follows_ddps_curve_within_what_it_rounds_away(comp
 
 
 @pytest.mark.slow  # real torchrun runs
-def test_zero_1_gives_ddps_curve_and_with_bf16_reductions_within_their_rounding(compressed):
+def test_zero_1_gives_ddps_curve_and_bf16_reductions_within_their_rounding(compressed):
     """parallel.zero 1 shards the optimizer state (and the weights between steps) and reduces the
-    gradients once a step, over 2 micro-batches here: DDP's curve (one micro-batch) to 1e-4; with
-    grad_compression bf16 (FSDP2's reduce-scatter in bf16) within 1e-2."""
+    gradients once a step, over 2 micro-batches here: DDP's curve (one micro-batch) to 1e-4; zero 2
+    with grad_compression bf16 (FSDP2's reduce-scatter in bf16, each micro-batch's) within 1e-2."""
     loss = lambda run: [r["loss"] for r in read_metrics(compressed / run) if r["kind"] == "train"]  # noqa: E731
     assert len(loss("zero1")) == 8
     assert loss("zero1") == pytest.approx(loss("none"), rel=1e-4)
-    assert loss("zero1-bf16") == pytest.approx(loss("none"), rel=1e-2) and loss("zero1-bf16") != loss("zero1")
+    assert loss("zero2-bf16") == pytest.approx(loss("none"), rel=1e-2) and loss("zero2-bf16") != loss("zero1")
     log = (compressed / "zero1" / "logs" / "rank-0.log").read_text()
     assert "fsdp over 2 ranks" in log and "global batch 8 = 2 x 2 ranks x 2 accumulation steps" in log
     assert ("gradients: reduce-scattered in bf16 (parallel.grad_compression: FSDP2's reduce dtype)"
-            in (compressed / "zero1-bf16" / "logs" / "rank-0.log").read_text())
+            in (compressed / "zero2-bf16" / "logs" / "rank-0.log").read_text())
 
 
 def test_zero_stages_are_fsdp2_settings_by_name(tmp_path):
@@ -226,7 +226,12 @@ def test_zero_stages_are_fsdp2_settings_by_name(tmp_path):
             (["parallel.zero=2", "parallel.reshard_after_forward=true"],
              "parallel.reshard_after_forward: parallel.zero 2 sets it to false (got true); remove one of the two"),
             (["parallel.zero=1", "parallel.strategy=ddp"],
-             "parallel.strategy: parallel.zero 1 sets it to fsdp (got ddp); remove one of the two"),
+             "parallel.strategy: parallel.zero 1 sets it to fsdp (or hsdp) (got ddp); remove one of the two"),
+            (["parallel.zero=1", "parallel.grad_compression=bf16", "train.micro_batch_size=2"],
+             "parallel.grad_compression: under FSDP2 bf16 is the dtype gradients are reduced and held in: with "
+             "parallel.zero 1, 2 micro-batches' gradients would be added up in bf16, not only sent so; use it where "
+             "each micro-batch is reduced at once (fsdp without pp, parallel.zero 2 or 3), with one micro-batch a "
+             "step, or under ddp"),
             (["parallel.zero=4"], "parallel.zero: must be 1, 2 or 3 (got 4); 3 shards the weights, gradients and "
              "optimizer state, 2 keeps the weights gathered through a layer's backward, 1 also reduces the "
              "gradients once a step"),

@@ -129,7 +129,8 @@ def _zero_stage(par: ParallelConfig, given: dict, problems: list[str]) -> Parall
     for key, value in implied.items():
         if key in given and getattr(par, key) != value:
             got = getattr(par, key)
-            problems.append(f"parallel.{key}: parallel.zero {par.zero} sets it to {yaml_text.get(value, value)} "
+            also = " (or hsdp)" if key == "strategy" else ""
+            problems.append(f"parallel.{key}: parallel.zero {par.zero} sets it to {yaml_text.get(value, value)}{also} "
                             f"(got {yaml_text.get(got, got)}); remove one of the two")
     return dataclasses.replace(par, **implied)
 

@@ -261,8 +261,11 @@ def candidates(cfg: Config, shape: ModelShape, world: int, per_node: int, gpu: G
                     gathers += [(True, False), (False, False)]
                 for (reshard, each), f8 in itertools.product(
                         gathers, (False, True) if fp8 and gpu.fp8_tflops and base.pp == 1 else (False,)):
+                    # FSDP2 would hold the gradients in bf16 over the micro-batches (ParallelDims.config_problems)
+                    held = per_rank > micro and (not each or base.pp > 1 or base.strategy == "hsdp")
+                    compression = "none" if base.strategy != "ddp" and held else base.compression
                     yield dataclasses.replace(base, checkpointing=checkpointing, micro_batch=micro, reshard=reshard,
-                                              fp8=f8, reduce_each=each), dims
+                                              fp8=f8, reduce_each=each, compression=compression), dims
 
 
 def plan(cfg: Config, shape: ModelShape, world: int, per_node: int, gpu: GPU,

@@ -10,7 +10,8 @@ communication hooks, registered on the DDP model once it exists (parallel/wrap.p
 
 Both change the numbers (bf16 rounds, PowerSGD approximates): neither is exact. Under FSDP2
 (fsdp, hsdp, the ZeRO stages) bf16 is its MixedPrecisionPolicy's reduce dtype (parallel/wrap.py),
-not a hook; check-config refuses PowerSGD there. PowerSGD's error feedback (one fp32 gradient's worth) is not in the
+not a hook; check-config refuses PowerSGD there, and bf16 where FSDP2 holds the gradients over
+micro-batches (it would add them up in bf16: parallel/dims.py config_problems). PowerSGD's error feedback (one fp32 gradient's worth) is not in the
 checkpoints: a resumed run starts it again from zero, plain all-reduces first.
 """
 

@@ -233,6 +233,16 @@ class ParallelDims:
         if par.grad_compression != "none" and self.loss_ranks == 1:
             p.append(f"parallel.grad_compression: compresses the gradients' reduction between data-parallel ranks "
                      f"(got {par.grad_compression} with one data-parallel rank); set it to none")
+        elif par.grad_compression == "bf16" and self.sharded and usable and (n := self.accumulation(
+                t.global_batch_size, t.micro_batch_size)) > 1 and (
+                not par.reduce_every_micro_batch or self.pipeline > 1 or self.strategy == "hsdp"):
+            held = ("parallel.zero 1" if par.zero == 1 else "reduce_every_micro_batch: false"
+                    if not par.reduce_every_micro_batch else f"parallel.pp {self.pipeline}" if self.pipeline > 1
+                    else "hsdp's replicas")
+            p.append(f"parallel.grad_compression: under FSDP2 bf16 is the dtype gradients are reduced and held in: with "
+                     f"{held}, {n} micro-batches' gradients would be added up in bf16, not only sent so; use it where "
+                     f"each micro-batch is reduced at once (fsdp without pp, parallel.zero 2 or 3), with one "
+                     f"micro-batch a step, or under ddp")
         elif par.grad_compression == "powersgd" and self.sharded:
             p.append(f"parallel.grad_compression: powersgd compresses DDP's all-reduce of the gradients (got it with "
                      f"parallel.strategy {self.strategy}); use parallel.strategy ddp, or bf16 (FSDP2 then "
