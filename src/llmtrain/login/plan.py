@@ -52,7 +52,7 @@ from pathlib import Path
 from ..config import Config, UserError
 from ..config.schema import ZERO_STAGES
 from ..data.sources import HOME_VAR
-from ..parallel.dims import PIPELINE_FAMILIES, ParallelDims, layout_name
+from ..parallel.dims import PIPELINE_FAMILIES, ParallelDims, gradients_held, layout_name
 from ..gpus import GPU, GPUS, gpu_called
 from .estimate import GIB, HEADROOM, ModelShape, estimate, model_shape, slurm_text
 
@@ -262,8 +262,8 @@ def candidates(cfg: Config, shape: ModelShape, world: int, per_node: int, gpu: G
                 for (reshard, each), f8 in itertools.product(
                         gathers, (False, True) if fp8 and gpu.fp8_tflops and base.pp == 1 else (False,)):
                     # FSDP2 would hold the gradients in bf16 over the micro-batches (ParallelDims.config_problems)
-                    held = per_rank > micro and (not each or base.pp > 1 or base.strategy == "hsdp")
-                    compression = "none" if base.strategy != "ddp" and held else base.compression
+                    held = gradients_held(base.strategy, base.pp, each, per_rank // micro)
+                    compression = "none" if held and base.compression == "bf16" else base.compression
                     yield dataclasses.replace(base, checkpointing=checkpointing, micro_batch=micro, reshard=reshard,
                                               fp8=f8, reduce_each=each, compression=compression), dims
 

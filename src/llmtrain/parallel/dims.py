@@ -233,9 +233,9 @@ class ParallelDims:
         if par.grad_compression != "none" and self.loss_ranks == 1:
             p.append(f"parallel.grad_compression: compresses the gradients' reduction between data-parallel ranks "
                      f"(got {par.grad_compression} with one data-parallel rank); set it to none")
-        elif par.grad_compression == "bf16" and self.sharded and usable and (n := self.accumulation(
-                t.global_batch_size, t.micro_batch_size)) > 1 and (
-                not par.reduce_every_micro_batch or self.pipeline > 1 or self.strategy == "hsdp"):
+        elif par.grad_compression == "bf16" and usable and gradients_held(
+                self.strategy, self.pipeline, par.reduce_every_micro_batch,
+                n := self.accumulation(t.global_batch_size, t.micro_batch_size)):
             held = ("parallel.zero 1" if par.zero == 1 else "reduce_every_micro_batch: false"
                     if not par.reduce_every_micro_batch else f"parallel.pp {self.pipeline}" if self.pipeline > 1
                     else "hsdp's replicas")
@@ -391,6 +391,12 @@ def _unset_shard_size(dp: int, per_node: int, tp: int, cp: int) -> str:
         f"{dp} shards across nodes as fsdp"
     return (f"parallel.shard_size: must be set for hsdp when {why}; not set); set a divisor of the {dp} "
             f"data-parallel ranks: {some}, 1 replicates the whole model on every GPU")
+
+
+def gradients_held(strategy: str, pp: int, reduce_every_micro_batch: bool, accumulation: int) -> bool:
+    """Whether FSDP2 holds gradients over a step's micro-batches before their last reduction (the
+    deferred reduce-scatter, a pipeline's, hsdp's replicas' partial sums), in its reduce dtype."""
+    return strategy != "ddp" and accumulation > 1 and (not reduce_every_micro_batch or pp > 1 or strategy == "hsdp")
 
 
 def layout_name(strategy: str, tp: int = 1, cp: int = 1, shard: int = 0, pp: int = 1, schedule: str = "",
