@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 import os
 import re
+import runpy
 import shlex
 import shutil
 import socket
@@ -18,6 +19,8 @@ import yaml
 
 from conftest import REPO, imported_first, read_metrics, tiny_config
 from llmtrain.rundir import SHELL_NAMES
+
+THINGS = runpy.run_path(str(REPO / "configs" / "demo" / "make_demo_assets.py"))["THINGS"]  # the story world's
 
 SCRIPTS = ["setup.sh", "submit.sh", "download_data_model.sh", "train.slurm", "lib/find-env.sh",
            "cluster/local-cluster.sh", ".ci/run", "tests/gpu.sh"]
@@ -117,7 +120,10 @@ def test_setup_in_a_path_with_spaces_then_demo_through_submit(tmp_path):
     reply = bash("-c", user + f'llmtrain generate --run-dir "{home}/runs/sft-demo" --chat --temperature 0 '
                  f'--prompt "{prompt}"', env=env)
     assert reply.returncode == 0, reply.stderr
-    assert reply.stdout.strip() == answer  # greedy: the same reply on this machine kind
+    # The taught shape: the prompt's name, then one of the story world's things. Which thing is
+    # up to the kernels' rounding over 600 steps (AMX and AVX2 CPUs differ), as the README says.
+    name, thing = re.fullmatch(r"(\w+) had the (\w+)\.", answer).groups()
+    assert re.fullmatch(rf"{name} had the ({'|'.join(THINGS)})\.", reply.stdout.strip()), (reply.stdout, answer)
 
     # The Slurm path from the same spaced paths: the exact command, every path one argument.
     if shutil.which("sbatch"):
