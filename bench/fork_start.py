@@ -1,0 +1,113 @@
+"""What a training process's start costs: a fresh interpreter against one forked from a process
+that has imported the trainer already.
+
+    python bench/fork_start.py [--rounds 3] [--steps 4]
+
+One process trains the demo's data on a 2-layer, 64-wide Llama for a few steps, as
+`python -m llmtrain train` (a fresh interpreter: Python, torch, transformers, the trainer) and as
+a child forked from this process after it imported the same modules (the run itself only),
+alternated (the model's own module, which the trainer imports as it builds, is each child's
+to import: the trainer decides how, keeping torchao out of runs without FP8). Prints each side's wall and CPU seconds (the child's, from os.times) and checks that
+both trained the same losses. The difference is what every rank of every launch pays before its
+first step; the test suite launches the trainer ~390 times (README, Tests). Needs an environment
+from setup.sh.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import yaml
+
+REPO = Path(__file__).resolve().parents[1]
+DEMO = REPO / "configs" / "demo"
+
+
+def config(tmp: Path, steps: int) -> Path:
+    cfg = {
+        "run": {"name": "fork", "dir": str(tmp / "runs")},
+        "model": {"tokenizer": str(DEMO / "tokenizer"),
+                  "architecture": {"model_type": "llama", "hidden_size": 64, "intermediate_size": 128,
+                                   "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2,
+                                   "max_position_embeddings": 128, "tie_word_embeddings": False}},
+        "data": {"dataset": str(DEMO / "stories.txt"), "seq_len": 64, "prepared_dir": str(tmp / "prepared")},
+        "train": {"max_steps": steps, "global_batch_size": 8, "micro_batch_size": 4, "warmup_steps": 1,
+                  "precision": "fp32", "log_every": 1, "eval_every": 0, "checkpoint_every": 0},
+        "metrics": {"plot_every_eval": False},
+    }
+    path = tmp / "config.yaml"
+    path.write_text(yaml.safe_dump(cfg))
+    return path
+
+
+def losses(tmp: Path, name: str) -> list[float]:
+    lines = (tmp / "runs" / name / "metrics.jsonl").read_text().splitlines()
+    return [r["loss"] for r in map(json.loads, lines) if r["kind"] == "train"]
+
+
+def timed(start) -> tuple[float, float]:
+    """(wall s, CPU s of the children) of start(), which runs one child to its end."""
+    t0, c0 = time.perf_counter(), os.times()
+    start()
+    c1 = os.times()
+    return time.perf_counter() - t0, c1.children_user - c0.children_user + c1.children_system - c0.children_system
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("--steps", type=int, default=4)
+    args = ap.parse_args()
+    with tempfile.TemporaryDirectory() as d:
+        tmp = Path(d)
+        cfg = config(tmp, args.steps)
+        subprocess.run([sys.executable, "-m", "llmtrain", "prepare", "--config", str(cfg)], check=True,
+                       capture_output=True)
+        argv = ["train", "--config", str(cfg)]
+
+        def fresh(name: str):
+            subprocess.run([sys.executable, "-m", "llmtrain", *argv, "--set", f"run.name={name}"], check=True,
+                           capture_output=True)
+
+        t0 = time.perf_counter()
+        import llmtrain.cli  # noqa: F401: what a fresh process imports before its first step
+        import llmtrain.training.loop  # noqa: F401
+        preload = time.perf_counter() - t0
+
+        def forked(name: str):
+            pid = os.fork()
+            if pid == 0:
+                os.dup2(os.open(os.devnull, os.O_WRONLY), 1)
+                os.dup2(1, 2)
+                code = 1
+                try:
+                    code = llmtrain.cli.main([*argv, "--set", f"run.name={name}"])
+                finally:
+                    os._exit(code or 0)
+            _, status = os.waitpid(pid, 0)
+            if os.waitstatus_to_exitcode(status) != 0:
+                sys.exit(f"the forked run {name} failed")
+
+        sides = {"fresh interpreter": (fresh, []), "forked after the imports": (forked, [])}
+        for r in range(args.rounds):
+            for label, (start, times) in sides.items():
+                times.append(timed(lambda: start(f"{label.split()[0]}-{r}")))
+        same = all(losses(tmp, f"fresh-{r}") == losses(tmp, f"forked-{r}") for r in range(args.rounds))
+        print(f"{args.steps} steps, one process, {args.rounds} rounds; the imports in this process took {preload:.2f} s")
+        for label, (_, times) in sides.items():
+            wall = statistics.median(t[0] for t in times)
+            cpu = statistics.median(t[1] for t in times)
+            print(f"{label:26s} wall {wall:5.2f} s  CPU {cpu:5.2f} s  (medians)")
+        print("the same losses on both sides:", same)
+
+
+if __name__ == "__main__":
+    main()
