@@ -16,7 +16,7 @@ from conftest import REPO, cli
 from llmtrain.config import load_config
 from llmtrain.login.estimate import GIB, estimate, model_shape
 from llmtrain.login.plan import Candidate, best_of_each, cost, gpu_in, gpu_named, plan
-from llmtrain.parallel.dims import ParallelDims
+from llmtrain.parallel.dims import ParallelDims, gradients_held
 from test_estimate import LLAMA_3_70B, llama
 
 CLUSTER = ["slurm.nodes=8", "slurm.gpus_per_node=8", "slurm.procs_per_node=null"]
@@ -202,8 +202,7 @@ def test_gradient_compression_is_known_to_the_estimator_and_the_planner(config_7
                                                                              for c, _ in ranked)
     def held(c: Candidate) -> bool:  # FSDP2 holding gradients over micro-batches: in bf16 they would add up in bf16
         dims = ParallelDims.from_config(c.config(runs["bf16"]), 64, 8)
-        return c.strategy != "ddp" and dims.accumulation(128, c.micro_batch) > 1 and (
-            not c.reduce_each or c.pp > 1 or c.strategy == "hsdp")
+        return gradients_held(c.strategy, c.pp, c.reduce_each, dims.accumulation(128, c.micro_batch))
     assert all(c.compression == ("bf16" if reduces(c) and not held(c) else "none") for c, _ in ranked)
     assert any(held(c) for c, _ in ranked)
     assert all(c.compression == "none" for c, _ in plan(runs["none"], shape, 64, 8, gpu))
