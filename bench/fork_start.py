@@ -1,16 +1,18 @@
 """What a training process's start costs: a fresh interpreter against one forked from a process
 that has imported the trainer already.
 
-    python bench/fork_start.py [--rounds 3] [--steps 4]
+    python bench/fork_start.py [--rounds 3] [--steps 4] [--nproc 2]
 
-One process trains the demo's data on a 2-layer, 64-wide Llama for a few steps, as
-`python -m llmtrain train` (a fresh interpreter: Python, torch, transformers, the trainer) and as
-a child forked from this process after it imported the same modules (the run itself only),
-alternated (the model's own module, which the trainer imports as it builds, is each child's
-to import: the trainer decides how, keeping torchao out of runs without FP8). Prints each side's wall and CPU seconds (the child's, from os.times) and checks that
-both trained the same losses. The difference is what every rank of every launch pays before its
-first step; the test suite launches the trainer ~390 times (README, Tests). Needs an environment
-from setup.sh.
+First, torchrun launches of `--nproc` processes (`python -m llmtrain.training.torchrun
+--standalone ... -m llmtrain train`) with the workers forked from the agent after its one import
+of the trainer (the default, training/workers.py) against workers started as new interpreters
+(LLMTRAIN_FORK_WORKERS=0), alternated: wall and CPU seconds of the whole launch, agent included.
+Then one process, as `python -m llmtrain train` (a fresh interpreter: Python, torch,
+transformers, the trainer) and as a child forked from this process after it imported the same
+modules (the run itself only), alternated (the model's own module, which the trainer imports as
+it builds, is each child's to import: the trainer decides how, keeping torchao out of runs
+without FP8). Each part checks that both sides trained the same losses. The test model trains
+the demo's data: a 2-layer, 64-wide Llama, a few steps. Needs an environment from setup.sh.
 """
 
 from __future__ import annotations
@@ -65,6 +67,7 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--steps", type=int, default=4)
+    ap.add_argument("--nproc", type=int, default=2, help="processes of the torchrun launches")
     args = ap.parse_args()
     with tempfile.TemporaryDirectory() as d:
         tmp = Path(d)
@@ -95,6 +98,24 @@ def main() -> None:
             _, status = os.waitpid(pid, 0)
             if os.waitstatus_to_exitcode(status) != 0:
                 sys.exit(f"the forked run {name} failed")
+
+        def launch(name: str, fork: str):
+            subprocess.run([sys.executable, "-m", "llmtrain.training.torchrun", "--standalone", "--nproc-per-node",
+                            str(args.nproc), "-m", "llmtrain", *argv, "--set", f"run.name={name}"], check=True,
+                           capture_output=True, env={**os.environ, "LLMTRAIN_FORK_WORKERS": fork})
+
+        launches = {"workers started (fork off)": (lambda n: launch(n, "0"), []),
+                    "workers forked (default)": (lambda n: launch(n, "1"), [])}
+        for r in range(args.rounds):
+            for label, (start, times) in launches.items():
+                times.append(timed(lambda: start(f"torchrun-{label.split()[1]}-{r}")))
+        same_launch = all(losses(tmp, f"torchrun-started-{r}") == losses(tmp, f"torchrun-forked-{r}") for r in range(args.rounds))
+        print(f"torchrun, {args.nproc} processes, {args.steps} steps, {args.rounds} rounds (agent and workers)")
+        for label, (_, times) in launches.items():
+            wall = statistics.median(t[0] for t in times)
+            cpu = statistics.median(t[1] for t in times)
+            print(f"{label:26s} wall {wall:5.2f} s  CPU {cpu:5.2f} s  (medians)")
+        print("the same losses on both sides:", same_launch)
 
         sides = {"fresh interpreter": (fresh, []), "forked after the imports": (forked, [])}
         for r in range(args.rounds):

@@ -306,10 +306,11 @@ def run_dir(setup, name: str) -> Path:
 
 def imported_first(folder, code: str) -> dict:
     """The environment in which every Python process of a run runs `code` first (a
-    sitecustomize.py in `folder`, on PYTHONPATH): a fault placed in one rank."""
+    sitecustomize.py in `folder`, on PYTHONPATH): a fault placed in one rank. torchrun's workers
+    start as new interpreters (a forked one would not run it: training/workers.py)."""
     (folder / "sitecustomize.py").write_text(code)
-    return {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(folder),
-                                                                      os.environ.get("PYTHONPATH")]))}
+    return {**os.environ, "LLMTRAIN_FORK_WORKERS": "0",
+            "PYTHONPATH": os.pathsep.join(filter(None, [str(folder), os.environ.get("PYTHONPATH")]))}
 
 
 def env_with(**extra) -> dict:

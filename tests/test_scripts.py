@@ -155,7 +155,7 @@ def test_local_run_gives_each_process_its_share_of_the_cpus(tmp_path):
         "        f.write(os.environ.get('OMP_NUM_THREADS', 'unset'))\n")
     env = {k: v for k, v in os.environ.items() if k != "OMP_NUM_THREADS"}
     env.update(PYTHONPATH=os.pathsep.join(filter(None, [str(hook), env.get("PYTHONPATH")])),
-               THREADS_LOG=str(tmp_path))
+               THREADS_LOG=str(tmp_path), LLMTRAIN_FORK_WORKERS="0")  # the hook runs as each rank starts
     proc = bash(REPO / "submit.sh", "--local", "--config", config, "--nproc", 2, env=env)
     assert proc.returncode == 0, proc.stderr[-3000:]
     share = str(max(1, len(os.sched_getaffinity(0)) // 2))

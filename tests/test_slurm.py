@@ -112,7 +112,7 @@ def test_a_crashing_rank_fails_the_job_promptly(job_config, tmp_path):
     (crash / "sitecustomize.py").write_text(
         "import os, sys\nif os.environ.get('RANK') == '1':\n"
         "    sys.stderr.write('injected crash on rank 1\\n'); sys.stderr.flush(); os._exit(3)\n")
-    env = {**os.environ, "PYTHONPATH": str(crash)}
+    env = {**os.environ, "PYTHONPATH": str(crash), "LLMTRAIN_FORK_WORKERS": "0"}  # as each rank's Python starts
     out = submit("--config", config, "--nodes", 2, "--procs-per-node", 1, env=env)
     t0 = time.monotonic()
     assert wait_for(out["job_id"], timeout=120) == "FAILED"
@@ -137,8 +137,8 @@ def test_a_stale_exit_file_does_not_requeue_a_job_that_crashes_at_start(job_conf
     (crash / "sitecustomize.py").write_text(
         "import os, sys\nif 'RANK' in os.environ:\n"
         "    sys.stderr.write('injected start-up crash\\n'); sys.stderr.flush(); os._exit(3)\n")
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(crash),
-                                                                     os.environ.get("PYTHONPATH")]))}
+    env = {**os.environ, "LLMTRAIN_FORK_WORKERS": "0",  # as the rank's Python starts
+           "PYTHONPATH": os.pathsep.join(filter(None, [str(crash), os.environ.get("PYTHONPATH")]))}
     out = submit("--config", config, env=env)
     assert wait_for(out["job_id"], timeout=120) == "FAILED"
     job = subprocess.run(["scontrol", "show", "job", out["job_id"]], capture_output=True, text=True).stdout
@@ -353,7 +353,8 @@ def killed(config: Path, root: Path) -> dict:
     """SIGKILL to the rank-1 worker at step 25 of a job with slurm.max_restarts."""
     (root / "sitecustomize.py").write_text(SLOW_RANK0)
     marker = root / "slow-rank0"
-    env = {**os.environ, "PYTHONPATH": str(root), "LLMTRAIN_TEST_SLOW_RANK0": str(marker)}
+    env = {**os.environ, "PYTHONPATH": str(root), "LLMTRAIN_TEST_SLOW_RANK0": str(marker),
+           "LLMTRAIN_FORK_WORKERS": "0"}  # each rank runs the sitecustomize: new interpreters
     job = submit("--config", config, "--nodes", 2, "--procs-per-node", 1, "--set", "run.name=restarted",
                  "--set", "slurm.max_restarts=3", "--set", "train.checkpoint_every=10", env=env)
     wait_until_step(Path(job["run_dir"]), 25, job["job_id"])

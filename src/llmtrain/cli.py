@@ -46,9 +46,7 @@ EXIT_USER = 1  # anything else the user can fix: data, model, paths
 
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else list(argv)
-    if not sys.stderr.isatty():  # a Slurm .out file, a pipe: no progress bars' carriage returns
-        for var in ("HF_DATASETS_DISABLE_PROGRESS_BARS", "HF_HUB_DISABLE_PROGRESS_BARS"):
-            os.environ.setdefault(var, "1")  # read once when datasets / huggingface_hub load
+    quiet_progress_bars()
     # check-config and sbatch-command take sbatch arguments after `--`, verbatim (they start
     # with dashes, which argparse would read as its own options).
     split = argv[:1] in (["check-config"], ["sbatch-command"], ["submit"], ["sweep"], ["requeue"]) \
@@ -68,6 +66,20 @@ def main(argv: list[str] | None = None) -> int:
     except UserError as e:
         error_lines([f"error: {e}"])
         return EXIT_USER
+
+
+def quiet_progress_bars() -> None:
+    """No progress bars' carriage returns where stderr is a Slurm .out file or a pipe. The
+    variables are read once, as datasets and huggingface_hub load; where they have loaded already
+    (a worker forked from its agent: training/workers.py) they are told."""
+    if sys.stderr.isatty():
+        return
+    for var in ("HF_DATASETS_DISABLE_PROGRESS_BARS", "HF_HUB_DISABLE_PROGRESS_BARS"):
+        os.environ.setdefault(var, "1")
+    if "huggingface_hub" in sys.modules and os.environ["HF_HUB_DISABLE_PROGRESS_BARS"] == "1":
+        sys.modules["huggingface_hub"].utils.disable_progress_bars()
+    if "datasets" in sys.modules and os.environ["HF_DATASETS_DISABLE_PROGRESS_BARS"] == "1":
+        sys.modules["datasets"].disable_progress_bars()
 
 
 RANK0_GRACE_S = 3.0

@@ -21,11 +21,9 @@ import signal
 import socket
 import sys
 
-# The same end-of-run race in C++: the other agent's last store operation finds the socket
-# closed, and c10d logs a warning with a 30-frame stack dump. This agent process only (c10
-# reads TORCH_CPP_LOG_LEVEL once, when torch loads) logs C++ errors but not warnings; the
-# workers it starts get the variable as the user set it.
-_USER_CPP_LOG_LEVEL = os.environ.get("TORCH_CPP_LOG_LEVEL")
+from . import workers  # before torchrun installs its signal handlers
+
+workers.remember_signals()
 # On a stop signal (scancel, a preemption's SIGTERM, the local launcher's end) the agent passes
 # SIGTERM to the workers and SIGKILLs them after this many seconds: torch's 30 s cut a big
 # model's save short (a 70B checkpoint takes minutes), and a kill -9'd local launcher's run lost
@@ -33,16 +31,15 @@ _USER_CPP_LOG_LEVEL = os.environ.get("TORCH_CPP_LOG_LEVEL")
 # collective timeout, training/control.py); Slurm's KillWait still bounds a job.
 SHUTDOWN_TIMEOUT_S = 900
 os.environ.setdefault("TORCH_ELASTIC_SHUTDOWN_TIMEOUT", str(SHUTDOWN_TIMEOUT_S))
-os.environ["TORCH_CPP_LOG_LEVEL"] = "ERROR"
 from torch.distributed.elastic.multiprocessing import SignalException  # noqa: E402
 from torch.distributed.elastic.multiprocessing import api as _workers  # noqa: E402
 from torch.distributed.elastic.multiprocessing.errors import ChildFailedError  # noqa: E402
 from torch.distributed.run import main  # noqa: E402
 
-if _USER_CPP_LOG_LEVEL is None:
-    del os.environ["TORCH_CPP_LOG_LEVEL"]
-else:
-    os.environ["TORCH_CPP_LOG_LEVEL"] = _USER_CPP_LOG_LEVEL
+# The same end-of-run race in C++: the other agent's last store operation finds the socket
+# closed, and c10d logs a warning with a 30-frame stack dump. This agent process only logs C++
+# errors but not warnings; its workers log at the level TORCH_CPP_LOG_LEVEL asks.
+workers.quiet_cpp_logging()
 
 from ..errors import IN_ERROR_TXT, USER_ERROR, exit_process  # noqa: E402 (a worker's error file)
 
@@ -101,6 +98,8 @@ def launch(argv: list[str] | None = None) -> int:
     for name, parts in _REPLACED.items():
         logging.getLogger(name).addFilter(_Replaced(parts))
     first_stop_signal_only()
+    if workers.wanted(argv[quiet:]):  # workers forked after one import of the trainer
+        workers.preload()
     try:
         main(argv[quiet:])
     except ChildFailedError as e:
