@@ -11,6 +11,7 @@ import io
 import json
 import os
 import shutil
+import signal
 import subprocess
 import sys
 import tempfile
@@ -250,15 +251,146 @@ def torchrun(nproc: int, *args: str, timeout: float = 300):
 def torchrun_unchecked(nproc: int, *args: str, env: dict | None = None, timeout: float = 300):
     """The same for runs meant to fail (extra environment variables in `env`): the
     CompletedProcess; workers left behind by a failure get 5 s to go."""
-    return subprocess.run(torchrun_command(nproc, *args, shutdown_timeout=5), capture_output=True,
-                          text=True, timeout=timeout, env={**os.environ, **env} if env else None)
+    command = torchrun_command(nproc, *args, shutdown_timeout=5)
+    env = {**os.environ, **env} if env else dict(os.environ)
+    if (served := ServedLaunch.start(command, env, new_session=False, merged=False)) is None:
+        return subprocess.run(command, capture_output=True, text=True, timeout=timeout, env=env)
+    try:
+        out, err = served.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        served.kill()
+        served.communicate()
+        raise
+    return subprocess.CompletedProcess(command, served.returncode, out, err)
 
 
-def torchrun_popen(nproc: int, *args: str, env: dict | None = None) -> subprocess.Popen:
+def torchrun_popen(nproc: int, *args: str, env: dict | None = None):
     """The same, started and not waited for, in its own process group as a terminal's foreground
     job (os.killpg(pid, SIGINT) is Ctrl-C, SIGKILL ends it whole); output and errors in one pipe."""
-    return subprocess.Popen(torchrun_command(nproc, *args), stdout=subprocess.PIPE,
-                            stderr=subprocess.STDOUT, text=True, env=env, start_new_session=True)
+    command = torchrun_command(nproc, *args)
+    served = ServedLaunch.start(command, dict(env or os.environ), new_session=True, merged=True)
+    return served or subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                                      env=env, start_new_session=True)
+
+
+# What a launch forked by the server cannot differ in from the server's own start: what the C
+# library reads as a process starts (malloc's settings, the dynamic loader, the locale) and what
+# loads as the interpreter starts and as torch, transformers and the hub libraries load.
+START_VARIABLES = ("MALLOC_", "GLIBC_", "LD_", "LANG", "LC_", "PYTHON", "TORCH", "HF_", "TRANSFORMERS", "OMP_",
+                   "MKL_", "CUDA")
+
+
+class ServedLaunch:
+    """A torchrun launch that this pytest worker's launch server (tests/launch_server.py) forked
+    instead of a new interpreter: the part of Popen the tests use (pid, poll, wait, communicate,
+    signals, stdout and stderr as text pipes). LLMTRAIN_TEST_LAUNCH_SERVER=0 turns it off."""
+    server: subprocess.Popen | None = None
+    socket_path = ""
+    start_env: dict = {}
+
+    @classmethod
+    def start(cls, command: list[str], env: dict, new_session: bool, merged: bool) -> "ServedLaunch | None":
+        """The launch, or None where a new interpreter must start it (another environment at the
+        start, the server off or gone)."""
+        prefix = [sys.executable, "-m", "llmtrain.training.torchrun"]
+        if os.environ.get("LLMTRAIN_TEST_LAUNCH_SERVER") == "0" or command[:3] != prefix:
+            return None
+        if cls.server is None:
+            cls._start_server()
+        if cls.server.poll() is not None or cls._start_keys(env) != cls._start_keys(cls.start_env):
+            return None
+        return cls(command, env, new_session, merged)
+
+    @staticmethod
+    def _start_keys(env: dict) -> dict:
+        return {k: v for k, v in env.items() if k.startswith(START_VARIABLES)}
+
+    @classmethod
+    def _start_server(cls) -> None:
+        folder = tempfile.mkdtemp(prefix="llmtrain-launch-")
+        cls.socket_path = os.path.join(folder, "socket")
+        cls.start_env = dict(os.environ)
+        with open(os.path.join(folder, "server.log"), "w") as log:
+            cls.server = subprocess.Popen([sys.executable, str(REPO / "tests" / "launch_server.py"), cls.socket_path],
+                                          stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=log,
+                                          env=cls.start_env)
+        if cls.server.stdout.readline() != b"ready\n":
+            raise RuntimeError(f"the launch server did not start: see {folder}/server.log")
+
+    def __init__(self, command: list[str], env: dict, new_session: bool, merged: bool):
+        import json
+        import socket
+        self.args, self.returncode = command, None
+        out_r, out_w = os.pipe()
+        err_r, err_w = (None, os.dup(out_w)) if merged else os.pipe()
+        stdin = os.open(os.devnull, os.O_RDONLY)
+        self._conn = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        self._conn.connect(self.socket_path)
+        request = {"argv": command[3:], "env": env, "cwd": os.getcwd(), "new_session": new_session}
+        socket.send_fds(self._conn, [json.dumps(request).encode() + b"\n"], [stdin, out_w, err_w])
+        for fd in (stdin, out_w, err_w):
+            os.close(fd)
+        self.stdout = open(out_r)
+        self.stderr = open(err_r) if err_r is not None else None
+        self._lines = self._conn.makefile("r")
+        self.pid = int(self._lines.readline())
+
+    def poll(self) -> int | None:
+        import select
+        if self.returncode is None and select.select([self._conn], [], [], 0)[0]:
+            self.returncode = int(self._lines.readline())
+        return self.returncode
+
+    def wait(self, timeout: float | None = None) -> int:
+        import select
+        if self.returncode is None:
+            if not select.select([self._conn], [], [], timeout)[0]:
+                raise subprocess.TimeoutExpired(self.args, timeout)
+            self.returncode = int(self._lines.readline())
+        return self.returncode
+
+    def communicate(self, timeout: float | None = None) -> tuple[str, str | None]:
+        """Both streams to their end, then the exit status (as Popen.communicate)."""
+        import selectors
+        import time
+        if self.stderr is None:  # one pipe: read to its end through the file, as Popen does
+            out = self.stdout.read() if not self.stdout.closed else ""
+            self.stdout.close()
+            self.wait()
+            return out, None
+        end = None if timeout is None else time.monotonic() + timeout
+        streams = [s for s in (self.stdout, self.stderr) if s is not None and not s.closed]
+        chunks: dict = {s: [] for s in streams}
+        with selectors.DefaultSelector() as sel:
+            for s in streams:
+                sel.register(s.fileno(), selectors.EVENT_READ, s)
+            while sel.get_map():
+                left = None if end is None else end - time.monotonic()
+                if left is not None and left <= 0:
+                    raise subprocess.TimeoutExpired(self.args, timeout)
+                for key, _ in sel.select(left):
+                    data = os.read(key.fd, 1 << 16)
+                    if data:
+                        chunks[key.data].append(data)
+                    else:
+                        sel.unregister(key.fd)
+        # text=True's decoding: universal newlines, as Popen reads them
+        texts = {s: b"".join(c).decode(errors="replace").replace("\r\n", "\n").replace("\r", "\n")
+                 for s, c in chunks.items()}
+        for s in streams:
+            s.close()
+        self.wait(None if end is None else max(0.0, end - time.monotonic()))
+        return texts.get(self.stdout, ""), texts.get(self.stderr) if self.stderr is not None else None
+
+    def send_signal(self, sig: int) -> None:
+        if self.poll() is None:
+            os.kill(self.pid, sig)
+
+    def terminate(self) -> None:
+        self.send_signal(signal.SIGTERM)
+
+    def kill(self) -> None:
+        self.send_signal(signal.SIGKILL)
 
 
 @functools.cache

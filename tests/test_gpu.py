@@ -22,7 +22,7 @@ import yaml
 from transformers import AutoModelForCausalLM, AutoTokenizer, LlamaConfig, LlamaForCausalLM
 
 from conftest import (DEMO, REPO, assert_same_curve, env_with, imported_first, llmtrain,
-                      prepared_home, read_metrics, run_dir, tiny_config, torchrun)
+                      prepared_home, read_metrics, run_dir, tiny_config, torchrun, torchrun_unchecked)
 from llmtrain.metrics import peak_tflops
 
 pytestmark = [
@@ -77,6 +77,24 @@ def test_nccl_world_of_one_trains_on_cuda(setup):
     assert [r["step"] for r in read_metrics(d) if r["kind"] == "eval"] == [6, 12]
     assert re.search(r"\bon cuda\b", rank0_log(d)), rank0_log(d)
     assert json.loads((d / "provenance.json").read_text())["world_size"] == 1
+
+
+def test_a_worker_forked_from_its_agent_trains_on_cuda(setup, tmp_path):
+    """training/workers.py: the agent's imports leave CUDA untouched, so its worker is forked (a
+    marker from the agent's sitecustomize as the fork becomes the worker) and trains on the GPU."""
+    _, config = setup
+    marker = tmp_path / "forked"
+    env = imported_first(tmp_path, "import os\nif 'RANK' not in os.environ:\n"
+                                   "    import llmtrain.training.workers as w\n    become = w.become_worker\n"
+                                   f"    def observed(*a):\n        become(*a)\n        open({str(marker)!r}, 'w').close()\n"
+                                   "    w.become_worker = observed\n")
+    env["LLMTRAIN_FORK_WORKERS"] = "1"
+    proc = torchrun_unchecked(1, "train", "--config", config, "--set", "run.name=forked", "--set",
+                              "parallel.backend=nccl", env=env)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert marker.exists()
+    assert_trains(run_dir(setup, "forked"))
+    assert re.search(r"\bon cuda\b", rank0_log(run_dir(setup, "forked")))
 
 
 def test_fsdp_bf16_trains_and_matches_fp32_at_the_start(setup):

@@ -84,9 +84,19 @@ def preload() -> bool:
     before = _open_fds()
     cli = importlib.import_module(PRELOAD[0])  # the top of the package: imported by name, as a worker's start does
     cli.quiet_progress_bars()  # what a worker's cli.main does first, before huggingface_hub loads
-    _import_without_torchao(PRELOAD[1:])
+    # An import that asks torch.cuda.is_available() would initialise the driver; NVML answers it
+    # without (read at each call).
+    nvml = os.environ.get("PYTORCH_NVML_BASED_CUDA_CHECK")
+    os.environ["PYTORCH_NVML_BASED_CUDA_CHECK"] = "1"
+    try:
+        _import_without_torchao(PRELOAD[1:])
+    finally:
+        if nvml is None:
+            del os.environ["PYTORCH_NVML_BASED_CUDA_CHECK"]
+        else:
+            os.environ["PYTORCH_NVML_BASED_CUDA_CHECK"] = nvml
     import torch
-    if torch.cuda.is_initialized() or _cuda_driver_loaded():
+    if torch.cuda.is_initialized() or _cuda_driver_initialised():
         return False
     _Agent.kept_fds = frozenset({0, 1, 2} | (_open_fds() - before))
     _Agent.preloaded = True
@@ -130,9 +140,19 @@ def _import_without_torchao(modules) -> None:
                 getattr(getattr(import_utils, name, None), "cache_clear", lambda: None)()
 
 
-def _cuda_driver_loaded() -> bool:
+def _cuda_driver_initialised() -> bool:
+    """Whether this process has initialised the CUDA driver (cuInit), after which a forked child
+    cannot use the GPU. Asked of the driver where it is loaded: cuDeviceGetCount answers
+    CUDA_ERROR_NOT_INITIALIZED (3) before cuInit, and initialises nothing."""
     with open("/proc/self/maps") as maps:
-        return "libcuda.so" in maps.read()
+        path = next((line.split()[-1] for line in maps if "/libcuda.so" in line), None)
+    if path is None:
+        return False
+    try:
+        count = ctypes.c_int()
+        return ctypes.CDLL(path).cuDeviceGetCount(ctypes.byref(count)) != 3
+    except (OSError, AttributeError):
+        return True
 
 
 def _open_fds() -> set[int]:
