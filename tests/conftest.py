@@ -53,11 +53,11 @@ def pytest_sessionfinish(session):
         marker.unlink()
 
 
-# pytest-xdist runs the suite on two workers (pyproject's addopts: worksteal), each starting
+# pytest-xdist runs the suite on three workers (pyproject's addopts: worksteal), each starting
 # with its share of this order. The longest work comes first, the fresh-clone test (setup.sh's
 # pip install, then two demos) before all, so that no worker is left alone with a long test at
-# the end, and a worker that runs out of tests takes half of the other's queue. (A fixture that
-# both workers share, like test_slurm's preemption trials, runs once under a file lock.) After the
+# the end, and a worker that runs out of tests takes half of another's queue. (A fixture that
+# the workers share, like test_slurm's preemption trials, runs once under a file lock.) After the
 # list, only modules of short tests: the local launches of test_scripts.py, last in file order,
 # were the tail (modules by their time in a --durations run of the slow tier, 2026-11-28).
 LONGEST_FIRST = ("test_scripts.py::test_setup_", "test_slurm.py", "test_sweep.py::test_a_local_",

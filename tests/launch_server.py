@@ -29,12 +29,9 @@ import sys
 import torch  # noqa: F401
 import torch.distributed.run  # noqa: F401
 
-import importlib
-
 from llmtrain.training import workers
 
-importlib.import_module(workers.PRELOAD[0]).quiet_progress_bars()  # as the agent's preload (stderr: a file)
-workers._import_without_torchao(workers.PRELOAD[1:])
+workers.import_trainer()  # as each agent's preload does
 
 
 def serve(path: str) -> None:

@@ -47,13 +47,12 @@ C10_LOG_LEVEL = "FLAGS_caffe2_log_level"  # c10's level, set from TORCH_CPP_LOG_
 
 
 class _Agent:
-    """What the agent was before torchrun changed it: its signal dispositions (from `remember`,
-    at the start) and, after `preload`, the descriptors the imports hold open and C++ logging's
-    level as torch set it from the user's environment."""
+    """What the agent was before torchrun changed it: its signal dispositions (`remember_signals`,
+    at the start), the descriptors its imports hold open (`preload`) and C++ logging's level as
+    torch set it from the user's environment (`quiet_cpp_logging`)."""
     signals: dict[int, object] = {}
     kept_fds: frozenset[int] = frozenset()
     cpp_log_level: int | None = None
-    preloaded = False
 
 
 def remember_signals() -> None:
@@ -81,6 +80,19 @@ def preload() -> bool:
     from torch.distributed.elastic.multiprocessing.subprocess_handler import SubprocessHandler
     if not hasattr(api, "get_subprocess_handler") or not hasattr(SubprocessHandler, "_popen"):
         return False  # another torch's process handling: its own start stays
+    opened = import_trainer()
+    import torch
+    if torch.cuda.is_initialized() or _cuda_driver_initialised():
+        return False
+    _Agent.kept_fds = frozenset({0, 1, 2} | opened)
+    _fork_workers(api)
+    return True
+
+
+def import_trainer() -> set[int]:
+    """Import PRELOAD as a rank's start would (its progress bars quiet where stderr is no
+    terminal, torchao kept out), with CUDA's driver left alone; the descriptors the imports left
+    open."""
     before = _open_fds()
     cli = importlib.import_module(PRELOAD[0])  # the top of the package: imported by name, as a worker's start does
     cli.quiet_progress_bars()  # what a worker's cli.main does first, before huggingface_hub loads
@@ -95,13 +107,7 @@ def preload() -> bool:
             del os.environ["PYTORCH_NVML_BASED_CUDA_CHECK"]
         else:
             os.environ["PYTORCH_NVML_BASED_CUDA_CHECK"] = nvml
-    import torch
-    if torch.cuda.is_initialized() or _cuda_driver_initialised():
-        return False
-    _Agent.kept_fds = frozenset({0, 1, 2} | (_open_fds() - before))
-    _Agent.preloaded = True
-    _fork_workers(api)
-    return True
+    return _open_fds() - before
 
 
 def quiet_cpp_logging() -> None:
@@ -167,14 +173,14 @@ def _fork_workers(api) -> None:
         def _popen(self, args: tuple, env: dict[str, str]):
             return ForkedWorker.start(args, env, self._stdout, self._stderr)
 
-    def handler(entrypoint, args, env, stdout, stderr, local_rank_id, numa_options=None, **rest):
-        if numa_options is not None or rest or entrypoint != sys.executable or tuple(args[:3]) != ("-u", "-m", "llmtrain"):
-            return started(entrypoint=entrypoint, args=args, env=env, stdout=stdout, stderr=stderr,
-                           local_rank_id=local_rank_id, numa_options=numa_options, **rest)
+    def handler(entrypoint, args, env, stdout, stderr, local_rank_id, **rest):
         given = {"entrypoint": entrypoint, "args": args, "env": env, "stdout": stdout, "stderr": stderr,
-                 "local_rank_id": local_rank_id, "numa_options": None}
-        return ForkedHandler(**{k: v for k, v in given.items() if k in accepted})
-    accepted = inspect.signature(SubprocessHandler.__init__).parameters  # torch 2.11's has no numa_options
+                 "local_rank_id": local_rank_id, **rest}
+        trainer = entrypoint == sys.executable and tuple(args[:3]) == ("-u", "-m", "llmtrain")
+        if not trainer or rest.get("numa_options") is not None or set(given) - set(accepted):
+            return started(**given)  # numactl wraps the command: a new interpreter
+        return ForkedHandler(**given)
+    accepted = inspect.signature(SubprocessHandler.__init__).parameters
     api.get_subprocess_handler = handler
 
 
