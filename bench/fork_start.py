@@ -104,31 +104,30 @@ def main() -> None:
                             str(args.nproc), "-m", "llmtrain", *argv, "--set", f"run.name={name}"], check=True,
                            capture_output=True, env={**os.environ, "LLMTRAIN_FORK_WORKERS": fork})
 
-        launches = {"workers started (fork off)": (lambda n: launch(n, "0"), []),
-                    "workers forked (default)": (lambda n: launch(n, "1"), [])}
-        for r in range(args.rounds):
-            for label, (start, times) in launches.items():
-                times.append(timed(lambda: start(f"torchrun-{label.split()[1]}-{r}")))
-        same_launch = all(losses(tmp, f"torchrun-started-{r}") == losses(tmp, f"torchrun-forked-{r}") for r in range(args.rounds))
-        print(f"torchrun, {args.nproc} processes, {args.steps} steps, {args.rounds} rounds (agent and workers)")
-        for label, (_, times) in launches.items():
-            wall = statistics.median(t[0] for t in times)
-            cpu = statistics.median(t[1] for t in times)
-            print(f"{label:26s} wall {wall:5.2f} s  CPU {cpu:5.2f} s  (medians)")
-        print("the same losses on both sides:", same_launch)
+        compare(f"torchrun, {args.nproc} processes, {args.steps} steps, {args.rounds} rounds (agent and workers)",
+                {"workers started (fork off)": lambda n: launch(n, "0"),
+                 "workers forked (default)": lambda n: launch(n, "1")}, args.rounds, tmp, "torchrun")
+        compare(f"{args.steps} steps, one process, {args.rounds} rounds; the imports in this process took {preload:.2f} s",
+                {"fresh interpreter": fresh, "forked after the imports": forked}, args.rounds, tmp, "one")
 
-        sides = {"fresh interpreter": (fresh, []), "forked after the imports": (forked, [])}
-        for r in range(args.rounds):
-            for label, (start, times) in sides.items():
-                times.append(timed(lambda: start(f"{label.split()[0]}-{r}")))
-        same = all(losses(tmp, f"fresh-{r}") == losses(tmp, f"forked-{r}") for r in range(args.rounds))
-        print(f"{args.steps} steps, one process, {args.rounds} rounds; the imports in this process took {preload:.2f} s")
-        for label, (_, times) in sides.items():
-            wall = statistics.median(t[0] for t in times)
-            cpu = statistics.median(t[1] for t in times)
-            print(f"{label:26s} wall {wall:5.2f} s  CPU {cpu:5.2f} s  (medians)")
-        print("the same losses on both sides:", same)
 
+def compare(title: str, sides: dict, rounds: int, tmp: Path, prefix: str) -> None:
+    """Run each side `rounds` times, alternated (run names PREFIX-SIDE-ROUND); print each side's
+    median wall and CPU seconds and whether all trained the same losses."""
+    times: dict[str, list] = {label: [] for label in sides}
+    names = {label: f"{prefix}-{i}" for i, label in enumerate(sides)}
+    for r in range(rounds):
+        for label, start in sides.items():
+            times[label].append(timed(lambda: start(f"{names[label]}-{r}")))
+    first = list(sides)[0]
+    same = all(losses(tmp, f"{names[label]}-{r}") == losses(tmp, f"{names[first]}-{r}")
+               for label in sides for r in range(rounds))
+    print(title)
+    for label in sides:
+        wall = statistics.median(t[0] for t in times[label])
+        cpu = statistics.median(t[1] for t in times[label])
+        print(f"{label:26s} wall {wall:5.2f} s  CPU {cpu:5.2f} s  (medians)")
+    print("the same losses on both sides:", same)
 
 if __name__ == "__main__":
     main()

@@ -11,7 +11,6 @@ import io
 import json
 import os
 import shutil
-import signal
 import subprocess
 import sys
 import tempfile
@@ -19,6 +18,8 @@ from pathlib import Path
 
 import pytest
 import yaml
+
+from llmtrain.training.workers import ForkedWorker
 
 REPO = Path(__file__).resolve().parents[1]
 DEMO = REPO / "configs" / "demo"
@@ -280,10 +281,11 @@ START_VARIABLES = ("MALLOC_", "GLIBC_", "LD_", "LANG", "LC_", "PYTHON", "TORCH",
                    "MKL_", "CUDA")
 
 
-class ServedLaunch:
+class ServedLaunch(ForkedWorker):
     """A torchrun launch that this pytest worker's launch server (tests/launch_server.py) forked
     instead of a new interpreter: the part of Popen the tests use (pid, poll, wait, communicate,
-    signals, stdout and stderr as text pipes). LLMTRAIN_TEST_LAUNCH_SERVER=0 turns it off."""
+    signals, stdout and stderr as text pipes); its exit status comes from the server, which is
+    its parent. LLMTRAIN_TEST_LAUNCH_SERVER=0 turns it off."""
     server: subprocess.Popen | None = None
     socket_path = ""
     start_env: dict = {}
@@ -320,7 +322,6 @@ class ServedLaunch:
     def __init__(self, command: list[str], env: dict, new_session: bool, merged: bool):
         import json
         import socket
-        self.args, self.returncode = command, None
         out_r, out_w = os.pipe()
         err_r, err_w = (None, os.dup(out_w)) if merged else os.pipe()
         stdin = os.open(os.devnull, os.O_RDONLY)
@@ -333,7 +334,7 @@ class ServedLaunch:
         self.stdout = open(out_r)
         self.stderr = open(err_r) if err_r is not None else None
         self._lines = self._conn.makefile("r")
-        self.pid = int(self._lines.readline())
+        super().__init__(int(self._lines.readline()), command)
 
     def poll(self) -> int | None:
         import select
@@ -382,15 +383,6 @@ class ServedLaunch:
         self.wait(None if end is None else max(0.0, end - time.monotonic()))
         return texts.get(self.stdout, ""), texts.get(self.stderr) if self.stderr is not None else None
 
-    def send_signal(self, sig: int) -> None:
-        if self.poll() is None:
-            os.kill(self.pid, sig)
-
-    def terminate(self) -> None:
-        self.send_signal(signal.SIGTERM)
-
-    def kill(self) -> None:
-        self.send_signal(signal.SIGKILL)
 
 
 @functools.cache
