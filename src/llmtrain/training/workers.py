@@ -38,6 +38,8 @@ import sys
 import time
 import traceback
 
+from ..errors import exit_process
+
 ENV_SWITCH = "LLMTRAIN_FORK_WORKERS"
 # What a trainer's rank imports before its first step, whatever the model: the CLI, the loop
 # (torch.distributed and its checkpointing, transformers, datasets' loaders) and transformers'
@@ -236,7 +238,8 @@ class ForkedWorker:
 
 
 def _run_worker(args: tuple, env: dict[str, str], stdout, stderr, ready_w: int):
-    """In the forked child: become the worker, run `python -m llmtrain ARGS`, end as it would."""
+    """In the forked child: become the worker, run `python -m llmtrain ARGS`, end as it would
+    (the trainer ends through errors.exit_process itself; this is for what escapes it)."""
     code = 1
     try:
         become_worker(args, env, stdout, stderr, ready_w)
@@ -250,13 +253,7 @@ def _run_worker(args: tuple, env: dict[str, str], stdout, stderr, ready_w: int):
     except BaseException:
         traceback.print_exc()
     finally:
-        import atexit
-        try:
-            atexit._run_exitfuncs()
-            for stream in (sys.stdout, sys.stderr):
-                stream.flush()
-        finally:
-            os._exit(code)
+        exit_process(code)  # never returns to the agent's code
 
 
 def become_worker(command: tuple, env: dict[str, str], stdout, stderr, ready_w: int) -> None:
