@@ -18,7 +18,7 @@ pytestmark = pytest.mark.slow
 # interpreter writes what it starts with to PROBE_DIR/rank-N.json and ends (its agent ends with
 # exit 0); an agent that forks its workers writes it in each, as the fork has made it a worker.
 PROBE = """
-import json, os, signal, sys
+import json, os, signal, sys, weakref
 
 def record():
     import ctypes, torch
@@ -40,6 +40,9 @@ def record():
         "environment": {k: os.environ.get(k) for k in ("RANK", "LOCAL_RANK", "WORLD_SIZE", "OMP_NUM_THREADS", "EXTRA")},
         "argv": sys.argv[1:],
         "command line": command[1:],
+        # what torchrun's objects would run at the exit (its rendezvous's keep-alive timer)
+        "agent's exit finalizers": sorted(f.func.__qualname__ for f in weakref.finalize._registry.values()
+                                          if f.func.__module__.startswith("torch.distributed")),
     }
     with open(os.path.join(os.environ["PROBE_DIR"], "rank-" + os.environ["RANK"] + ".json"), "w") as f:
         json.dump(record, f)
@@ -94,6 +97,7 @@ def test_a_forked_worker_starts_as_a_new_interpreter_would(tmp_path):
                                   "EXTRA": "x"}
     assert one["argv"] == ["train", "--config", "c.yaml"]
     assert one["command line"] == ["-u", "-m", "llmtrain", "train", "--config", "c.yaml"]  # ps shows the worker
+    assert one["agent's exit finalizers"] == []
 
 
 @pytest.fixture(scope="module")

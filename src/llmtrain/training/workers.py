@@ -14,7 +14,10 @@ would be: the agent's signal handlers (the dispositions the agent started with c
 files and sockets the agent opened after the imports (an exec'd worker has only 0, 1 and 2), its
 environment (the worker's replaces it: torchrun's RANK etc.), C++ logging at ERROR (the agent's
 own quiet, training/torchrun.py), the thread count (OMP_NUM_THREADS from the worker's
-environment), buffered output (-u), its command line (ps shows the worker's). It starts a
+environment), buffered output (-u), its command line (ps shows the worker's), and the exit-time
+finalizers the agent's objects registered after the imports (the rendezvous's keep-alive timer
+stops its thread at exit: in a child that has no such thread, it waits on a lock that thread may
+have held at the fork). It starts a
 session of its own, as torchrun's Popen does. As in any forked process, what a sitecustomize did
 at the agent's start is there, and it does not run again: code that must run in each rank as it
 starts (a test's fault in one rank) needs LLMTRAIN_FORK_WORKERS=0. /proc/PID/environ, which the
@@ -37,6 +40,7 @@ import subprocess
 import sys
 import time
 import traceback
+import weakref
 
 from ..errors import exit_process
 
@@ -50,10 +54,12 @@ C10_LOG_LEVEL = "FLAGS_caffe2_log_level"  # c10's level, set from TORCH_CPP_LOG_
 
 class _Agent:
     """What the agent was before torchrun changed it: its signal dispositions (`remember_signals`,
-    at the start), the descriptors its imports hold open (`preload`) and C++ logging's level as
-    torch set it from the user's environment (`quiet_cpp_logging`)."""
+    at the start), the descriptors its imports hold open and the exit-time finalizers they
+    registered (`preload`), and C++ logging's level as torch set it from the user's environment
+    (`quiet_cpp_logging`)."""
     signals: dict[int, object] = {}
     kept_fds: frozenset[int] = frozenset()
+    finalizers: frozenset = frozenset()
     cpp_log_level: int | None = None
 
 
@@ -87,6 +93,7 @@ def preload() -> bool:
     if torch.cuda.is_initialized() or _cuda_driver_initialised():
         return False
     _Agent.kept_fds = frozenset({0, 1, 2} | opened)
+    _Agent.finalizers = frozenset(_finalizers())
     _fork_workers(api)
     return True
 
@@ -161,6 +168,11 @@ def _cuda_driver_initialised() -> bool:
         return ctypes.CDLL(path).cuDeviceGetCount(ctypes.byref(count)) != 3
     except (OSError, AttributeError):
         return True
+
+
+def _finalizers() -> set[weakref.finalize]:
+    """The weakref.finalize callbacks that will run at this process's exit (CPython's registry)."""
+    return set(getattr(weakref.finalize, "_registry", {}))
 
 
 def _open_fds() -> set[int]:
@@ -265,6 +277,8 @@ def become_worker(command: tuple, env: dict[str, str], stdout, stderr, ready_w: 
     for fd, file in ((1, stdout), (2, stderr)):
         if file is not None:
             os.dup2(file.fileno(), fd)
+    for finalizer in _finalizers() - _Agent.finalizers:
+        finalizer.detach()  # the agent's objects' (a module's import registers its own before the fork)
     for fd in _open_fds() - _Agent.kept_fds:
         try:
             os.close(fd)
