@@ -115,6 +115,46 @@ except dist.DistNetworkError:
     assert "TCPStore.cpp" in proc.stderr and "recvVector failed" in proc.stderr
 
 
+def test_the_torchrun_agent_lets_go_of_its_rendezvous_during_a_keep_alive_without_a_traceback():
+    """The rendezvous handler's keep-alive timer holds the handler while it beats; an agent that
+    lets go of the handler then (its end after scancel, under load) has the handler and its timer
+    collected in the timer's own thread, whose finalizer joined that thread: "Exception ignored
+    ... cannot join current thread" in the job log (seen in the test cluster's scancel trial).
+    Our torchrun's process stops such a timer without the join."""
+    code = """
+import datetime, threading, time, weakref
+import llmtrain.training.torchrun
+from torch.distributed.elastic.rendezvous.utils import _PeriodicTimer
+
+class Handler:  # as DynamicRendezvousHandler: its timer beats through a weak reference to it
+    def __init__(self):
+        self.timer = _PeriodicTimer(datetime.timedelta(milliseconds=10), Handler.beat, weakref.ref(self))
+        self.timer.start()
+
+    @staticmethod
+    def beat(ref):
+        handler = ref()  # held while it beats
+        if handler is not None:
+            beating.set()
+            let_go.wait()
+
+beating, let_go = threading.Event(), threading.Event()
+handler = Handler()
+beating.wait()
+del handler  # the agent lets go during a beat: the timer's thread holds the last reference
+let_go.set()
+time.sleep(0.5)
+print("ended", [t.name for t in threading.enumerate() if t is not threading.main_thread()])
+"""
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert (proc.returncode, proc.stdout, proc.stderr) == (0, "ended []\n", "")
+    # The same in a process that did not go through it: the traceback.
+    bare = code.replace("import llmtrain.training.torchrun\n", "")
+    proc = subprocess.run([sys.executable, "-c", bare], capture_output=True, text=True, timeout=120)
+    assert "Exception ignored in: <finalize object" in proc.stderr
+    assert "RuntimeError: cannot join current thread" in proc.stderr
+
+
 @pytest.mark.slow  # it trains: two local launches
 def test_a_local_run_needs_no_slurm_keys(home, write_config, tmp_path):
     """slurm.procs_per_node is what Slurm starts on a CPU-only node; a local run of one process,

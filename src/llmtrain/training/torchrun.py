@@ -20,6 +20,7 @@ import os
 import signal
 import socket
 import sys
+import threading
 
 from . import workers  # before torchrun installs its signal handlers
 
@@ -34,12 +35,37 @@ os.environ.setdefault("TORCH_ELASTIC_SHUTDOWN_TIMEOUT", str(SHUTDOWN_TIMEOUT_S))
 from torch.distributed.elastic.multiprocessing import SignalException  # noqa: E402
 from torch.distributed.elastic.multiprocessing import api as _workers  # noqa: E402
 from torch.distributed.elastic.multiprocessing.errors import ChildFailedError  # noqa: E402
+from torch.distributed.elastic.rendezvous import utils as _rendezvous  # noqa: E402
 from torch.distributed.run import main  # noqa: E402
 
 # The same end-of-run race in C++: the other agent's last store operation finds the socket
 # closed, and c10d logs a warning with a 30-frame stack dump. This agent process only logs C++
 # errors but not warnings; its workers log at the level TORCH_CPP_LOG_LEVEL asks.
 workers.quiet_cpp_logging()
+
+
+def timers_stop_from_their_own_thread() -> None:
+    """The rendezvous's keep-alive timer stops its thread when the timer is collected: it sets the
+    stop event and joins the thread. Its function holds the rendezvous handler while it runs, so
+    where the agent lets go of the handler during a keep-alive (its end, after a stop signal,
+    under load), the handler and its timer are collected in the timer's own thread, the join
+    raises "cannot join current thread", and the job log gets that traceback ("Exception ignored
+    in: <finalize object>", torch 2.11-2.13). From the timer's own thread the event alone ends it."""
+    timer = getattr(_rendezvous, "_PeriodicTimer", None)
+    stop = getattr(timer, "_stop_thread", None)
+    if stop is None or getattr(stop, "from_own_thread", False):
+        return
+
+    def stop_thread(thread, stop_event):
+        if thread is threading.current_thread():
+            stop_event.set()  # the loop ends after this call returns
+        else:
+            stop(thread, stop_event)
+    stop_thread.from_own_thread = True
+    timer._stop_thread = staticmethod(stop_thread)
+
+
+timers_stop_from_their_own_thread()
 
 from ..errors import IN_ERROR_TXT, USER_ERROR, exit_process  # noqa: E402 (a worker's error file)
 
