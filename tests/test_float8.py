@@ -1,6 +1,6 @@
 """FP8 training (train.fp8): which layers convert and why, the loss against bf16's, an exact
 resume, an export that plain transformers loads, and tensor parallel on gloo. The FP8 matmuls
-run on CPU (torch 2.13's _scaled_mm) for their numbers, not for speed."""
+run on CPU (emulated in fp32 by torchao) for their numbers, not for speed."""
 
 from __future__ import annotations
 
@@ -43,6 +43,7 @@ def test_conversion_keeps_the_head_and_odd_shapes_and_the_loss(recipe):
     loss.backward()
     assert abs(loss.item() - reference.item()) < 0.01 * reference.item()
     assert model.model.layers[0].self_attn.q_proj.weight.grad.abs().sum() > 0
+    assert model.model.layers[0].self_attn.q_proj.config.emulate  # on a CPU: not _scaled_mm's scalar loop
 
 
 @pytest.mark.parametrize("device, compiled, said", [

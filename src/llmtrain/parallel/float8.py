@@ -6,7 +6,9 @@ through torchao's Float8Linear, on the meta skeleton, before tensor parallel and
 
 Each converted layer casts its input, its weight and (in backward) the output's gradient to
 float8 with a scale computed on the fly (tensorwise: one per tensor, e4m3 forward, e5m2 for
-gradients; rowwise: one per row, e4m3 throughout) and multiplies with `torch._scaled_mm`;
+gradients; rowwise: one per row, e4m3 throughout) and multiplies with `torch._scaled_mm` (on a
+CPU, emulated: the float8 operands, scaled back, multiplied in fp32 by torchao's `emulate`;
+torch 2.13's CPU _scaled_mm is a scalar loop at ~0.1 GFLOP/s, 25x slower a step here);
 the weight, its gradient and the optimizer state stay as they were (fp32, cast by FSDP2 or
 autocast), so a checkpoint holds plain weights under their usual names, and export and resume
 do not know FP8 was used. What stays in train.precision, and why (`why_not`):
@@ -16,7 +18,7 @@ do not know FP8 was used. What stays in train.precision, and why (`why_not`):
 - a layer whose dimensions are not multiples of 16 (the float8 GEMM's requirement);
 - on GPUs, a matmul too small to gain: casting costs more than the faster GEMM saves
   (`too_small`, from torchao's H100 measurements). On CPU every eligible layer converts: the
-  FP8 matmuls run there for their numbers (torch 2.13), not for speed.
+  FP8 matmuls run there for their numbers, not for speed.
 
 Both shape tests judge the matmul each rank runs: under tensor parallel a column-parallel
 layer's output features and a row-parallel layer's input features divided by parallel.tp
@@ -36,6 +38,7 @@ evaluation weights), so a scale never outlives its weights.
 
 from __future__ import annotations
 
+import dataclasses
 import re
 
 import torch
@@ -65,6 +68,8 @@ def convert(model: torch.nn.Module, recipe: str, device: torch.device, fsdp: boo
     config = Float8LinearConfig.from_recipe_name(recipe)
     if gathers_in_float8(recipe, fsdp, device.type):
         config = Float8LinearConfig(enable_fsdp_float8_all_gather=True)  # the tensorwise recipe's defaults otherwise
+    if device.type != "cuda":  # the float8 operands multiplied in fp32, not by _scaled_mm's CPU loop
+        config = dataclasses.replace(config, emulate=True)
     kept = high_precision(model, recipe, device.type, tp)
     convert_to_float8_training(model, config=config, module_filter_fn=lambda module, name: module not in kept)
     if recipe == "rowwise" and compiled:
