@@ -409,6 +409,17 @@ def test_fp8_compiled_under_fsdp_trains_like_bf16_resumes_exactly_and_exports(se
 
 @pytest.mark.skipif(not torch.cuda.is_available() or torch.cuda.get_device_capability() < (8, 9),
                     reason="FP8 needs a GPU of compute capability 8.9 or newer")
+def test_fp8_on_cuda_multiplies_on_the_float8_tensor_cores():
+    """On a CPU the float8 matmuls are torchao's fp32 emulation (parallel/float8.py); on a GPU
+    of compute capability 8.9+ they stay torch._scaled_mm, the float8 tensor cores."""
+    from llmtrain.parallel import float8
+    model = LlamaForCausalLM(LlamaConfig(**{k: v for k, v in FP8_ARCH.items() if k != "model_type"}))
+    assert float8.convert(model, "tensorwise", torch.device("cuda"), fsdp=False) == 10
+    assert not model.model.layers[0].mlp.up_proj.config.emulate
+
+
+@pytest.mark.skipif(not torch.cuda.is_available() or torch.cuda.get_device_capability() < (8, 9),
+                    reason="FP8 needs a GPU of compute capability 8.9 or newer")
 def test_fp8_precomputed_scales_on_cuda_train_as_scales_computed_at_each_gather(tmp_path):
     """tests/float8_probe.py on the GPU (a world of one on NCCL): weights FSDP2 gathers in
     float8 with their scales precomputed by the trainer's Step, against the model gathered in
