@@ -83,6 +83,7 @@ def test_two_node_job_completes_with_everything_in_the_run_dir(job_config):
     assert prov["slurm"]["SLURM_JOB_ID"] == out["job_id"] and prov["slurm"]["SLURM_NNODES"] == "2"
     assert [r["step"] for r in read_metrics(run_dir) if r["kind"] == "train"] == list(range(1, 9))
     assert (run_dir / "checkpoints" / "step-00000008" / "meta.json").is_file()
+    assert not node_scratch(out["job_id"]).exists()  # the nodes' TMPDIR went with the run's end
     status = cli("status", out["job_id"])
     assert f"job: {out['job_id']} COMPLETED" in status.stdout
     assert "progress: step 8/8 (100%)" in status.stdout and "step-00000008 (latest)" in status.stdout
@@ -430,6 +431,11 @@ def outcome(future) -> dict:
         return {"error": f"{type(e).__name__}: {e}"}
 
 
+def node_scratch(job_id: str) -> Path:
+    """A job's node-local TMPDIR (train.slurm); the test cluster's nodes share this machine's /tmp."""
+    return Path(os.environ.get("SLURM_TMPDIR", "/tmp")) / f"llmtrain-{job_id}"
+
+
 def trial(trials: dict, name: str) -> dict:
     job = trials[name]
     assert "error" not in job, job.get("error")
@@ -469,6 +475,11 @@ def test_scancel_saves_and_the_log_reads_as_a_clean_stop(trials):
     assert f"stopping at step {stop['step']} (signal)" in log
     assert not re.search(r"Traceback|SignalException|Connection lost|Root Cause|warning:", log), log[-3000:]
     assert "requeueing" not in log  # cancelled by the user: not requeued
+    # A stop that asks a requeue keeps the nodes' scratch (a requeue there finds its compile
+    # caches); the uninterrupted reference and a preempted run that came back and finished do not.
+    assert node_scratch(job["job_id"]).is_dir()
+    assert not node_scratch(trial(trials, "reference")["job_id"]).exists()
+    assert not node_scratch(trial(trials, "warned-3")["job_id"]).exists()
 
 
 def test_a_requeued_run_continues_one_wandb_run_and_one_tensorboard_curve(trials):

@@ -15,12 +15,15 @@ A failure is exit 1. submit.sh --local, train.slurm and llmtrain bench start tra
 
 from __future__ import annotations
 
+import json
 import logging
 import os
+import shutil
 import signal
 import socket
 import sys
 import threading
+from pathlib import Path
 
 from . import workers  # before torchrun installs its signal handlers
 
@@ -137,7 +140,25 @@ def launch(argv: list[str] | None = None) -> int:
         return 1
     except SignalException as e:  # the workers had their stop signal and the time to save
         return 128 + e.sigval
+    remove_node_scratch()
     return 0
+
+
+def remove_node_scratch() -> None:
+    """train.slurm's node-local scratch for the job (LLMTRAIN_NODE_SCRATCH, its TMPDIR: torchelastic's
+    folders, the compile caches), removed when the run has ended for good: the launch succeeded,
+    so every agent passed torchrun's exit barrier and no rank needs it, and the trainer's
+    control/exit.json asks no requeue. A stop that comes back keeps it (a requeue on this node
+    finds its compile caches warm), as do a failure and a launch without that record."""
+    scratch, record = os.environ.get("LLMTRAIN_NODE_SCRATCH"), os.environ.get("LLMTRAIN_EXIT_FILE")
+    if not scratch or not record:
+        return
+    try:
+        requeue = json.loads((Path(os.environ["LLMTRAIN_RUN_DIR"]) / record).read_text())["requeue"]
+    except (KeyError, OSError, ValueError, TypeError):
+        return
+    if requeue is False:
+        shutil.rmtree(scratch, ignore_errors=True)  # both agents of a test cluster share one /tmp
 
 
 def user_error(failures: dict) -> dict | None:
