@@ -10,10 +10,14 @@ import hashlib
 import io
 import json
 import os
+import select
+import selectors
 import shutil
+import socket
 import subprocess
 import sys
 import tempfile
+import time
 from pathlib import Path
 
 import pytest
@@ -320,8 +324,6 @@ class ServedLaunch(ForkedWorker):
             raise RuntimeError(f"the launch server did not start: see {folder}/server.log")
 
     def __init__(self, command: list[str], env: dict, new_session: bool, merged: bool):
-        import json
-        import socket
         out_r, out_w = os.pipe()
         err_r, err_w = (None, os.dup(out_w)) if merged else os.pipe()
         stdin = os.open(os.devnull, os.O_RDONLY)
@@ -337,13 +339,13 @@ class ServedLaunch(ForkedWorker):
         super().__init__(int(self._lines.readline()), command)
 
     def poll(self) -> int | None:
-        import select
-        if self.returncode is None and select.select([self._conn], [], [], 0)[0]:
-            self.returncode = int(self._lines.readline())
-        return self.returncode
+        try:
+            return self.wait(0)
+        except subprocess.TimeoutExpired:
+            return None
 
     def wait(self, timeout: float | None = None) -> int:
-        import select
+        """The exit status the server reports (its line on the connection)."""
         if self.returncode is None:
             if not select.select([self._conn], [], [], timeout)[0]:
                 raise subprocess.TimeoutExpired(self.args, timeout)
@@ -352,8 +354,6 @@ class ServedLaunch(ForkedWorker):
 
     def communicate(self, timeout: float | None = None) -> tuple[str, str | None]:
         """Both streams to their end, then the exit status (as Popen.communicate)."""
-        import selectors
-        import time
         if self.stderr is None:  # one pipe: read to its end through the file, as Popen does
             out = self.stdout.read() if not self.stdout.closed else ""
             self.stdout.close()

@@ -15,7 +15,6 @@ A failure is exit 1. submit.sh --local, train.slurm and llmtrain bench start tra
 
 from __future__ import annotations
 
-import json
 import logging
 import os
 import shutil
@@ -56,7 +55,7 @@ def timers_stop_from_their_own_thread() -> None:
     in: <finalize object>", torch 2.11-2.13). From the timer's own thread the event alone ends it."""
     timer = getattr(_rendezvous, "_PeriodicTimer", None)
     stop = getattr(timer, "_stop_thread", None)
-    if stop is None or getattr(stop, "from_own_thread", False):
+    if stop is None:  # not the torch this was written for
         return
 
     def stop_thread(thread, stop_event):
@@ -64,13 +63,14 @@ def timers_stop_from_their_own_thread() -> None:
             stop_event.set()  # the loop ends after this call returns
         else:
             stop(thread, stop_event)
-    stop_thread.from_own_thread = True
     timer._stop_thread = staticmethod(stop_thread)
 
 
 timers_stop_from_their_own_thread()
 
 from ..errors import IN_ERROR_TXT, USER_ERROR, exit_process  # noqa: E402 (a worker's error file)
+from ..files import read_json  # noqa: E402
+from ..rundir import RunPaths  # noqa: E402
 
 QUIET_USER_ERROR = "--quiet-user-error"
 
@@ -150,14 +150,12 @@ def remove_node_scratch() -> None:
     so every agent passed torchrun's exit barrier and no rank needs it, and the trainer's
     control/exit.json asks no requeue. A stop that comes back keeps it (a requeue on this node
     finds its compile caches warm), as do a failure and a launch without that record."""
-    scratch, record = os.environ.get("LLMTRAIN_NODE_SCRATCH"), os.environ.get("LLMTRAIN_EXIT_FILE")
-    if not scratch or not record:
+    scratch, run_dir = os.environ.get("LLMTRAIN_NODE_SCRATCH"), os.environ.get("LLMTRAIN_RUN_DIR")
+    if not scratch or not run_dir:
         return
-    try:
-        requeue = json.loads((Path(os.environ["LLMTRAIN_RUN_DIR"]) / record).read_text())["requeue"]
-    except (KeyError, OSError, ValueError, TypeError):
-        return
-    if requeue is False:
+    stop = read_json(RunPaths(Path(run_dir)).exit)  # None where missing or torn
+    if isinstance(stop, dict) and stop.get("requeue") is False and str(stop.get("job_id")) == os.environ.get(
+            "SLURM_JOB_ID"):
         shutil.rmtree(scratch, ignore_errors=True)  # both agents of a test cluster share one /tmp
 
 
