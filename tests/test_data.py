@@ -531,7 +531,9 @@ def test_text_gets_the_ids_transformers_gives_from_a_process_that_never_imports_
         home, tmp_path, write_config, split_special_tokens):
     """Plain text is tokenized with the tokenizer transformers builds, loaded in a forked process
     and sent as the tokenizers library's JSON: prepare's own process imports neither transformers
-    nor torch (~3 s of start-up), and every id is still AutoTokenizer's, in the train and the
+    nor torch (~3 s of start-up), the loading process transformers alone (torch is ~1 s more, and
+    says nothing of it on stderr), and every id is still AutoTokenizer's (built here with torch
+    imported), in the train and the
     validation split (one pool), the text of a special token in a document included, whichever
     way the tokenizer's split_special_tokens (a setting its JSON does not carry) reads it."""
     AutoTokenizer.from_pretrained(DEMO / "tokenizer", split_special_tokens=split_special_tokens) \
@@ -545,6 +547,8 @@ def test_text_gets_the_ids_transformers_gives_from_a_process_that_never_imports_
     run = subprocess.run([sys.executable, "-c", PREPARE_AND_LIST_MODULES, path], capture_output=True,
                          text=True, check=True)
     assert run.stdout.split()[-2:] == ["transformers:False", "torch:False"]
+    assert "loader:transformers:True:torch:None" in run.stdout.split()
+    assert "PyTorch" not in run.stderr
 
     folder, manifest = open_prepared(load_config(path))
     held = np.zeros(len(docs), dtype=bool)  # the seeded sample held out (see load_splits)
@@ -553,6 +557,21 @@ def test_text_gets_the_ids_transformers_gives_from_a_process_that_never_imports_
         ids = reference([d for d, m in zip(docs, mask) if m], add_special_tokens=False)["input_ids"]
         stream = TokenStream(folder, manifest, split)
         assert stream.read(0, stream.num_tokens).tolist() == [t for x in ids for t in x + [reference.eos_token_id]]
+
+
+def test_documents_encoded_a_few_at_a_time_keep_every_id_in_order(home, tmp_path, write_config, tokenizer,
+                                                                    monkeypatch):
+    """The encoder takes about ENCODE_CHARS of text a call (its output then stays in the cache):
+    at 300 characters, a few documents a call, the stream is still every document's ids and EOS."""
+    monkeypatch.setattr(prepare_mod, "ENCODE_CHARS", 300)
+    src = tmp_path / "docs.txt"
+    src.write_text("\n".join(DOCS) + "\n")
+    cfg = config_for(write_config, src, validation_fraction=0)
+    prepare(cfg, log=lambda _: None)
+    folder, manifest = open_prepared(cfg)
+    ids = tokenizer(DOCS, add_special_tokens=False)["input_ids"]
+    stream = TokenStream(folder, manifest, "train")
+    assert stream.read(0, stream.num_tokens).tolist() == [t for x in ids for t in x + [tokenizer.eos_token_id]]
 
 
 def test_a_tokenizer_saved_with_truncation_and_padding_still_gets_every_token(home, tmp_path, write_config):
@@ -581,7 +600,15 @@ def test_a_tokenizer_saved_with_truncation_and_padding_still_gets_every_token(ho
 PREPARE_AND_LIST_MODULES = """
 import sys
 from llmtrain.config import load_config
+from llmtrain.data import tokenizer
 from llmtrain.data.prepare import prepare
+load = tokenizer._send_text_tokenizer
+
+def loader(folder, conn):  # the forked process that loads the tokenizer: what it imported
+    load(folder, conn)
+    print(f"loader:transformers:{'transformers' in sys.modules}:torch:{sys.modules.get('torch')}", flush=True)
+
+tokenizer._send_text_tokenizer = loader
 prepare(load_config(sys.argv[1]))
 print(*(f"{name}:{name in sys.modules}" for name in ("transformers", "torch")))
 """

@@ -8,7 +8,7 @@ split as one contiguous token stream cut into shards: worker processes tokenize 
 chunks of documents with the model's fast tokenizer, BOS before (data.add_bos) and EOS after
 every document, each chunk straight into its shard file (fine-tuning samples: data/samples.py
 lays them out in rows). For plain text the tokenizer is loaded in a forked process while the
-source is read (tokenizer.TokenizerLoad: transformers' import pulls in torch, ~3 s). Everything
+source is read (tokenizer.TokenizerLoad: transformers' import, ~1 s, without torch). Everything
 is written into `<final>.tmp-<host>-<pid>` and renamed at the end, so a crash never leaves a
 folder that looks prepared; a folder whose manifest exists is reused. The datasets library's
 own files (its Arrow copy of the source, the held-out indices, tokenized samples) go to
@@ -46,7 +46,10 @@ from .sources import (FORMAT_VERSION, MANIFEST, fingerprint, prepared_path, read
                       tokenizer_sha256)
 
 SHARD_TOKENS = 1 << 28  # 256M tokens: 512 MiB of uint16 per shard file
-ENCODE_DOCS = 1000  # documents per call of the batch encoder (larger batches run slower)
+READ_DOCS = 1024  # documents a tokenizing process takes out of Arrow at a time
+# Text per call of the batch encoder, about: its Encodings (~100 bytes a token) then stay in the
+# core's cache. 1,000 documents of ~220 characters a call ran 10-15% slower (doc/benchmarks.md).
+ENCODE_CHARS = 16 << 10
 CHUNK_BYTES = 256 << 20  # text per shard file of a text split (~64M tokens)
 DEFAULT_MAX_PROC = 64  # tokenizer processes by default, at most (data.num_proc: any)
 # Text per tokenizing process by default, at least (~2M tokens, a second or two of one): starting
@@ -611,14 +614,14 @@ def _write_chunk(task: tuple[int, int, int, str]) -> tuple[int, str, int, int, i
     ds, backend = splits[split], tokenizer.backend_tokenizer
     name, tokens, no_text = f"{split}-{index:05d}.bin", 0, 0
     with open(folder / name, "wb") as f:
-        for at in range(start, stop, ENCODE_DOCS):
-            texts = ds[at:min(at + ENCODE_DOCS, stop)][field]
+        for at in range(start, stop, READ_DOCS):
+            texts = ds[at:min(at + READ_DOCS, stop)][field]
             if None in texts:  # a record without the field (jsonl), or null
                 no_text += len(texts)
                 texts = [t for t in texts if t is not None]
                 no_text -= len(texts)
-            encodings = backend.encode_batch_fast(texts, add_special_tokens=False)
-            offsets, values = flat_ids([e.ids for e in encodings])
+            offsets, values = flat_ids([e.ids for batch in batches(texts, ENCODE_CHARS)
+                                        for e in backend.encode_batch_fast(batch, add_special_tokens=False)])
             stream = with_bos_eos(offsets, values, bos, eos, dtype)
             stream.tofile(f)
             tokens += len(stream)
@@ -642,6 +645,19 @@ def finished_chunk(folder: Path, split: str, task: tuple[int, int, int, str], dt
     if (record.get("start"), record.get("stop")) != (start, stop) or size != record.get("tokens", -1) * np.dtype(dtype).itemsize:
         return None
     return index, name, stop - start, record["tokens"], record.get("no_text", 0)
+
+
+def batches(texts: list[str], chars: int):
+    """`texts` in consecutive runs, each ending with the text that brings it to `chars`
+    characters (the last run: what is left)."""
+    start, size = 0, 0
+    for i, text in enumerate(texts):
+        size += len(text)
+        if size >= chars:
+            yield texts[start:i + 1]
+            start, size = i + 1, 0
+    if start < len(texts):
+        yield texts[start:]
 
 
 def flat_ids(lists: list[list[int]]) -> tuple[np.ndarray, np.ndarray]:

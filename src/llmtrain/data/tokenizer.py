@@ -42,9 +42,8 @@ class TextTokenizer:
     """What prepare needs of the run's tokenizer to tokenize plain text: the tokenizers
     library's Tokenizer exactly as transformers' AutoTokenizer builds it (its JSON and the one
     setting the JSON leaves out), and the special tokens. Built in a forked process
-    (TokenizerLoad): AutoTokenizer's import pulls in torch (~3 s of one core in all),
-    which prepare's own process then never imports, and the load runs while that process reads
-    the source. Pickles as JSON whatever the start method of the processes it goes to."""
+    (TokenizerLoad), which imports transformers without torch (without_torch), and prepare's
+    own process then imports neither; the load runs while that process reads the source. Pickles as JSON whatever the start method of the processes it goes to."""
 
     def __init__(self, tokenizer):
         self.backend_json = tokenizer.backend_tokenizer.to_str()
@@ -70,6 +69,18 @@ class TextTokenizer:
 
     def __getstate__(self) -> dict:
         return {k: v for k, v in self.__dict__.items() if k != "backend_tokenizer"}
+
+
+def without_torch() -> None:
+    """Make this process's `import transformers` skip torch (~1 s of one core): transformers
+    imports torch wherever it finds it, and a tokenizer needs it only to return tensors (which
+    prepare never asks for). For a process that loads a tokenizer and nothing else
+    (TokenizerLoad's); one that already imported torch keeps it."""
+    import os
+    import sys
+    if "torch" not in sys.modules:
+        sys.modules["torch"] = None  # importlib's find_spec: not installed
+        os.environ["TRANSFORMERS_NO_ADVISORY_WARNINGS"] = "1"  # its "PyTorch was not found" line
 
 
 class TokenizerLoad:
@@ -104,6 +115,7 @@ class TokenizerLoad:
 
 
 def _send_text_tokenizer(folder: Path, conn) -> None:
+    without_torch()
     try:
         from transformers import AutoTokenizer
         conn.send((True, TextTokenizer(AutoTokenizer.from_pretrained(folder))))
