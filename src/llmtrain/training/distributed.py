@@ -61,6 +61,8 @@ def init(cfg: Config) -> World:
     if not (os.environ.get("PYTORCH_CUDA_ALLOC_CONF") or os.environ.get("PYTORCH_ALLOC_CONF")):
         os.environ["PYTORCH_CUDA_ALLOC_CONF"] = "expandable_segments:True"
     device = pick_device(cfg, local_rank)
+    if device.type == "cpu":
+        keep_freed_heap()
     backend = cfg.parallel.backend
     if backend == "auto":
         backend = "nccl" if device.type == "cuda" else "gloo"
@@ -85,6 +87,32 @@ def init(cfg: Config) -> World:
         store = dist.HashStore()
         dist.init_process_group(backend, store=store, rank=0, world_size=1)
     return World(rank, local_rank, world_size, device, store, dims)
+
+
+# glibc's malloc gives the top of its heap back to the system whenever more than its trim threshold
+# lies free there, a threshold it raises only to twice the largest mmapped block freed so far:
+# a CPU step, which frees and takes again tens of MB of tensors, then faults their pages back in
+# every step (bench/throughput.py's model: ~7,000 page faults a step, ~150 with these; GPU
+# tensors live in CUDA's caching allocator instead). doc/benchmarks.md has the A/B.
+MALLOC_MMAP_THRESHOLD = 32 << 20  # blocks below this come from the heap (glibc's own ceiling)
+MALLOC_TRIM_THRESHOLD = 128 << 20  # free memory the heap keeps at its top
+
+
+def keep_freed_heap() -> None:
+    """Set glibc's malloc to keep a CPU step's freed memory for the next step, unless the
+    environment tunes malloc already (MALLOC_*_, GLIBC_TUNABLES, a preloaded jemalloc or
+    tcmalloc) or the C library is not glibc."""
+    if (not sys.platform.startswith("linux") or "malloc" in os.environ.get("LD_PRELOAD", "")
+            or "GLIBC_TUNABLES" in os.environ or any(k.startswith("MALLOC_") for k in os.environ)):
+        return
+    import ctypes
+    try:
+        libc = ctypes.CDLL(None)
+        libc.gnu_get_libc_version  # glibc's: musl has no mallopt
+        libc.mallopt(-3, MALLOC_MMAP_THRESHOLD)  # M_MMAP_THRESHOLD (fixed: no moving threshold)
+        libc.mallopt(-1, MALLOC_TRIM_THRESHOLD)  # M_TRIM_THRESHOLD
+    except (OSError, AttributeError):
+        return
 
 
 class _CpuAllToAll(logging.Filter):
