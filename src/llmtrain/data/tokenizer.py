@@ -43,7 +43,8 @@ class TextTokenizer:
     library's Tokenizer exactly as transformers' AutoTokenizer builds it (its JSON and the one
     setting the JSON leaves out), and the special tokens. Built in a forked process
     (TokenizerLoad), which imports transformers without torch (without_torch), and prepare's
-    own process then imports neither; the load runs while that process reads the source. Pickles as JSON whatever the start method of the processes it goes to."""
+    own process then imports neither; the load runs while that process reads the source.
+    Pickles as JSON whatever the start method of the processes it goes to."""
 
     def __init__(self, tokenizer):
         self.backend_json = tokenizer.backend_tokenizer.to_str()

@@ -67,8 +67,8 @@ def build_model(config: PretrainedConfig, cfg: Config, device: str | torch.devic
 def quiet_torchao():
     """A train.fp8 run imports torchao (transformers with its modeling code, parallel/float8.py),
     and on a CPU-only node torchao 0.18 warns that its CUDA kernels' libraries do not load (float8
-    training uses none: its matmul is torch._scaled_mm on a GPU, an fp32 matmul on a CPU) and torch 2.13 that it registers enums
-    the old way: four lines of noise in the run's log. Errors still show. (Other runs keep
+    training uses none: its matmul is torch._scaled_mm on a GPU, an fp32 matmul on a CPU) and
+    torch 2.13 that it registers enums the old way: four lines of noise in the run's log. Errors still show. (Other runs keep
     torchao out of the process: cli.without_torchao.)"""
     loggers = [logging.getLogger(name) for name in ("torchao", "torch.utils._pytree")]
     levels = [log.level for log in loggers]

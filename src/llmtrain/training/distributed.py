@@ -92,7 +92,7 @@ def init(cfg: Config) -> World:
 # glibc's malloc gives the top of its heap back to the system whenever more than its trim threshold
 # lies free there, a threshold it raises only to twice the largest mmapped block freed so far:
 # a CPU step, which frees and takes again tens of MB of tensors, then faults their pages back in
-# every step (bench/throughput.py's model: ~7,000 page faults a step, ~150 with these; GPU
+# every step (bench/throughput.py's model: ~7,000 page faults a step, ~60 with these; GPU
 # tensors live in CUDA's caching allocator instead). doc/benchmarks.md has the A/B.
 MALLOC_MMAP_THRESHOLD = 32 << 20  # blocks below this come from the heap (glibc's own ceiling)
 MALLOC_TRIM_THRESHOLD = 128 << 20  # free memory the heap keeps at its top
