@@ -73,7 +73,7 @@ def test_prepare_packs_every_document_with_eos(home, tmp_path, write_config, tok
 
 
 def test_held_out_documents_are_a_seeded_sample_and_both_splits_keep_the_source_order(
-        home, tmp_path, write_config, tokenizer):
+        home, tmp_path, write_config, tokenizer, monkeypatch):
     """Both splits read the source front to back (a shuffled split reads a corpus's Arrow copy at
     random): each split's stream is its documents in the source's order, the held-out ones drawn
     from all over the source, the same ones on every prepare."""
@@ -92,9 +92,14 @@ def test_held_out_documents_are_a_seeded_sample_and_both_splits_keep_the_source_
     assert train == [doc for i, doc in enumerate(DOCS) if i not in held]
     assert held[0] < 30 and held[-1] >= 270  # spread over the source, not its first or last 30
     shutil.rmtree(folder)
-    # Another prepare, in two tokenizing processes this time (8 chunks): the same streams.
-    again = prepare(config_for(write_config, src, validation_fraction=0.1, num_proc=2), log=lambda _: None)
-    assert again == folder and len(json.loads((again / "manifest.json").read_text())["splits"]["train"]["shards"]) == 8
+    # Another prepare, in two tokenizing processes this time (data.num_proc unset, text enough for
+    # two on two cores: 8 chunks of the train split; the validation split, enough for one, in two:
+    # it is tokenized last, on both): the same streams.
+    monkeypatch.setattr(prepare_mod, "PROC_BYTES", 4000)
+    monkeypatch.setattr(prepare_mod, "num_proc", lambda cfg: 2)
+    again = prepare(config_for(write_config, src, validation_fraction=0.1), log=lambda _: None)
+    shards = {k: len(v["shards"]) for k, v in json.loads((again / "manifest.json").read_text())["splits"].items()}
+    assert again == folder and shards == {"train": 8, "validation": 2}
     assert (documents("train"), documents("validation")) == (train, val)
 
 
@@ -572,6 +577,19 @@ def test_documents_encoded_a_few_at_a_time_keep_every_id_in_order(home, tmp_path
     ids = tokenizer(DOCS, add_special_tokens=False)["input_ids"]
     stream = TokenStream(folder, manifest, "train")
     assert stream.read(0, stream.num_tokens).tolist() == [t for x in ids for t in x + [tokenizer.eos_token_id]]
+
+
+def test_documents_read_straight_from_arrow_are_the_selections_rows_in_its_order(tmp_path):
+    """A tokenizing process reads its documents from the split's Arrow table and row selection
+    itself: a run in order, one with gaps (a held-out split's), one out of order, none."""
+    import datasets
+    docs = [f"doc {i}" if i % 5 else None for i in range(40)]
+    ds = datasets.Dataset.from_dict({"text": docs, "n": list(range(40))})
+    for rows in ([3, 4, 5, 6], [1, 2, 7, 30, 31], [5, 7, 6, 2], list(range(10, 40))):
+        part = ds.select(rows, indices_cache_file_name=str(tmp_path / "rows.arrow"))
+        for start, stop in ((0, len(rows)), (1, len(rows) - 1), (2, 3)):
+            assert prepare_mod.read_texts(part, "text", start, stop) == [docs[r] for r in rows[start:stop]]
+    assert prepare_mod.read_texts(ds, "text", 8, 12) == docs[8:12]
 
 
 def test_a_tokenizer_saved_with_truncation_and_padding_still_gets_every_token(home, tmp_path, write_config):
