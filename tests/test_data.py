@@ -579,6 +579,32 @@ def test_documents_encoded_a_few_at_a_time_keep_every_id_in_order(home, tmp_path
     assert stream.read(0, stream.num_tokens).tolist() == [t for x in ids for t in x + [tokenizer.eos_token_id]]
 
 
+def test_a_text_file_is_split_into_the_lines_the_librarys_text_builder_gives(tmp_path, monkeypatch):
+    """One .txt file is split into lines by Arrow's CSV reader (4x as fast as the datasets
+    library's text builder): the same documents for every way a line ends, blank lines, quotes,
+    tabs and Unicode separators; where the reader would differ or fail (a byte order mark, its
+    delimiter in a line, a line longer than its block, bytes that are not UTF-8) it gives None
+    and the builder reads the file."""
+    import datasets
+    same = [b"a\r\nb\r\n\r\nc\r\n", b"a\rb\r\rc", b"a\nb\r", b"\n\na\n\n\nb\n\n", b"one\ntwo", b"\n",
+            "h\u00e9llo \u2028 sep\u0085nel \u2029 x\n\u4e2d\u6587 \ufeff\n".encode(),
+            b'"quoted" text, with, commas\n"unterminated\n\ttab\tline\t\n  spaces  \n',
+            b"NA\nnull\n\nN/A\nNaN\n#comment\na\x0cb\x0bc\x1cd\x1ee\n"]
+    for i, data in enumerate(same):
+        path = tmp_path / f"same-{i}.txt"
+        path.write_bytes(data)
+        builder = datasets.load_dataset("text", data_files=[str(path)], split="train",
+                                        cache_dir=str(tmp_path / f"cache-{i}"))["text"]
+        lines = prepare_mod.text_lines(path, tmp_path / "scratch", f"same-{i}", datasets)
+        assert lines is not None and lines["text"] == builder, data
+    monkeypatch.setattr(prepare_mod, "LINE_BLOCK", 64)
+    for i, data in enumerate([b"\xef\xbb\xbfa\nb\n", b"a\x1fb\nc\n", b"short\n" + b"x" * 200 + b"\n",
+                              b"ok\nbad \xff here\n"]):
+        path = tmp_path / f"other-{i}.txt"
+        path.write_bytes(data)
+        assert prepare_mod.text_lines(path, tmp_path / "scratch", f"other-{i}", datasets) is None, data
+
+
 def test_documents_read_straight_from_arrow_are_the_selections_rows_in_its_order(tmp_path):
     """A tokenizing process reads its documents from the split's Arrow table and row selection
     itself: a run in order, one with gaps (a held-out split's), one out of order, none."""
