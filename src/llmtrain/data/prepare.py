@@ -2,13 +2,15 @@
 
 Loads the source with `datasets` (a hub snapshot folder of parquet/jsonl/txt, a save_to_disk
 folder, or files: one, or a glob's matches, compressed or not; plain text is one document per
-line, or per file with data.text_unit: file), takes the validation documents from
-data.validation (a split or files) or holds out a share of the documents, and writes each
-split as one contiguous token stream cut into shards: worker processes tokenize contiguous
-chunks of documents with the model's fast tokenizer, BOS before (data.add_bos) and EOS after
-every document, each chunk straight into its shard file (fine-tuning samples: data/samples.py
-lays them out in rows). For plain text the tokenizer is loaded in a forked process while the
-source is read (tokenizer.TokenizerLoad: transformers' import, ~1 s, without torch). Everything
+line, or per file with data.text_unit: file; one .txt file's lines are split by Arrow's CSV
+reader, text_lines, into the documents the library's builder gives), takes the validation
+documents from data.validation (a split or files) or holds out a share of the documents, and
+writes each split as one contiguous token stream cut into shards: worker processes tokenize
+contiguous chunks of documents with the model's fast tokenizer, BOS before (data.add_bos) and
+EOS after every document, each chunk straight into its shard file (fine-tuning samples:
+data/samples.py lays them out in rows). For plain text the tokenizer is loaded in a forked
+process while the source is read (tokenizer.TokenizerLoad: transformers' import, ~0.7 s without
+torch: on 2 cores, what the tokenizing waits for). Everything
 is written into `<final>.tmp-<host>-<pid>` and renamed at the end, so a crash never leaves a
 folder that looks prepared; a folder whose manifest exists is reused. The datasets library's
 own files (its Arrow copy of the source, the held-out indices, tokenized samples) go to
