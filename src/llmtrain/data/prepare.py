@@ -431,7 +431,7 @@ def _load(src: Path, split: str, key: str, cfg: Config, datasets, scratch: Path)
         raise PrepareError(f"data.{key}: {src} matches files of several formats "
                            f"({', '.join(suffixes)}); use one format per source")
     builder = builders.pop()
-    if builder == "text" and not text and len(files) == 1:  # one file: the builder's one process
+    if builder == "text" and not text and len(files) == 1:  # a document a line, in one file
         if (ds := text_lines(files[0], scratch, key, datasets)) is not None:
             return ds
     procs = min(procs, len(files))
@@ -447,9 +447,9 @@ LINE_BLOCK = 4 << 20  # bytes of a text file Arrow splits into lines at a time (
 def text_lines(path: Path, scratch: Path, key: str, datasets):
     """One plain text file's lines as the datasets library's text builder gives them (one
     document a line, universal newlines, empty lines kept, UTF-8), split by Arrow's CSV reader
-    with a delimiter that is not in the text: 0.14 s for the 50 MiB of bench/prepare.py against
-    the builder's 0.62 s, which makes a Python string of every line (for a corpus in one file,
-    one core at ~80 MB/s while the others wait). Written into an Arrow file in `scratch` and
+    with a delimiter that is not in the text: 0.05-0.1 s of CPU for the 50 MiB of
+    bench/prepare.py against the builder's 0.35, which makes a Python string of every line (for a
+    corpus in one file, one core while the others wait). Written into an Arrow file in `scratch` and
     memory-mapped, as the builder's copy is. None where the reader cannot give the same lines (a
     file that is not UTF-8, a line longer than LINE_BLOCK, the delimiter in a line, a byte order
     mark, which the reader drops and the builder keeps): the builder reads it, or says what is
