@@ -148,8 +148,6 @@ def prepare(cfg: Config, log=print) -> Path:
                 if n := part.get("no_text"):
                     log(f"{split}: {n:,} record{'s' if n != 1 else ''} with no text skipped "
                         f"(no {cfg.data.text_field!r} field, or null)")
-        for split, ds in splits.items():
-            manifest["splits"][split]["dataset_fingerprint"] = ds._fingerprint
         shutil.rmtree(scratch)  # the datasets above map its files: unlinked, still readable
         used = {s["file"] for part in manifest["splits"].values() for s in part.get("shards", [])}
         for record in tmp.glob(f"*{DONE}"):  # a continuation's records, and its unused chunks
