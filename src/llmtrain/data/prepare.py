@@ -573,14 +573,15 @@ def write_streams(splits: dict, tokenizer, cfg: Config, folder: Path, dtype, eos
     each split's manifest part."""
     from tqdm.auto import tqdm
     tasks, done = [], []
-    procs = max(worker_count(ds, cfg) for ds in splits.values())
+    workers = {split: worker_count(ds, cfg) for split, ds in splits.items()}
+    procs = max(workers.values())
     for split, ds in splits.items():
         # A split's chunks as its own size sets them (so its shard files): one per CHUNK_BYTES of
         # text, and with several processes at least 4 a process, so that none waits long for the
         # last: shard files of ~64M tokens, and a progress bar that moves on a large corpus. A
         # split small enough for one process still gets one chunk per process of the pool: the
         # validation split, tokenized last, ends on all of them (not on one, the others idle).
-        mine = worker_count(ds, cfg)
+        mine = workers[split]
         chunks = max(-(-text_bytes(ds) // CHUNK_BYTES), 4 * mine if mine > 1 else 1, procs)
         bounds = np.linspace(0, len(ds), min(chunks, len(ds)) + 1).astype(int)
         for task in [(i, int(a), int(b), split) for i, (a, b) in enumerate(zip(bounds[:-1], bounds[1:]))]:

@@ -111,8 +111,8 @@ def keep_freed_heap() -> None:
         libc.gnu_get_libc_version  # glibc's: musl has no mallopt
         libc.mallopt(-3, MALLOC_MMAP_THRESHOLD)  # M_MMAP_THRESHOLD (fixed: no moving threshold)
         libc.mallopt(-1, MALLOC_TRIM_THRESHOLD)  # M_TRIM_THRESHOLD
-    except (OSError, AttributeError):
-        return
+    except (OSError, AttributeError):  # not glibc: its defaults stand
+        pass
 
 
 class _CpuAllToAll(logging.Filter):
