@@ -64,7 +64,9 @@ if os.environ.get("PROBE_DIR"):
 
 def probe(tmp_path, name: str, fork: str) -> dict[str, dict]:
     """Each rank's record (PROBE) of a 2-process launch with LLMTRAIN_FORK_WORKERS=`fork`, under
-    an agent started without OMP_NUM_THREADS and with C++ logging at INFO."""
+    an agent started without OMP_NUM_THREADS, with C++ logging at INFO, and with SIGINT ignored (as
+    a script's background job starts) which torchrun then takes over: a started worker has
+    Python's SIGINT handler again."""
     out = tmp_path / name
     out.mkdir()
     env = imported_first(tmp_path, PROBE)
@@ -72,7 +74,8 @@ def probe(tmp_path, name: str, fork: str) -> dict[str, dict]:
     env.update(PROBE_DIR=str(out), LLMTRAIN_FORK_WORKERS=fork, TORCH_CPP_LOG_LEVEL="INFO", EXTRA="x")
     agent = subprocess.Popen(["bash", "-c", 'AGENT_PID=$$ exec "$@"', "-",
                               *torchrun_command(2, "train", "--config", "c.yaml")],
-                             env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+                             env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                             preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_IGN))
     output = agent.communicate(timeout=300)[0]
     assert agent.returncode == 0, output
     return {p.stem: json.loads(p.read_text()) for p in sorted(out.iterdir())}

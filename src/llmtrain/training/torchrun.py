@@ -24,9 +24,8 @@ import sys
 import threading
 from pathlib import Path
 
-from . import workers  # before torchrun installs its signal handlers
+from . import workers
 
-workers.remember_signals()
 # On a stop signal (scancel, a preemption's SIGTERM, the local launcher's end) the agent passes
 # SIGTERM to the workers and SIGKILLs them after this many seconds: torch's 30 s cut a big
 # model's save short (a 70B checkpoint takes minutes), and a kill -9'd local launcher's run lost

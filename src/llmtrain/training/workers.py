@@ -10,7 +10,8 @@ child becomes what the new interpreter would have been (`become_worker`) and run
 workers as its own (`ForkedHandler`: its SubprocessHandler with a fork for the Popen).
 
 What a forked child does not inherit from the agent, so that it is the worker a new interpreter
-would be: the agent's signal handlers (the dispositions the agent started with come back), the
+would be: the agent's signal handlers (`new_interpreter_signals`: what exec and Python's start
+make of the agent's dispositions at the fork), the
 files and sockets the agent opened after the imports (an exec'd worker has only 0, 1 and 2), its
 environment (the worker's replaces it: torchrun's RANK etc.), C++ logging at ERROR (the agent's
 own quiet, training/torchrun.py), the thread count (OMP_NUM_THREADS from the worker's
@@ -53,21 +54,32 @@ C10_LOG_LEVEL = "FLAGS_caffe2_log_level"  # c10's level, set from TORCH_CPP_LOG_
 
 
 class _Agent:
-    """What the agent was before torchrun changed it: its signal dispositions (`remember_signals`,
-    at the start), the descriptors its imports hold open and the exit-time finalizers they
-    registered (`preload`), and C++ logging's level as torch set it from the user's environment
-    (`quiet_cpp_logging`)."""
-    signals: dict[int, object] = {}
+    """What the agent was before torchrun changed it: the descriptors its imports hold open and
+    the exit-time finalizers they registered (`preload`), and C++ logging's level as torch set it
+    from the user's environment (`quiet_cpp_logging`)."""
     kept_fds: frozenset[int] = frozenset()
     finalizers: frozenset = frozenset()
     cpp_log_level: int | None = None
 
 
-def remember_signals() -> None:
-    """The agent's signal dispositions as its interpreter set them up (default, ignored, Python's
-    SIGINT handler), before torchrun installs its own: what each worker starts with."""
-    _Agent.signals = {s: signal.getsignal(s) for s in signal.valid_signals()
-                      if s not in (signal.SIGKILL, signal.SIGSTOP) and signal.getsignal(s) is not None}
+def new_interpreter_signals() -> dict[int, object]:
+    """The dispositions a worker that torchrun's Popen started now would have, from this
+    process's: exec resets a handler to the default and keeps an ignored signal ignored (an
+    agent started in the background of a script, with SIGINT ignored, whose torchrun then took
+    SIGINT over, gives its workers SIGINT back); Popen restores SIGPIPE and SIGXFSZ before exec and
+    the new interpreter ignores them; it takes SIGINT with its own handler where SIGINT is left at
+    the default. A handler set outside Python (getsignal's None) is left as it is: the worker's
+    imports would set it again."""
+    out = {}
+    for sig in signal.valid_signals() - {signal.SIGKILL, signal.SIGSTOP}:
+        now = signal.getsignal(sig)
+        if now is not None:
+            out[sig] = signal.SIG_IGN if now is signal.SIG_IGN else signal.SIG_DFL
+    for sig in (signal.SIGPIPE, signal.SIGXFSZ):
+        out[sig] = signal.SIG_IGN
+    if out.get(signal.SIGINT) is signal.SIG_DFL:
+        out[signal.SIGINT] = signal.default_int_handler
+    return out
 
 
 def wanted(argv: list[str]) -> bool:
@@ -288,7 +300,7 @@ def become_worker(command: tuple, env: dict[str, str], stdout, stderr, ready_w: 
         signal.set_wakeup_fd(-1)
     except ValueError:  # not the main thread: the handlers below cannot be set either
         pass
-    for sig, disposition in _Agent.signals.items():
+    for sig, disposition in new_interpreter_signals().items():
         try:
             signal.signal(sig, disposition)
         except (OSError, ValueError):
