@@ -337,11 +337,11 @@ def probed(tmp_path_factory):
             train={"micro_batch_size": 1, "global_batch_size": 2, "precision": "fp32"})))
         cmd = torchrun_command(2)
         cmd[-2:] = [str(REPO / "tests" / "memory_probe.py"), str(config), str(root),
-                    *(f"{name}={','.join(overrides)}" for name, overrides in {**CASES, **MOE_CASES}.items())]
+                    *(f"{name}={','.join(overrides)}" for name, overrides in {**CASES, **MOE_CASES, **GPT2_CASES}.items())]
         proc = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
         assert proc.returncode == 0, proc.stdout + proc.stderr
         ranks = [json.loads((root / f"rank-{rank}.json").read_text()) for rank in (0, 1)]
-        yield config, {case: max(r[case]["peak"] for r in ranks) for case in {**CASES, **MOE_CASES}}
+        yield config, {case: max(r[case]["peak"] for r in ranks) for case in {**CASES, **MOE_CASES, **GPT2_CASES}}
 
 
 @pytest.mark.slow
@@ -447,3 +447,26 @@ def test_an_moe_estimate_is_within_15_percent_of_the_measured_peak(probed):
         assert cfg.model.architecture == PROBED_MOE  # the case is the MoE model, whole
         est = estimate(cfg, world_size=2)
         assert 0.85 <= est.total / peaks[case] <= 1.15, (case, est.total / peaks[case], est)
+
+
+# PROBED made a GPT-2 (LayerNorm, an MLP of 768 without a gate, GPT-2's tanh GELU written out in
+# eager operations, dropout 0.1 on the residual stream): before the activation's saved tensors and
+# the dropouts' masks were counted, DDP's estimate read 0.79 of the measured peak. Attention's
+# dropout is off: on a CPU SDPA's math kernel keeps the probabilities for it (GPUs' kernels do not).
+_AS_GPT2 = [f"model.architecture.{key}={value}" for key, value in {
+    "model_type": "gpt2", "n_inner": 768, "num_key_value_heads": 4, "attn_pdrop": 0.0}.items()]
+GPT2_CASES = {"gpt2-ddp": [*_AS_GPT2, "parallel.strategy=ddp"],
+              "gpt2-fsdp-checkpointed": [*_AS_GPT2, "parallel.strategy=fsdp", "model.activation_checkpointing=true"]}
+
+
+@pytest.mark.slow
+def test_a_gpt2_estimate_counts_its_activation_and_dropouts(probed):
+    """The estimate of a model whose layers are not Llama's, against the trainer's measured step:
+    never below it by more than 5%."""
+    config, peaks = probed
+    for case, overrides in GPT2_CASES.items():
+        cfg = load_config(config, overrides, world_size=2)
+        shape = model_shape(cfg)
+        assert (shape.model_type, shape.intermediate, shape.activation_extra, shape.dropout_masks) == ("gpt2", 768, 12, 2)
+        est = estimate(cfg, world_size=2, shape=shape)
+        assert 0.95 <= est.total / peaks[case] <= 1.15, (case, est.total / peaks[case], est)

@@ -28,7 +28,11 @@ layers, vocabulary; Pl, Pr, H: one layer's, the root's (embeddings, final norm, 
   copy per projection) + p (2 a d + 2 k d) + 4 a (SDPA keeps q, k, v, its output and the fp32
   log-sum-exp, never the T x T scores; eager attention does: + a T (4 + p)); norms on the
   heads (Qwen3's q_norm, k_norm) + (4 + p)(a + k) d + 4 p i (gated MLP:
-  gate, its activation, up, their product; 2 p i ungated). A checkpointed layer keeps its input,
+  gate, its activation, up, their product; 2 p i ungated) + x i (what the activation function
+  keeps besides its input and output, x bytes a feature, measured on the model's own activation
+  module: 0 for fused SiLU and GELU, 12 for GPT-2's tanh GELU in eager operations) + h for each
+  dropout on the residual stream (its mask; GPT-2's two) + (1 + p) times the adapted layer's input
+  width for each LoRA dropout (its mask and lora_A's dropped input). A checkpointed layer keeps its input,
   r h, and one layer is recomputed at a time; backward holds T (p i + 8 h) of gradients
 - the attention masks, one per kind of layer whose rows hold several documents (fine-tuning
   samples, data.document_masking) or whose sliding window is shorter than seq_len, from forward
@@ -93,7 +97,11 @@ come on top, so a run fits when the total is within 90% of the GPU's memory (HEA
 matches the peaks torch's memory tracker measures in the trainer's own steps within a few
 percent (tests/test_estimate.py, doc/benchmarks.md), and max_memory_allocated on an H100 within
 3% (0.973-1.023: DDP and FSDP2, with and without activation checkpointing, tests/test_gpu.py),
-for Llama-style layers (RMSNorm, gated MLP) run eagerly (not compiled).
+for Llama-style layers (RMSNorm, gated MLP) run eagerly (not compiled), and GPT-2's (LayerNorm,
+its GELU, dropout; tests/test_estimate.py: 1.00, where it read 0.92 before the activation and the
+dropouts were counted). Not counted: dropout written as a function call (OPT, Falcon); and on a
+CPU, where dropout keeps its scaled noise in the input's dtype (CUDA: a byte mask) and SDPA's math
+kernel keeps the attention probabilities under attention dropout, the difference.
 """
 
 from __future__ import annotations
@@ -142,6 +150,9 @@ class ModelShape:
     windows: tuple = (None,)  # each kind of layer's sliding window (model/attention.layer_windows), None: none
     layer_weights: tuple = ()  # (name, rows, cols) of the largest layer's trained matrices: Muon's stacks
     head_norms: bool = False  # norms on the queries' and keys' heads (Qwen3's q_norm, k_norm)
+    activation_extra: float = 0.0  # bytes an MLP feature that its activation keeps besides input and output
+    dropout_masks: int = 0  # a layer's dropouts on the residual stream (GPT-2's): a byte a hidden element each
+    lora_dropout_bytes: int = 0  # per token, what LoRA's dropouts keep (their masks and dropped inputs)
     # Mixture-of-Experts (model/moe.py): experts per layer, used per token, their width; 0: dense
     experts: int = 0
     top_k: int = 0
@@ -205,7 +216,7 @@ def model_shape(cfg: Config) -> ModelShape:
     params = dict(model.named_parameters())  # tied weights once
     layers = decoder_layers(model)
     per_layer = [dict(layer.named_parameters()) for layer in layers]
-    largest = max(per_layer, key=lambda ps: sum(p.numel() for p in ps.values()))
+    big, largest = max(zip(layers, per_layer), key=lambda lp: sum(p.numel() for p in lp[1].values()))
     in_layers = {id(p) for ps in per_layer for p in ps.values()}
     root = [p for p in params.values() if id(p) not in in_layers]
     matrices = [p for n, p in largest.items() if p.ndim == 2 and not is_adapter(n)]
@@ -244,8 +255,64 @@ def model_shape(cfg: Config) -> ModelShape:
         layer_weights=tuple((n.split(".")[-2], *p.shape) for n, p in largest.items()
                             if p.ndim == 2 and p.requires_grad),
         head_norms=any(n.endswith("q_norm.weight") for n in largest),
+        activation_extra=_activation_extra(big),
+        **_dropouts(big, 2 if cfg.train.precision in ("bf16", "fp16") else 4),
         **{"active": sum(p.numel() for p in params.values()), **moe_shape},
     )
+
+
+def _activation_extra(layer) -> float:
+    """The bytes per MLP feature that the layer's activation function keeps for backward besides
+    its input and its output (which the MLP term counts), measured by running each activation
+    module of the layer on a small fp32 CPU tensor and summing what autograd saves: 0 for a fused
+    one (SiLU, GELU, ReLU), 12 for GPT-2's tanh GELU written out in eager operations (transformers'
+    NewGELUActivation: tanh's output, x / 2, 1 + tanh). Counted in fp32 at every precision:
+    CUDA's autocast runs pow and what follows it in fp32 (GPT-2 124M, bf16, on an H100: 14.6 GiB
+    measured, 15.4 estimated; 8.5 before the activation and the dropouts were counted). The
+    largest counts."""
+    import torch
+    extra = 0.0
+    for module in layer.modules():
+        kind = type(module).__module__
+        if (next(module.children(), None) is not None or next(module.parameters(), None) is not None
+                or next(module.buffers(), None) is not None
+                or not kind.startswith(("transformers.activations", "torch.nn.modules.activation"))):
+            continue
+        kept: dict[int, int] = {}
+
+        def pack(t):
+            kept[t.untyped_storage().data_ptr()] = t.untyped_storage().nbytes()
+            return t
+        x = torch.randn(8, 64, requires_grad=True) * 1.0  # not a leaf: as the up projection's output
+        try:
+            with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+                y = module(x)
+        except (RuntimeError, TypeError, ValueError):  # not an elementwise function of one tensor
+            continue
+        for t in (x, y):
+            kept.pop(t.untyped_storage().data_ptr(), None)
+        extra = max(extra, sum(kept.values()) / x.numel())
+    return extra
+
+
+def _dropouts(layer, p: int) -> dict:
+    """What the layer's dropouts outside attention keep for backward, as ModelShape's fields:
+    `dropout_masks`, those on the residual stream (GPT-2's and GPT-NeoX's), a mask each, a byte a
+    hidden element; `lora_dropout_bytes`, LoRA's, each its mask and the dropped input that lora_A
+    saves (p bytes), the adapted layer's input wide, per token. Attention's dropout runs inside
+    SDPA's kernel on GPUs (flash, efficient): no mask kept. Functional dropouts (OPT's, Falcon's)
+    are not modules, and not seen here."""
+    import torch
+    owners = {child: parent for parent in layer.modules() for child in parent.children()}
+    masks = lora = 0
+    for name, module in layer.named_modules():
+        if not isinstance(module, torch.nn.modules.dropout._DropoutNd) or not module.p:
+            continue
+        if name.endswith("lora_dropout"):
+            lora += (1 + p) * owners[module].in_features
+        elif not any(word in name.rsplit(".", 1)[-1] for word in ("attn", "attention")):  # attn_dropout: the probabilities'
+            masks += 1
+    return {"dropout_masks": masks, "lora_dropout_bytes": lora}
 
 
 def _windows(config) -> tuple:
@@ -486,11 +553,12 @@ def _layer_bytes(m: ModelShape, p: int, res: int, autocast: bool, cfg: Config, t
         attention += (4 + p) * (m.heads + m.kv_heads) * m.head_dim
     if cfg.model.attn_implementation == "eager":  # the scores' softmax, fp32 and cast
         attention += m.heads * cfg.data.seq_len * (4 + (p if p < 4 else 0))
-    mlp = (4 if m.gated else 2) * p * m.mlp_width
+    mlp = ((4 if m.gated else 2) * p + m.activation_extra) * m.mlp_width
     if m.experts:  # each of its top-k experts' input gathered and its output, p h each; the router's
         # logits (p) and two softmaxes kept for backward, fp32: the router's, and the balancing loss's
         mlp += m.top_k * 2 * p * m.hidden + m.experts * (p + 8)
-    return norms + norm_outputs + attention + mlp
+    masks = m.dropout_masks * m.hidden // tp  # on the residual stream: seq_len / tp tokens under tp
+    return int(norms + norm_outputs + attention + mlp) + masks + m.lora_dropout_bytes
 
 
 def _masks(cfg: Config, m: ModelShape) -> int:
