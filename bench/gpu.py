@@ -11,6 +11,11 @@ dropped), and its peak memory (max_memory_allocated). MFU for every side with th
 and peak (llmtrain.metrics: the device's dense bf16 peak). Targets (issue 11): llmtrain compiled
 >= 45% MFU on the 1B model on H100/H200, >= 1.0x the plain loop, >= 1.3x the HF Trainer.
 
+One more row a model, "planner (predicted)": what `llmtrain plan`'s cost model (login/plan.cost)
+predicts for llmtrain's run, with this GPU's datasheet figures and its GEMM rate measured here
+(the preflight's 8192 x 8192 bf16 product), and the estimator's memory: the planner's calibration
+on one GPU (issue 41), read against "llmtrain eager" (the model knows no compiler).
+
 llmtrain trains on the demo corpus (configs/demo, prepared at the model's seq_len; its tokens
 are ids below the model's vocabulary, which is what the compute depends on); the peers on random
 tokens. Logs of every run go to --out (default: a temporary folder). Needs torch with CUDA,
@@ -20,6 +25,7 @@ transformers, datasets (llmtrain prepare); run from the repo root, src/ importab
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import os
 import shutil
@@ -102,6 +108,25 @@ def flops_per_token(spec: dict) -> float:
     return formula(config, n_params, spec["seq"]), n_params
 
 
+def predicted(config: Path, device_name: str, gemm_tflops: float) -> dict | None:
+    """The planner's tokens/s and the estimator's GiB for `config` on one GPU called
+    `device_name` whose bf16 GEMM reaches `gemm_tflops`; None for a GPU the table lacks."""
+    from llmtrain.config import load_config
+    from llmtrain.gpus import gpu_called
+    from llmtrain.login.estimate import GIB, estimate, model_shape
+    from llmtrain.login.plan import cost
+    from llmtrain.parallel.dims import ParallelDims
+    gpu = gpu_called(device_name)
+    if gpu is None or not gpu.bf16_tflops:
+        return None
+    gpu = dataclasses.replace(gpu, gemm_tflops=gemm_tflops, measured="measured here")
+    cfg = load_config(config, [], world_size=1)
+    shape = model_shape(cfg)
+    memory = estimate(cfg, 1, shape=shape).total
+    c = cost(cfg, ParallelDims.from_config(cfg, 1, 1), shape, gpu, 1, memory)
+    return {"tokens_per_sec": c.tokens_per_s, "peak_mem_gib": memory / GIB}
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--models", nargs="+", choices=list(MODELS), default=list(MODELS))
@@ -120,8 +145,11 @@ def main() -> None:
     logs = args.out or tmp / "logs"
     logs.mkdir(parents=True, exist_ok=True)
     os.environ.setdefault("LLMTRAIN_HOME", str(tmp / "home"))
+    from llmtrain.training.preflight import matmul_tflops
+    gemm = matmul_tflops(device)
     print(f"{torch.cuda.get_device_name(0)}, torch {torch.__version__}, dense bf16 peak "
-          f"{peak / 1e12:.0f} TFLOP/s; {args.rounds} rounds x {args.steps} steps, windows of {WINDOW}")
+          f"{peak / 1e12:.0f} TFLOP/s, an 8192 x 8192 bf16 GEMM {gemm:.0f} TFLOP/s; {args.rounds} rounds x "
+          f"{args.steps} steps, windows of {WINDOW}")
     rows = []
     for name in args.models:
         spec = MODELS[name]
@@ -144,7 +172,14 @@ def main() -> None:
                     print(f"{name}, {side}, round {r}: loss {result['loss']:.4f} at step {args.steps}")
         per_token, n_params = flops_per_token(spec)
         speed = {side: statistics.median(w) for side, w in windows.items()}
-        for side in sides:
+        guess = predicted(config, torch.cuda.get_device_name(device), gemm)
+        if guess:
+            speed["planner (predicted)"] = guess["tokens_per_sec"]
+            memory["planner (predicted)"] = guess["peak_mem_gib"]
+            print(f"{name}: measured / predicted: llmtrain eager {speed['llmtrain eager'] / speed['planner (predicted)']:.2f} "
+                  f"tokens/s, {memory['llmtrain eager'] / memory['planner (predicted)']:.2f} memory; llmtrain compiled "
+                  f"{speed['llmtrain compiled'] / speed['planner (predicted)']:.2f} tokens/s")
+        for side in speed:
             rows.append((name, n_params, side, speed[side], speed[side] * per_token / peak, memory[side],
                          speed[side] / speed["plain loop"], speed[side] / speed["HF Trainer"]))
     print("\n| model | side | tokens/s | MFU | peak memory GiB | vs plain loop | vs HF Trainer |")
