@@ -45,6 +45,19 @@ def test_the_parameter_count_is_the_published_one(home, write_config, arch, gpus
     assert (shape.params, shape.trainable) == (count, count)
 
 
+@pytest.mark.parametrize("inner,width", [(None, 4 * 64), (96, 96)])
+def test_a_gpt2_shape_reads_its_mlp_width_activation_and_dropouts(home, write_config, inner, width):
+    """GPT-2 names its MLP's width n_inner (None: 4 x hidden); its tanh GELU keeps 12 bytes a
+    feature besides its input and output, and its two residual-stream dropouts a mask each (its
+    attention's dropout runs in SDPA's kernel); without dropout, none."""
+    arch = {"model_type": "gpt2", "n_embd": 64, "n_layer": 2, "n_head": 4, "n_positions": 64, "n_inner": inner}
+    shape = model_shape(load_config(write_config(tiny_config(model={"architecture": arch}))))
+    assert (shape.intermediate, shape.activation_extra, shape.dropout_masks) == (width, 12, 2)
+    arch.update(resid_pdrop=0.0, activation_function="gelu_pytorch_tanh")  # one fused operation
+    shape = model_shape(load_config(write_config(tiny_config(model={"architecture": arch}))))
+    assert (shape.activation_extra, shape.dropout_masks) == (0, 0)
+
+
 def test_lora_on_a_model_folder_keeps_gradients_and_state_for_the_adapters_only(home, write_config, tmp_path):
     """A Hugging Face folder (config.json only: no weights are read) with rank-16 adapters on
     q, k, v, o: 13,631,488 trainable parameters, as peft counts them for Llama 3 8B; the

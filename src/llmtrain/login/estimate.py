@@ -118,6 +118,9 @@ GIB = 2**30
 HEADROOM = 0.10  # of a GPU's memory: CUDA context, NCCL buffers, allocator fragmentation
 PRECISION_BYTES = {"bf16": 2, "fp16": 2, "fp32": 4}
 MUON_STEP = "Muon's optimizer step (its updates, a stack orthogonalised)"
+# Where a family's config names its MLP's width (GPT-2 and GPT-J: n_inner, OPT: ffn_dim, Falcon:
+# ffn_hidden_size); without one, 4 x hidden, as they default to.
+MLP_WIDTH_KEYS = ("intermediate_size", "n_inner", "ffn_dim", "ffn_hidden_size")
 ROWS = {"parameters": "parameters", "gradients": "gradients", "optimizer": "optimizer state",
         "param_copies": "param copies", "activations": "activations", "loss": "loss", "comm": "comm buffers"}
 
@@ -246,7 +249,7 @@ def model_shape(cfg: Config) -> ModelShape:
         head=head.numel(), head_trainable=head.numel() if head.requires_grad else 0,
         head_linear=head is not model.get_input_embeddings().weight,
         layers=len(layers), hidden=hidden, heads=heads,
-        intermediate=getattr(config, "intermediate_size", None) or 4 * hidden,
+        intermediate=next((w for key in MLP_WIDTH_KEYS if (w := getattr(config, key, None))), 4 * hidden),
         kv_heads=getattr(config, "num_key_value_heads", None) or heads,
         head_dim=getattr(config, "head_dim", None) or hidden // heads, vocab=config.vocab_size,
         gated=any("gate" in name for name in largest),
