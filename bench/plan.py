@@ -6,7 +6,8 @@ Trains bench/throughput.py's model (Llama, 4 layers x 256, seq_len 256, micro ba
 global batch of 16) under each layout this machine can run: one process, and two under ddp,
 fsdp, fsdp x tp 2, fsdp x cp 2 and pp 2 (1F1B). For each it prints the planner's predicted
 tokens/s and the estimator's memory against the measured median tokens/s (after the first log
-window) and peak memory. The planner's "GPU" is this CPU: its compute rate is a large fp32 matmul
+window) and peak memory, and the ratio again with the compute rate calibrated on one measured run
+of as many processes (one process; ddp): how each layout's extra work adds up. The planner's "GPU" is this CPU: its compute rate is a large fp32 matmul
 measured here at the threads each process trains with, its links gloo over loopback (an
 all-reduce measured here), so what this checks is the compute and memory models and how the
 layouts' extra work adds up, not a cluster's links or a GPU's kernels. Needs an environment from
@@ -120,13 +121,24 @@ def main() -> None:
         bw = busbw(tmp)
         print(f"this machine: fp32 matmul {rates[1]:.3f} TFLOP/s on 2 threads, {rates[2]:.3f} on 1; "
               f"gloo all-reduce {bw:.2f} GB/s bus bandwidth (2 processes)")
-        print("| layout | predicted tokens/s | measured | measured / predicted | estimated GiB | measured GiB (peak above the start) |")
-        print("| --- | ---: | ---: | ---: | ---: | ---: |")
+        rows = []
         for name, (nproc, sets) in LAYOUTS.items():
             tokens, peak = measured(tmp, name, nproc, sets, args.steps)
             guess, memory = predicted(tmp, name, nproc, sets, rates[nproc], bw)
-            print(f"| {name} | {guess:,.0f} | {tokens:,.0f} | {tokens / guess:.2f} | {memory:.2f} | {peak:.2f} |",
-                  flush=True)
+            rows.append((name, nproc, guess, tokens, memory, peak))
+            print(f"{name}: predicted {guess:,.0f} tokens/s, measured {tokens:,.0f}", flush=True)
+        # The compute rate calibrated on one measured run of as many processes, the first layout of
+        # each count (one process; ddp, whose step is its compute and one all-reduce): what is left
+        # is how each layout's extra work adds up, the part of the model a layout choice turns on.
+        scale = {}
+        for name, nproc, guess, tokens, *_ in rows:
+            scale.setdefault(nproc, tokens / guess)
+        print("| layout | predicted tokens/s | measured | measured / predicted | the same, compute calibrated on "
+              "the first run of as many processes | estimated GiB | measured GiB (peak above the start) |")
+        print("| --- | ---: | ---: | ---: | ---: | ---: | ---: |")
+        for name, nproc, guess, tokens, memory, peak in rows:
+            print(f"| {name} | {guess:,.0f} | {tokens:,.0f} | {tokens / guess:.2f} | "
+                  f"{tokens / guess / scale[nproc]:.2f} | {memory:.2f} | {peak:.2f} |")
 
 
 if __name__ == "__main__":
