@@ -113,18 +113,14 @@ def predicted(config: Path, device_name: str, gemm_tflops: float) -> dict | None
     `device_name` whose bf16 GEMM reaches `gemm_tflops`; None for a GPU the table lacks."""
     from llmtrain.config import load_config
     from llmtrain.gpus import gpu_called
-    from llmtrain.login.estimate import GIB, estimate, model_shape
-    from llmtrain.login.plan import cost
-    from llmtrain.parallel.dims import ParallelDims
+    from llmtrain.login.estimate import GIB
+    from llmtrain.login.plan import predict
     gpu = gpu_called(device_name)
     if gpu is None or not gpu.bf16_tflops:
         return None
     gpu = dataclasses.replace(gpu, gemm_tflops=gemm_tflops, measured="measured here")
-    cfg = load_config(config, [], world_size=1)
-    shape = model_shape(cfg)
-    memory = estimate(cfg, 1, shape=shape).total
-    c = cost(cfg, ParallelDims.from_config(cfg, 1, 1), shape, gpu, 1, memory)
-    return {"tokens_per_sec": c.tokens_per_s, "peak_mem_gib": memory / GIB}
+    c = predict(load_config(config, [], world_size=1), gpu, 1, 1)
+    return {"tokens_per_sec": c.tokens_per_s, "peak_mem_gib": c.memory / GIB}
 
 
 def main() -> None:

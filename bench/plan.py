@@ -96,19 +96,16 @@ def measured(tmp: Path, name: str, nproc: int, sets: list[str], steps: int) -> t
 def predicted(tmp: Path, name: str, nproc: int, sets: list[str], gemm: float, bw: float) -> tuple[float, float]:
     """(predicted tokens/s, estimated GiB) of the same run: this CPU as the planner's GPU."""
     from llmtrain.config import load_config
-    from llmtrain.login.estimate import GIB, estimate, model_shape
+    from llmtrain.login.estimate import GIB
     from llmtrain.gpus import GEMM_EFFICIENCY, GPU
-    from llmtrain.login.plan import cost
-    from llmtrain.parallel.dims import ParallelDims
+    from llmtrain.login.plan import predict
     config = llmtrain_config(tmp, nproc, name="-p")
     cfg = load_config(config, [f"train.global_batch_size={2 * MICRO}", "slurm.procs_per_node=null",
                                "slurm.gpus_per_node=2", *sets], world_size=nproc)
     cpu = GPU("this CPU", 24, gemm / GEMM_EFFICIENCY, None, bw, bw, gemm_tflops=gemm, intra_gbs=bw, inter_gbs=bw,
               measured="here")
-    shape = model_shape(cfg)
-    memory = estimate(cfg, nproc, shape=shape).total
-    c = cost(cfg, ParallelDims.from_config(cfg, nproc, nproc), shape, cpu, max(nproc, 2), memory)
-    return c.tokens_per_s * nproc, memory / GIB
+    c = predict(cfg, cpu, nproc, max(nproc, 2))  # two a "node": gloo's loopback is its links
+    return c.tokens_per_s * nproc, c.memory / GIB
 
 
 def main() -> None:

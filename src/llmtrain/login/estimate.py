@@ -271,7 +271,7 @@ def _activation_extra(layer) -> float:
     one (SiLU, GELU, ReLU), 12 for GPT-2's tanh GELU written out in eager operations (transformers'
     NewGELUActivation: tanh's output, x / 2, 1 + tanh). Counted in fp32 at every precision:
     CUDA's autocast runs pow and what follows it in fp32 (GPT-2 124M, bf16, on an H100: 14.6 GiB
-    measured, 15.4 estimated; 8.5 before the activation and the dropouts were counted). The
+    measured, 15.6 estimated; 8.5 before the activation and the dropouts were counted). The
     largest counts."""
     import torch
     extra = 0.0
@@ -307,14 +307,14 @@ def _dropouts(layer, p: int) -> dict:
     SDPA's kernel on GPUs (flash, efficient): no mask kept. Functional dropouts (OPT's, Falcon's)
     are not modules, and not seen here."""
     import torch
-    owners = {child: parent for parent in layer.modules() for child in parent.children()}
     masks = lora = 0
     for name, module in layer.named_modules():
         if not isinstance(module, torch.nn.modules.dropout._DropoutNd) or not module.p:
             continue
-        if name.endswith("lora_dropout"):
-            lora += (1 + p) * owners[module].in_features
-        elif not any(word in name.rsplit(".", 1)[-1] for word in ("attn", "attention")):  # attn_dropout: the probabilities'
+        owner, _, own = name.rpartition(".")
+        if own == "lora_dropout":  # set on the adapted linear layer itself (model/lora.py)
+            lora += (1 + p) * layer.get_submodule(owner).in_features
+        elif not any(word in own for word in ("attn", "attention")):  # attn_dropout: the probabilities'
             masks += 1
     return {"dropout_masks": masks, "lora_dropout_bytes": lora}
 

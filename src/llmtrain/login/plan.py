@@ -4,6 +4,7 @@ estimator's, login/estimate.py) and the step time a cost model predicts for it, 
     gpu = gpu_named("h100")                                   # the datasheet's figures
     ranked = plan(cfg, shape, world=64, per_node=8, gpu=gpu)  # [(Candidate, Cost)], fastest first
     lines = report(cfg, ranked, gpu, world, per_node)         # the table, why the best wins, its --set
+    mine = predict(cfg, gpu, world, per_node)                  # the config's own layout: a Cost
 
 The cost model, per optimizer step and GPU (each term in seconds; T: a micro-batch's tokens on
 this GPU's tensor-parallel group, m: micro-batches a step, L: layers, h: hidden, p: 2 bytes):
@@ -374,6 +375,14 @@ def candidate_of(cfg: Config) -> Candidate:
                      par.shard_size if par.strategy == "hsdp" else None)
 
 
+def predict(cfg: Config, gpu: GPU, world: int, per_node: int, shape: ModelShape | None = None) -> Cost:
+    """The cost model's step for the config's own layout on `world` GPUs of `per_node` a node,
+    its memory the estimator's."""
+    shape = shape or model_shape(cfg)
+    memory = estimate(cfg, world, shape=shape).total
+    return cost(cfg, ParallelDims.from_config(cfg, world, per_node), shape, gpu, per_node, memory)
+
+
 def verdict(cfg: Config, gpu: GPU | None = None) -> str:
     """The planner's word on the config's own layout, for `submit.sh --dry-run`: whether it fits,
     and how much faster the planner's best is ('fits; the planner's best is 1.40x faster: ...').
@@ -381,9 +390,8 @@ def verdict(cfg: Config, gpu: GPU | None = None) -> str:
     gpu = gpu or gpu_in(None, cfg)
     world, per_node = cfg.world_size, cfg.slurm.procs_per_node or cfg.slurm.gpus_per_node or 1
     shape = model_shape(cfg)
-    dims = ParallelDims.from_config(cfg, world, per_node)
-    memory = estimate(cfg, world, shape=shape).total
-    mine = cost(cfg, dims, shape, gpu, per_node, memory)
+    mine = predict(cfg, gpu, world, per_node, shape)
+    memory = mine.memory
     fits = memory <= gpu.memory_gib * (1 - HEADROOM) * GIB
     ranked = plan(cfg, shape, world, per_node, gpu)
     said = (f"fits ({memory / GIB:.1f} GiB a {gpu.name}), predicted {mine.tokens_per_s:,.0f} tokens/s a GPU"
