@@ -103,7 +103,7 @@ def predicted(tmp: Path, name: str, nproc: int, sets: list[str], gemm: float, bw
     cfg = load_config(config, [f"train.global_batch_size={2 * MICRO}", "slurm.procs_per_node=null",
                                "slurm.gpus_per_node=2", *sets], world_size=nproc)
     cpu = GPU("this CPU", 24, gemm / GEMM_EFFICIENCY, None, bw, bw, gemm_tflops=gemm, intra_gbs=bw, inter_gbs=bw,
-              measured="here")
+              measured="here", host_serial=True)
     c = predict(cfg, cpu, nproc, max(nproc, 2))  # two a "node": gloo's loopback is its links
     return c.tokens_per_s * nproc, c.memory / GIB
 

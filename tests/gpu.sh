@@ -32,8 +32,9 @@ Usage: bash tests/gpu.sh wheels|run
            python3 -m pytest -m gpu -v tests/test_gpu.py; the full log goes to
            $OUT/gpu-tests.log when OUT is set; a short summary is printed last
   bench    on the GPU machine: the same install, then python3 bench/gpu.py [its options, such
-           as --models gpt2-124m --rounds 1] (its runs' logs under $OUT/bench when OUT is set);
-           the table is printed last
+           as --models gpt2-124m --rounds 1] (its runs' logs under $OUT/bench when OUT is set)
+           then bench/host.py --device cuda (the host's work a layer, eager): its lines
+           come after bench/gpu.py's table
 EOF_USAGE
 }
 
@@ -104,6 +105,8 @@ run_bench() {
   versions
   cd "$REPO"
   python3 bench/gpu.py ${OUT:+--out "$OUT/bench"} "$@"
+  # the host's dispatch a layer on this node's CPU, CUDA kernels queued (login/plan.py's HOST_*)
+  python3 bench/host.py --device cuda --tp 2 8 --cp 2 || echo "bench/host.py failed (exit $?)"
 }
 
 run_tests() {

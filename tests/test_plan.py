@@ -82,6 +82,34 @@ def test_the_cost_model_charges_the_bubble_and_the_links_a_group_crosses(config_
     assert cluster.parts["tp"] == pytest.approx(node.parts["tp"])  # tp stays inside a node either way
 
 
+def test_the_cost_model_charges_the_hosts_work_where_it_outlasts_the_kernels(home, write_config):
+    """Llama-3-8B on one node of 8 H100s, 2048 tokens a micro-batch: a layer's kernels at tp 8
+    (~1 ms) are far shorter than eager DTensor's dispatch of them (bench/host.py's figures), and the
+    step waits for the host; compiled, the host has less to do; without tp (~5 ms of kernels a
+    layer) the host keeps ahead and costs nothing. On a CPU, whose host is its device, every layer
+    pass's dispatch is charged."""
+    import dataclasses
+
+    from llmtrain.login.plan import HOST_LAYER_S, HOST_TP_LAYER_S
+    from test_estimate import LLAMA_3_8B
+    path = write_config(llama(LLAMA_3_8B, 8, data={"seq_len": 2048}, train={"global_batch_size": 64}))
+
+    def predicted(tp: int, compile: bool = False, gpu=gpu_named("h100")):
+        cfg = load_config(path, ["parallel.strategy=fsdp", f"parallel.tp={tp}", "model.activation_checkpointing=false",
+                                 f"train.compile={str(compile).lower()}"], world_size=8)
+        return cost(cfg, ParallelDims.from_config(cfg, 8, 8), model_shape(cfg), gpu, 8, 0)
+
+    eager, compiled, plain = predicted(8), predicted(8, compile=True), predicted(1)
+    passes = 32 * 64  # layers x micro-batches of the one data-parallel rank
+    host = passes * (HOST_LAYER_S + HOST_TP_LAYER_S[False])
+    assert eager.parts["host"] == pytest.approx(host - (eager.seconds - eager.parts["host"]), rel=1e-9)
+    assert eager.main.startswith("host ") and eager.seconds == pytest.approx(host, rel=1e-9)
+    assert 0 < compiled.parts["host"] < eager.parts["host"] and compiled.seconds < eager.seconds / 2
+    assert plain.parts["host"] == 0
+    cpu = dataclasses.replace(gpu_named("h100"), host_serial=True)
+    assert predicted(8, gpu=cpu).parts["host"] == pytest.approx(host, rel=1e-9)
+
+
 def test_the_dry_runs_verdict_names_a_faster_layout_and_never_changes_the_config(config_70b):
     """submit.sh --dry-run's planner line (login/plan.verdict) for 70B under plain fsdp with
     checkpointing on 64 H100s: it fits; the planner's best is faster by the ratio of the two

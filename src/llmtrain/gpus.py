@@ -37,6 +37,7 @@ class GPU:
     measured: str = ""  # where the measurements come from; "": the datasheet alone
     tf32_tflops: float | None = None  # None: no TF32 units
     fp32_tflops: float | None = None
+    host_serial: bool = False  # the host is the device (a CPU): its dispatch is not hidden behind kernels
 
     @property
     def compute_scale(self) -> float:

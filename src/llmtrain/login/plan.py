@@ -27,6 +27,9 @@ this GPU's tensor-parallel group, m: micro-batches a step, L: layers, h: hidden,
     cp        each layer's keys and values gathered forward and their gradients reduced backward
     ep        2 all-to-alls a MoE layer forward and 2 backward of k T h, and a host read per layer
               and forward (parallel/experts.py)
+    host      the host's dispatch of each layer pass, HOST_LAYER_S, + HOST_TP_LAYER_S under tp
+              (DTensor's styles; a fifth of it compiled) + HOST_CP_LAYER_S under cp, which a GPU hides behind its kernels up to their time: only
+              the excess is exposed (all of it on a CPU, whose host is its device)
     bubble    the pipeline's, (pp - 1) / (v m + pp - 1) of the step idle
     p2p       the activations sent to the next stage and their gradients back
 
@@ -64,6 +67,15 @@ MATMUL_EFFICIENCY = 0.5
 LINK_EFFICIENCY = 0.8  # of a link's bandwidth a large collective reaches (NCCL's bus bandwidth)
 FP8_OVERHEAD = 0.75  # of FP8's matmul speed left after its casts and scales (torchao's float8 training)
 HOST_READ_S = 30e-6  # one device-to-host read of expert parallel's splits, the stream drained
+# The host's work a decoder layer (forward and backward): the plain layer's dispatch, and what
+# tensor parallel's DTensor styles and context parallel's DTensor gathers of the keys and values
+# add (dispatch and redistributions, not the links: the same at a degree of 2 and 8), eager and
+# under train.compile. Measured by bench/host.py on the CI machine's CPU, 2026-11-29: the plain
+# layer 2.0-2.7 ms eager, 1.4-2.3 compiled; tp +11.5-16.7 ms eager, +1.7-2.7 compiled; cp
+# +3.5-3.8 eager, +2.1 compiled. A GPU node's host is not measured yet (bench/host.py --device cuda).
+HOST_LAYER_S = 2.5e-3
+HOST_TP_LAYER_S = {False: 14e-3, True: 2.2e-3}  # by train.compile
+HOST_CP_LAYER_S = {False: 3.6e-3, True: 2.1e-3}
 
 
 def gpu_named(name: str) -> GPU:
@@ -353,6 +365,12 @@ def cost(cfg: Config, dims: ParallelDims, shape: ModelShape, gpu: GPU, per_node:
     if ep > 1 and shape.experts:
         routed = shape.top_k * tokens // tp * h * p * (ep - 1) / ep
         parts["ep"] = (4 + 2 * checkpointed) * L / pp * m * (routed / link(ep * tp) + HOST_READ_S / 2)
+    # The host's work: each layer's kernels dispatched (forward, backward, a recomputed forward),
+    # DTensor's styles adding more under tensor parallel. A GPU's host queues kernels ahead of
+    # them, so only what exceeds the device's work shows; a CPU does both in turn.
+    extra = (HOST_TP_LAYER_S[t.compile] if tp > 1 else 0.0) + (HOST_CP_LAYER_S[t.compile] if cp > 1 else 0.0)
+    host = L / pp * m * (1 + checkpointed / 3) * (HOST_LAYER_S + extra)
+    parts["host"] = host if gpu.host_serial else max(0.0, host - sum(parts.values()))
     work = sum(parts.values())
     if pp > 1:
         v = dims.stages_per_rank
