@@ -27,9 +27,10 @@ this GPU's tensor-parallel group, m: micro-batches a step, L: layers, h: hidden,
     cp        each layer's keys and values gathered forward and their gradients reduced backward
     ep        2 all-to-alls a MoE layer forward and 2 backward of k T h, and a host read per layer
               and forward (parallel/experts.py)
-    host      the host's dispatch of each layer pass, HOST_LAYER_S, + HOST_TP_LAYER_S under tp
-              (DTensor's styles; a fifth of it compiled) + HOST_CP_LAYER_S under cp, which a GPU hides behind its kernels up to their time: only
-              the excess is exposed (all of it on a CPU, whose host is its device)
+    host      the host's dispatch of each layer pass: HOST_LAYER_S, + HOST_TP_LAYER_S under tp
+              (DTensor's styles), + HOST_CP_LAYER_S under cp (each about 2 ms compiled); a GPU
+              hides it behind the step's device work up to that work's time, so only the excess
+              is exposed (all of it on a CPU, whose host is its device)
     bubble    the pipeline's, (pp - 1) / (v m + pp - 1) of the step idle
     p2p       the activations sent to the next stage and their gradients back
 
@@ -39,7 +40,7 @@ cluster (training/preflight.py writes $LLMTRAIN_HOME/cluster/<GPU>.json), its al
 bandwidths inside and across nodes replace those, and compute scales by its GEMM rate against
 GEMM_EFFICIENCY of the datasheet. What the model does not know: kernel
 efficiency at small shapes, NCCL's latency at thousands of ranks, the overlap FSDP2's prefetch
-reaches, stragglers. Its figures rank layouts; they are not a promise of tokens/s
+reaches, stragglers, a GPU node's host (the host figures are this project's CI CPU's). Its figures rank layouts; they are not a promise of tokens/s
 (doc/benchmarks.md, "The planner", compares them with measured runs).
 """
 
@@ -366,7 +367,7 @@ def cost(cfg: Config, dims: ParallelDims, shape: ModelShape, gpu: GPU, per_node:
         routed = shape.top_k * tokens // tp * h * p * (ep - 1) / ep
         parts["ep"] = (4 + 2 * checkpointed) * L / pp * m * (routed / link(ep * tp) + HOST_READ_S / 2)
     # The host's work: each layer's kernels dispatched (forward, backward, a recomputed forward),
-    # DTensor's styles adding more under tensor parallel. A GPU's host queues kernels ahead of
+    # DTensor adding more under tensor and context parallel. A GPU's host queues kernels ahead of
     # them, so only what exceeds the device's work shows; a CPU does both in turn.
     extra = (HOST_TP_LAYER_S[t.compile] if tp > 1 else 0.0) + (HOST_CP_LAYER_S[t.compile] if cp > 1 else 0.0)
     host = L / pp * m * (1 + checkpointed / 3) * (HOST_LAYER_S + extra)
