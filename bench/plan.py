@@ -7,11 +7,12 @@ global batch of 16) under each layout this machine can run: one process, and two
 fsdp, fsdp x tp 2, fsdp x cp 2 and pp 2 (1F1B). For each it prints the planner's predicted
 tokens/s and the estimator's memory against the measured median tokens/s (after the first log
 window) and peak memory, and the ratio again with the compute rate calibrated on one measured run
-of as many processes (one process; ddp): how each layout's extra work adds up. The planner's "GPU" is this CPU: its compute rate is a large fp32 matmul
-measured here at the threads each process trains with, its links gloo over loopback (an
-all-reduce measured here), so what this checks is the compute and memory models and how the
-layouts' extra work adds up, not a cluster's links or a GPU's kernels. Needs an environment from
-setup.sh.
+of as many processes (one process; ddp): how each layout's extra work adds up. The planner's
+"GPU" is this CPU: its compute rate is a large fp32 matmul measured here at the threads each
+process trains with, its links gloo over loopback (an all-reduce measured here), its host
+serial (login/plan.py's host term, each layer's dispatch, charged in full), so what this checks
+is the compute and memory models and how the layouts' extra work adds up, not a cluster's links
+or a GPU's kernels. Needs an environment from setup.sh.
 """
 
 from __future__ import annotations

@@ -106,7 +106,7 @@ run_bench() {
   cd "$REPO"
   python3 bench/gpu.py ${OUT:+--out "$OUT/bench"} "$@"
   # the host's dispatch a layer on this node's CPU, CUDA kernels queued (login/plan.py's HOST_*)
-  python3 bench/host.py --device cuda --tp 2 8 --cp 2 || echo "bench/host.py failed (exit $?)"
+  python3 bench/host.py --device cuda --tp 2 8 --cp 2 --fsdp 8 || echo "bench/host.py failed (exit $?)"
 }
 
 run_tests() {

@@ -74,6 +74,7 @@ HOST_READ_S = 30e-6  # one device-to-host read of expert parallel's splits, the 
 # under train.compile. Measured by bench/host.py on the CI machine's CPU, 2026-11-29: the plain
 # layer 2.0-2.7 ms eager, 1.4-2.3 compiled; tp +11.5-16.7 ms eager, +1.7-2.7 compiled; cp
 # +3.5-3.8 eager, +2.1 compiled. A GPU node's host is not measured yet (bench/host.py --device cuda).
+# FSDP2's hooks (+4.8-8.4 ms here, bench/host.py --fsdp) are not charged until a GPU node confirms them.
 HOST_LAYER_S = 2.5e-3
 HOST_TP_LAYER_S = {False: 14e-3, True: 2.2e-3}  # by train.compile
 HOST_CP_LAYER_S = {False: 3.6e-3, True: 2.1e-3}
