@@ -1,5 +1,6 @@
-"""The host's work per decoder layer, eager, with and without tensor parallel's DTensor styles:
-the figures login/plan.py's HOST_LAYER_S and HOST_TP_LAYER_S come from.
+"""The host's work per decoder layer, plain and under tensor parallel's DTensor styles, context
+parallel's DTensor gathers and FSDP2's hooks, eager or compiled: the figures login/plan.py's
+HOST_LAYER_S, HOST_TP_LAYER_S and HOST_CP_LAYER_S come from.
 
     python bench/host.py [--device cuda] [--tp 2 8] [--cp 2 8] [--fsdp 8] [--compile] [--repeats 15]
 
@@ -61,10 +62,10 @@ if {compile}:
     for layer in model.model.layers:
         layer.compile()
 def one():
-    if tp > 1:  # its head's rows are split for model/loss.py's chunked head: the decoder's output
-        out = model.model(input_ids=tokens, **extra).last_hidden_state
-    else:  # the root, whose forward FSDP2 hooks (its head is 8 tokens x 512: next to nothing)
+    if fsdp > 1:  # the root, whose forward FSDP2 hooks (its head: 8 tokens x 512, next to nothing)
         out = model(input_ids=tokens, **extra).logits
+    else:  # the decoder (under tp the head's rows are split for model/loss.py's chunked head)
+        out = model.model(input_ids=tokens, **extra).last_hidden_state
     out.float().pow(2).mean().backward()
     if device.type == "cuda":
         torch.cuda.synchronize()
@@ -85,7 +86,7 @@ def per_layer_ms(device: str, tp: int, repeats: int, compile: bool = False, cp: 
                       repeats=repeats, compile=compile)
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
     if out.returncode:
-        sys.exit(f"tp {tp}: failed:\n{out.stderr[-2000:]}")
+        sys.exit(f"tp {tp}, cp {cp}, fsdp {fsdp}: failed:\n{out.stderr[-2000:]}")
     return float(out.stdout.strip().splitlines()[-1])
 
 
@@ -106,7 +107,7 @@ def main() -> None:
         ms = per_layer_ms(args.device, tp, args.repeats, args.compile)
         print(f"{how}: tp {tp} (DTensor's sequence-parallel styles) {ms:.2f} ms a layer, "
               f"{ms - plain:+.2f} ms over the plain layer")
-    for cp in args.cp:
+    for cp in [] if args.compile else args.cp:  # training refuses train.compile under cp
         ms = per_layer_ms(args.device, 1, args.repeats, args.compile, cp)
         print(f"{how}: cp {cp} (DTensor's gathers of the keys and values) {ms:.2f} ms a layer, "
               f"{ms - plain:+.2f} ms over the plain layer")

@@ -85,7 +85,7 @@ def test_the_cost_model_charges_the_bubble_and_the_links_a_group_crosses(config_
 def test_the_cost_model_charges_the_hosts_work_where_it_outlasts_the_kernels(home, write_config):
     """Llama-3-8B on one node of 8 H100s, 2048 tokens a micro-batch: a layer's kernels at tp 8
     (~1 ms) are far shorter than eager DTensor's dispatch of them (bench/host.py's figures), and the
-    step waits for the host; compiled, the host has less to do; without tp (~5 ms of kernels a
+    step waits for the host; compiled, the host has less to do; without tp (~6 ms of kernels a
     layer) the host keeps ahead and costs nothing. On a CPU, whose host is its device, every layer
     pass's dispatch is charged."""
     import dataclasses

@@ -28,7 +28,7 @@ this GPU's tensor-parallel group, m: micro-batches a step, L: layers, h: hidden,
     ep        2 all-to-alls a MoE layer forward and 2 backward of k T h, and a host read per layer
               and forward (parallel/experts.py)
     host      the host's dispatch of each layer pass: HOST_LAYER_S, + HOST_TP_LAYER_S under tp
-              (DTensor's styles), + HOST_CP_LAYER_S under cp (each about 2 ms compiled); a GPU
+              (DTensor's styles; 2.2 ms compiled), + HOST_CP_LAYER_S under cp; a GPU
               hides it behind the step's device work up to that work's time, so only the excess
               is exposed (all of it on a CPU, whose host is its device)
     bubble    the pipeline's, (pp - 1) / (v m + pp - 1) of the step idle
@@ -70,14 +70,16 @@ FP8_OVERHEAD = 0.75  # of FP8's matmul speed left after its casts and scales (to
 HOST_READ_S = 30e-6  # one device-to-host read of expert parallel's splits, the stream drained
 # The host's work a decoder layer (forward and backward): the plain layer's dispatch, and what
 # tensor parallel's DTensor styles and context parallel's DTensor gathers of the keys and values
-# add (dispatch and redistributions, not the links: the same at a degree of 2 and 8), eager and
-# under train.compile. Measured by bench/host.py on the CI machine's CPU, 2026-11-29: the plain
-# layer 2.0-2.7 ms eager, 1.4-2.3 compiled; tp +11.5-16.7 ms eager, +1.7-2.7 compiled; cp
-# +3.5-3.8 eager, +2.1 compiled. A GPU node's host is not measured yet (bench/host.py --device cuda).
-# FSDP2's hooks (+4.8-8.4 ms here, bench/host.py --fsdp) are not charged until a GPU node confirms them.
+# add (dispatch and redistributions, not the links: the same at a degree of 2 and 8). Measured by
+# bench/host.py on the CI machine's CPU, 2026-11-29: the plain layer 2.0-2.9 ms eager (1.4-2.3
+# compiled: kept at the eager figure); tp +11.5-16.7 ms eager, +1.7-2.7 compiled; cp +3.2-4.4
+# (eager: training refuses train.compile under cp). A GPU node's host is not measured yet
+# (bench/host.py --device cuda). Not charged: FSDP2's hooks (+4.8-8.4 ms here, bench/host.py
+# --fsdp) until a GPU node confirms them; under ep, the host read that drains the stream each MoE
+# layer (HOST_READ_S) keeps the host from running ahead, which the overlap below does not know.
 HOST_LAYER_S = 2.5e-3
 HOST_TP_LAYER_S = {False: 14e-3, True: 2.2e-3}  # by train.compile
-HOST_CP_LAYER_S = {False: 3.6e-3, True: 2.1e-3}
+HOST_CP_LAYER_S = 3.6e-3
 
 
 def gpu_named(name: str) -> GPU:
@@ -370,7 +372,7 @@ def cost(cfg: Config, dims: ParallelDims, shape: ModelShape, gpu: GPU, per_node:
     # The host's work: each layer's kernels dispatched (forward, backward, a recomputed forward),
     # DTensor adding more under tensor and context parallel. A GPU's host queues kernels ahead of
     # them, so only what exceeds the device's work shows; a CPU does both in turn.
-    extra = (HOST_TP_LAYER_S[t.compile] if tp > 1 else 0.0) + (HOST_CP_LAYER_S[t.compile] if cp > 1 else 0.0)
+    extra = (HOST_TP_LAYER_S[t.compile] if tp > 1 else 0.0) + (HOST_CP_LAYER_S if cp > 1 else 0.0)
     host = L / pp * m * (1 + checkpointed / 3) * (HOST_LAYER_S + extra)
     parts["host"] = host if gpu.host_serial else max(0.0, host - sum(parts.values()))
     work = sum(parts.values())
