@@ -38,10 +38,10 @@ Every collective moves its bytes at LINK_EFFICIENCY of the GPU's NVLink bandwidt
 sits inside a node, else of the GPU's network bandwidth. Where a job's preflight measured the
 cluster (training/preflight.py writes $LLMTRAIN_HOME/cluster/<GPU>.json), its all-reduce bus
 bandwidths inside and across nodes replace those, and compute scales by its GEMM rate against
-GEMM_EFFICIENCY of the datasheet. What the model does not know: kernel
-efficiency at small shapes, NCCL's latency at thousands of ranks, the overlap FSDP2's prefetch
-reaches, stragglers, a GPU node's host (the host figures are this project's CI CPU's). Its figures rank layouts; they are not a promise of tokens/s
-(doc/benchmarks.md, "The planner", compares them with measured runs).
+GEMM_EFFICIENCY of the datasheet. What the model does not know: kernel efficiency at small
+shapes, NCCL's latency at thousands of ranks, the overlap FSDP2's prefetch reaches, stragglers,
+a GPU node's host (the host figures are this project's CI CPU's). Its figures rank layouts; they
+are not a promise of tokens/s (doc/benchmarks.md, "The planner", compares them with measured runs).
 """
 
 from __future__ import annotations
