@@ -9,8 +9,10 @@ tokens/s and the estimator's memory against the measured median tokens/s (after 
 window) and peak memory, and the ratio again with the compute rate calibrated on one measured run
 of as many processes (one process; ddp): how each layout's extra work adds up. The planner's
 "GPU" is this CPU: its compute rate is a large fp32 matmul measured here at the threads each
-process trains with, its links gloo over loopback (an all-reduce measured here), its host
-serial (login/plan.py's host term, each layer's dispatch, charged in full), so what this checks
+process trains with, its links gloo over loopback (an all-reduce, and the all-gathers and
+reduce-scatters fsdp, tp and cp run, which gloo runs at under half the all-reduce's rate: medians
+measured here), its host serial (login/plan.py's host term, each layer's dispatch, charged in
+full), so what this checks
 is the compute and memory models and how the layouts' extra work adds up, not a cluster's links
 or a GPU's kernels. Needs an environment from setup.sh.
 """
@@ -41,12 +43,24 @@ LAYOUTS = {  # name: (processes, --set overrides)
     "pp 2 (1f1b)": (2, ["parallel.strategy=ddp", "parallel.pp=2"]),
 }
 BUSBW = """
-import torch, torch.distributed as dist
-from llmtrain.training.preflight import all_reduce_busbw
+import statistics, time, torch, torch.distributed as dist
+from llmtrain.training.preflight import ALL_REDUCE_BYTES
 dist.init_process_group("gloo")
-bw = all_reduce_busbw(torch.device("cpu"), dist.get_world_size())
+n = dist.get_world_size()
+whole, part = torch.zeros(ALL_REDUCE_BYTES["cpu"] // 4), torch.zeros(ALL_REDUCE_BYTES["cpu"] // 4 // n)
+def busbw(collective, times):  # GB/s of the median of 20 after one, as a training step's many see them
+    collective()
+    took = []
+    for _ in range(20):
+        t0 = time.perf_counter()
+        collective()
+        took.append(time.perf_counter() - t0)
+    return times * (n - 1) / n * whole.numel() * 4 / statistics.median(took) / 1e9
+reduce = busbw(lambda: dist.all_reduce(whole), 2)
+gather = busbw(lambda: dist.all_gather_into_tensor(whole, part), 1)
+scatter = busbw(lambda: dist.reduce_scatter_tensor(part, whole), 1)
 if dist.get_rank() == 0:
-    print(bw)
+    print(reduce, 2 / (1 / gather + 1 / scatter))
 dist.destroy_process_group()
 """
 
@@ -67,11 +81,15 @@ def _timed(a, b) -> float:
     return time.perf_counter() - t0
 
 
-def busbw(tmp: Path) -> float:
+def busbw(tmp: Path) -> tuple[float, float]:
+    """(an all-reduce's, an all-gather and reduce-scatter's) bus bandwidth over 2 processes, GB/s,
+    at the preflight's size (4 MiB), the median of 20: this machine's best and median differ by
+    up to 2.5x. The latter's time is an equal number of each."""
     script = tmp / "busbw.py"
     script.write_text(BUSBW)
     out = subprocess.run([*launcher(2), str(script)], capture_output=True, text=True, check=True).stdout
-    return float(out.strip().splitlines()[-1])
+    reduce, gather = map(float, out.strip().splitlines()[-1].split())
+    return reduce, gather
 
 
 def measured(tmp: Path, name: str, nproc: int, sets: list[str], steps: int) -> tuple[float, float]:
@@ -94,7 +112,8 @@ def measured(tmp: Path, name: str, nproc: int, sets: list[str], steps: int) -> t
     return statistics.median(r["tokens_per_sec"] for r in train), max(r["peak_mem_gib"] for r in train) - before
 
 
-def predicted(tmp: Path, name: str, nproc: int, sets: list[str], gemm: float, bw: float) -> tuple[float, float]:
+def predicted(tmp: Path, name: str, nproc: int, sets: list[str], gemm: float, bw: tuple[float, float]
+              ) -> tuple[float, float]:
     """(predicted tokens/s, estimated GiB) of the same run: this CPU as the planner's GPU."""
     from llmtrain.config import load_config
     from llmtrain.login.estimate import GIB
@@ -103,8 +122,9 @@ def predicted(tmp: Path, name: str, nproc: int, sets: list[str], gemm: float, bw
     config = llmtrain_config(tmp, nproc, name="-p")
     cfg = load_config(config, [f"train.global_batch_size={2 * MICRO}", "slurm.procs_per_node=null",
                                "slurm.gpus_per_node=2", *sets], world_size=nproc)
-    cpu = GPU("this CPU", 24, gemm / GEMM_EFFICIENCY, None, bw, bw, gemm_tflops=gemm, intra_gbs=bw, inter_gbs=bw,
-              measured="here", host_serial=True)
+    reduce, gather = bw
+    cpu = GPU("this CPU", 24, gemm / GEMM_EFFICIENCY, None, reduce, reduce, gemm_tflops=gemm, intra_gbs=reduce,
+              inter_gbs=reduce, measured="here", host_serial=True, gather_scale=gather / reduce)
     c = predict(cfg, cpu, nproc, max(nproc, 2))  # two a "node": gloo's loopback is its links
     return c.tokens_per_s * nproc, c.memory / GIB
 
@@ -118,7 +138,8 @@ def main() -> None:
         rates = {1: matmul_tflops(2), 2: matmul_tflops(1)}  # a process's threads: 2 alone, 1 each of 2
         bw = busbw(tmp)
         print(f"this machine: fp32 matmul {rates[1]:.3f} TFLOP/s on 2 threads, {rates[2]:.3f} on 1; "
-              f"gloo all-reduce {bw:.2f} GB/s bus bandwidth (2 processes)")
+              f"gloo all-reduce {bw[0]:.2f} GB/s bus bandwidth, all-gather and reduce-scatter {bw[1]:.2f} "
+              "(2 processes, 4 MiB)")
         rows = []
         for name, (nproc, sets) in LAYOUTS.items():
             tokens, peak = measured(tmp, name, nproc, sets, args.steps)

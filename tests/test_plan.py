@@ -84,24 +84,25 @@ def test_the_cost_model_charges_the_bubble_and_the_links_a_group_crosses(config_
 
 def test_the_cost_model_charges_the_hosts_work_where_it_outlasts_the_kernels(home, write_config):
     """Llama-3-8B on one node of 8 H100s, 2048 tokens a micro-batch: a layer's kernels at tp 8
-    (~1 ms) are far shorter than eager DTensor's dispatch of them (bench/host.py's figures), and the
-    step waits for the host; compiled, the host has less to do; without tp (~6 ms of kernels a
-    layer) the host keeps ahead and costs nothing. On a CPU, whose host is its device, every layer
-    pass's dispatch is charged."""
+    (~1 ms) are far shorter than eager DTensor's and FSDP2's dispatch of them (bench/host.py's
+    figures), and the step waits for the host; compiled, the host has less to do; under DDP
+    without tp (~6 ms of kernels a layer) the host keeps ahead and costs nothing. On a CPU, whose
+    host is its device, every layer pass's dispatch is charged."""
     import dataclasses
 
-    from llmtrain.login.plan import HOST_LAYER_S, HOST_TP_LAYER_S
+    from llmtrain.login.plan import HOST_FSDP_LAYER_S, HOST_LAYER_S, HOST_TP_LAYER_S
     from test_estimate import LLAMA_3_8B
     path = write_config(llama(LLAMA_3_8B, 8, data={"seq_len": 2048}, train={"global_batch_size": 64}))
 
-    def predicted(tp: int, compile: bool = False, gpu=gpu_named("h100")):
-        cfg = load_config(path, ["parallel.strategy=fsdp", f"parallel.tp={tp}", "model.activation_checkpointing=false",
-                                 f"train.compile={str(compile).lower()}"], world_size=8)
+    def predicted(tp: int, compile: bool = False, gpu=gpu_named("h100"), strategy: str = "fsdp"):
+        cfg = load_config(path, [f"parallel.strategy={strategy}", f"parallel.tp={tp}",
+                                 "model.activation_checkpointing=false", f"train.compile={str(compile).lower()}"],
+                          world_size=8)
         return cost(cfg, ParallelDims.from_config(cfg, 8, 8), model_shape(cfg), gpu, 8, 0)
 
-    eager, compiled, plain = predicted(8), predicted(8, compile=True), predicted(1)
+    eager, compiled, plain = predicted(8), predicted(8, compile=True), predicted(1, strategy="ddp")
     passes = 32 * 64  # layers x micro-batches of the one data-parallel rank
-    host = passes * (HOST_LAYER_S + HOST_TP_LAYER_S[False])
+    host = passes * (HOST_LAYER_S + HOST_TP_LAYER_S[False] + HOST_FSDP_LAYER_S)
     assert eager.parts["host"] == pytest.approx(host - (eager.seconds - eager.parts["host"]), rel=1e-9)
     assert eager.main.startswith("host ") and eager.seconds == pytest.approx(host, rel=1e-9)
     assert 0 < compiled.parts["host"] < eager.parts["host"] and compiled.seconds < eager.seconds / 2

@@ -28,7 +28,8 @@ this GPU's tensor-parallel group, m: micro-batches a step, L: layers, h: hidden,
     ep        2 all-to-alls a MoE layer forward and 2 backward of k T h, and a host read per layer
               and forward (parallel/experts.py)
     host      the host's dispatch of each layer pass: HOST_LAYER_S, + HOST_TP_LAYER_S under tp
-              (DTensor's styles; 2.2 ms compiled), + HOST_CP_LAYER_S under cp; a GPU
+              (DTensor's styles; 2.2 ms compiled), + HOST_CP_LAYER_S under cp, +
+              HOST_FSDP_LAYER_S under FSDP2 (fsdp, hsdp); a GPU
               hides it behind the step's device work up to that work's time, so only the excess
               is exposed (all of it on a CPU, whose host is its device)
     bubble    the pipeline's, (pp - 1) / (v m + pp - 1) of the step idle
@@ -38,7 +39,8 @@ Every collective moves its bytes at LINK_EFFICIENCY of the GPU's NVLink bandwidt
 sits inside a node, else of the GPU's network bandwidth. Where a job's preflight measured the
 cluster (training/preflight.py writes $LLMTRAIN_HOME/cluster/<GPU>.json), its all-reduce bus
 bandwidths inside and across nodes replace those, and compute scales by its GEMM rate against
-GEMM_EFFICIENCY of the datasheet. What the model does not know: kernel efficiency at small
+GEMM_EFFICIENCY of the datasheet. All-gathers and reduce-scatters (fsdp, tp, cp) move theirs at
+GPU.gather_scale of that rate: 1 under NCCL, gloo's measured on a CPU. What the model does not know: kernel efficiency at small
 shapes, NCCL's latency at thousands of ranks, the overlap FSDP2's prefetch reaches, stragglers,
 a GPU node's host (the host figures are this project's CI CPU's). Its figures rank layouts; they
 are not a promise of tokens/s (doc/benchmarks.md, "The planner", compares them with measured runs).
@@ -69,17 +71,20 @@ LINK_EFFICIENCY = 0.8  # of a link's bandwidth a large collective reaches (NCCL'
 FP8_OVERHEAD = 0.75  # of FP8's matmul speed left after its casts and scales (torchao's float8 training)
 HOST_READ_S = 30e-6  # one device-to-host read of expert parallel's splits, the stream drained
 # The host's work a decoder layer (forward and backward): the plain layer's dispatch, and what
-# tensor parallel's DTensor styles and context parallel's DTensor gathers of the keys and values
-# add (dispatch and redistributions, not the links: the same at a degree of 2 and 8). Measured by
-# bench/host.py on the CI machine's CPU, 2026-11-29: the plain layer 2.0-2.9 ms eager (1.4-2.3
-# compiled: kept at the eager figure); tp +11.5-16.7 ms eager, +1.7-2.7 compiled; cp +3.2-4.4
-# (eager: training refuses train.compile under cp). A GPU node's host is not measured yet
-# (bench/host.py --device cuda). Not charged: FSDP2's hooks (+4.8-8.4 ms here, bench/host.py
-# --fsdp) until a GPU node confirms them; under ep, the host read that drains the stream each MoE
-# layer (HOST_READ_S) keeps the host from running ahead, which the overlap below does not know.
+# tensor parallel's DTensor styles, context parallel's DTensor gathers of the keys and values and
+# FSDP2's hooks add (dispatch and redistributions, not the links: the same at a degree of 2 and
+# 8). Measured by bench/host.py on the CI machine's CPU, 2026-11-29: the plain layer 2.0-2.9 ms
+# eager (1.4-2.3 compiled: kept at the eager figure); tp +11.5-16.7 ms eager, +1.7-2.7 compiled;
+# cp +3.2-4.4 (eager: training refuses train.compile under cp); FSDP2 +4.8-8.4 over 2 and 8 ranks
+# (its hooks stay outside compiled layers), which training's own profile confirms (FSDP2's
+# post-backward hook alone 8-8.5 ms a layer pass, 2 processes, 2026-11-29). A GPU node's host is
+# not measured yet (bench/host.py --device cuda). Under ep, the host read that drains the stream
+# each MoE layer (HOST_READ_S) keeps the host from running ahead, which the overlap below does not
+# know.
 HOST_LAYER_S = 2.5e-3
 HOST_TP_LAYER_S = {False: 14e-3, True: 2.2e-3}  # by train.compile
 HOST_CP_LAYER_S = 3.6e-3
+HOST_FSDP_LAYER_S = 6e-3
 
 
 def gpu_named(name: str) -> GPU:
@@ -331,12 +336,13 @@ def cost(cfg: Config, dims: ParallelDims, shape: ModelShape, gpu: GPU, per_node:
     else:
         compute = flops / peak
 
-    def link(ranks_spanned: int) -> float:  # bytes/s of a group whose ranks lie within `ranks_spanned` consecutive ones
+    def link(ranks_spanned: int, gathers: bool = False) -> float:
+        """Bytes/s of a group whose ranks lie within `ranks_spanned` consecutive ones, in its
+        all-reduces (or, `gathers`, its all-gathers and reduce-scatters)."""
         inside = ranks_spanned <= per_node
-        busbw = gpu.intra_gbs if inside else gpu.inter_gbs  # measured: what a collective reaches
-        if busbw:
-            return busbw * 1e9
-        return (gpu.nvlink_gbs if inside else gpu.network_gbs) * 1e9 * LINK_EFFICIENCY
+        busbw = gpu.intra_gbs if inside else gpu.inter_gbs  # measured: what an all-reduce reaches
+        rate = busbw * 1e9 if busbw else (gpu.nvlink_gbs if inside else gpu.network_gbs) * 1e9 * LINK_EFFICIENCY
+        return rate * gpu.gather_scale if gathers else rate
 
     tokens = t.micro_batch_size * seq // cp  # a micro-batch's tokens on this GPU's tensor-parallel group
     parts = {"compute": compute}
@@ -350,7 +356,7 @@ def cost(cfg: Config, dims: ParallelDims, shape: ModelShape, gpu: GPU, per_node:
         reductions = m if pp == 1 and cfg.parallel.reduce_every_micro_batch else 1
         reduced = 2 if cfg.parallel.grad_compression == "bf16" else 4  # bytes a gradient on the wire
         moved = (gathers * weights * p + reductions * grads * reduced) * (shards - 1) / shards / pp
-        comm = moved / link(shards * tp)
+        comm = moved / link(shards * tp, gathers=True)
         if dims.replicate > 1:
             comm += 2 * grads / shards * reduced * (dims.replicate - 1) / dims.replicate / pp / link(world)
     else:  # DDP's all-reduce of fp32 gradients, bf16 or PowerSGD's rank-r factors (parallel/compression.py)
@@ -362,17 +368,18 @@ def cost(cfg: Config, dims: ParallelDims, shape: ModelShape, gpu: GPU, per_node:
         comm = 2 * grads * wire * (dp - 1) / max(dp, 1) / pp / link(dp * cp * tp) if dp > 1 else 0.0
     parts["fsdp" if dims.sharded else "ddp"] = max(0.0, comm - compute) + comm / max(L // pp, 1)
     if tp > 1:  # sequence parallel: 4 collectives a layer forward, 4 backward, 4 a recomputed layer
-        parts["tp"] = (8 + 4 * checkpointed) * L / pp * m * tokens * h * p * (tp - 1) / tp / link(tp)
+        parts["tp"] = (8 + 4 * checkpointed) * L / pp * m * tokens * h * p * (tp - 1) / tp / link(tp, gathers=True)
     if cp > 1:  # keys and values gathered forward (again where recomputed), their gradients reduced
         kv = 2 * max(shape.kv_heads // tp, 1) * shape.head_dim * seq * t.micro_batch_size * p * (cp - 1) / cp
-        parts["cp"] = (2 + checkpointed) * L / pp * m * kv / link(cp * tp)
+        parts["cp"] = (2 + checkpointed) * L / pp * m * kv / link(cp * tp, gathers=True)
     if ep > 1 and shape.experts:
         routed = shape.top_k * tokens // tp * h * p * (ep - 1) / ep
         parts["ep"] = (4 + 2 * checkpointed) * L / pp * m * (routed / link(ep * tp) + HOST_READ_S / 2)
     # The host's work: each layer's kernels dispatched (forward, backward, a recomputed forward),
     # DTensor adding more under tensor and context parallel. A GPU's host queues kernels ahead of
     # them, so only what exceeds the device's work shows; a CPU does both in turn.
-    extra = (HOST_TP_LAYER_S[t.compile] if tp > 1 else 0.0) + (HOST_CP_LAYER_S if cp > 1 else 0.0)
+    extra = ((HOST_TP_LAYER_S[t.compile] if tp > 1 else 0.0) + (HOST_CP_LAYER_S if cp > 1 else 0.0)
+             + (HOST_FSDP_LAYER_S if dims.sharded else 0.0))
     host = L / pp * m * (1 + checkpointed / 3) * (HOST_LAYER_S + extra)
     parts["host"] = host if gpu.host_serial else max(0.0, host - sum(parts.values()))
     work = sum(parts.values())
