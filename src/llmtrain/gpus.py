@@ -37,7 +37,7 @@ class GPU:
     measured: str = ""  # where the measurements come from; "": the datasheet alone
     tf32_tflops: float | None = None  # None: no TF32 units
     fp32_tflops: float | None = None
-    host_serial: bool = False  # the host is the device (a CPU): its dispatch is not hidden behind kernels
+    host_serial: bool = False  # the host is the device (a CPU): its dispatch and collectives hide behind nothing
     # What an all-gather or reduce-scatter reaches of the all-reduce's bus bandwidth on the same
     # links: about 1 under NCCL; gloo's are slower (its reduce-scatter is an all-reduce), measured
     # by bench/plan.py on a CPU.

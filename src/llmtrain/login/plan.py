@@ -21,7 +21,7 @@ this GPU's tensor-parallel group, m: micro-batches a step, L: layers, h: hidden,
               shard's gradients; ddp one all-reduce of every trainable gradient (in bf16, or as
               PowerSGD's factors, under parallel.grad_compression).
               They overlap compute: only what exceeds it, plus one layer's gather and reduction, is
-              exposed
+              exposed (all of it on a CPU, whose cores do both)
     tp        sequence parallel's all-gathers and reduce-scatters, 4 a layer forward, 4 backward
               (and 4 per recomputed layer) of T x h, on NVLink: exposed
     cp        each layer's keys and values gathered forward and their gradients reduced backward
@@ -366,7 +366,9 @@ def cost(cfg: Config, dims: ParallelDims, shape: ModelShape, gpu: GPU, per_node:
             wire *= sum(cfg.parallel.powersgd_rank * (r + c) for _, r, c in shape.layer_weights) / sum(
                 r * c for _, r, c in shape.layer_weights)
         comm = 2 * grads * wire * (dp - 1) / max(dp, 1) / pp / link(dp * cp * tp) if dp > 1 else 0.0
-    parts["fsdp" if dims.sharded else "ddp"] = max(0.0, comm - compute) + comm / max(L // pp, 1)
+    # overlapping compute; on a CPU (host serial) the collectives take the cores the compute needs
+    exposed = comm if gpu.host_serial else max(0.0, comm - compute) + comm / max(L // pp, 1)
+    parts["fsdp" if dims.sharded else "ddp"] = exposed
     if tp > 1:  # sequence parallel: 4 collectives a layer forward, 4 backward, 4 a recomputed layer
         parts["tp"] = (8 + 4 * checkpointed) * L / pp * m * tokens * h * p * (tp - 1) / tp / link(tp, gathers=True)
     if cp > 1:  # keys and values gathered forward (again where recomputed), their gradients reduced
