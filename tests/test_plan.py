@@ -111,6 +111,28 @@ def test_the_cost_model_charges_the_hosts_work_where_it_outlasts_the_kernels(hom
     assert predicted(8, gpu=cpu).parts["host"] == pytest.approx(host, rel=1e-9)
 
 
+def test_on_a_cpu_the_data_parallel_collectives_overlap_nothing(home, write_config):
+    """A GPU hides FSDP's gathers and reductions behind compute but for one layer's; a CPU
+    (host serial: bench/plan.py's record) pays them whole, its cores doing both; and its
+    all-gathers and reduce-scatters run at gather_scale of the all-reduce's rate."""
+    import dataclasses
+
+    from test_estimate import LLAMA_3_8B
+    path = write_config(llama(LLAMA_3_8B, 8, data={"seq_len": 2048}, train={"global_batch_size": 64}))
+    cfg = load_config(path, ["parallel.strategy=fsdp"], world_size=8)
+
+    def predicted(gpu):
+        return cost(cfg, ParallelDims.from_config(cfg, 8, 8), model_shape(cfg), gpu, 8, 0)
+
+    gpu = gpu_named("h100")
+    cpu = dataclasses.replace(gpu, host_serial=True)
+    whole, hidden = predicted(cpu).parts["fsdp"], predicted(gpu)
+    assert whole > hidden.parts["fsdp"] > 0
+    assert hidden.parts["fsdp"] == pytest.approx(max(0, whole - hidden.parts["compute"]) + whole / 32, rel=1e-9)
+    slower = predicted(dataclasses.replace(cpu, gather_scale=0.4)).parts["fsdp"]
+    assert slower == pytest.approx(whole / 0.4, rel=1e-9)
+
+
 def test_the_dry_runs_verdict_names_a_faster_layout_and_never_changes_the_config(config_70b):
     """submit.sh --dry-run's planner line (login/plan.verdict) for 70B under plain fsdp with
     checkpointing on 64 H100s: it fits; the planner's best is faster by the ratio of the two
