@@ -462,7 +462,8 @@ def report(cfg: Config, ranked: list[tuple[Candidate, Cost]], gpu: GPU, world: i
         lines.append(f"why: {c.seconds:.2f} s a step against {d.seconds:.2f} s for #2 ({d.seconds / c.seconds:.2f}x); "
                      + ", ".join(f"{k} {c.parts.get(k, 0):.2f} vs {d.parts.get(k, 0):.2f} s"
                                  for k in sorted(set(c.parts) | set(d.parts),
-                                                 key=lambda k: -abs(c.parts.get(k, 0) - d.parts.get(k, 0)))[:3]))
+                                                 key=lambda k: (-abs(c.parts.get(k, 0) - d.parts.get(k, 0)),
+                                                                -c.parts.get(k, 0), k))[:3]))
     lines.append("use it: " + " ".join(f"--set {s}" for s in best.overrides()))
     return lines
 
