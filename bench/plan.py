@@ -6,7 +6,8 @@ Trains bench/throughput.py's model (Llama, 4 layers x 256, seq_len 256, micro ba
 global batch of 16) under each layout this machine can run: one process, and two under ddp,
 fsdp, fsdp x tp 2, fsdp x cp 2 and pp 2 (1F1B). For each it prints the planner's predicted
 tokens/s and the estimator's memory against the measured median tokens/s (after the first log
-window) and peak memory, and the ratio again with the compute rate calibrated on one measured run
+window), the peak tensor memory of a step by torch's memory tracker (tests/memory_probe.py, the
+trainer's own step: what the estimator estimates) and the process's resident peak, and the ratio again with the compute rate calibrated on one measured run
 of as many processes (one process; ddp): how each layout's extra work adds up. The planner's
 "GPU" is this CPU: its compute rate is a large fp32 matmul measured here at the threads each
 process trains with, its links gloo over loopback (an all-reduce, and the all-gathers and
@@ -32,7 +33,7 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from throughput import MICRO, launcher, llmtrain_config  # noqa: E402
+from throughput import MICRO, REPO, launcher, llmtrain_config  # noqa: E402
 
 LAYOUTS = {  # name: (processes, --set overrides)
     "one process": (1, ["parallel.strategy=ddp"]),
@@ -112,6 +113,28 @@ def measured(tmp: Path, name: str, nproc: int, sets: list[str], steps: int) -> t
     return statistics.median(r["tokens_per_sec"] for r in train), max(r["peak_mem_gib"] for r in train) - before
 
 
+def tracked(tmp: Path) -> dict[str, float]:
+    """{layout: the peak tensor GiB of one of its training steps, the larger of its ranks'}, by
+    torch's memory tracker (tests/memory_probe.py: the trainer's own parallelize, loss and step,
+    a rank's micro-batches of the step; what the estimator estimates). One torchrun a process count."""
+    found = {}
+    for nproc in sorted({n for n, _ in LAYOUTS.values()}):
+        config = llmtrain_config(tmp, nproc, name="-m")
+        names = [name for name, (n, _) in LAYOUTS.items() if n == nproc]
+        cases = [f"case{i}={','.join([f'train.global_batch_size={2 * MICRO}', *LAYOUTS[name][1]])}"
+                 for i, name in enumerate(names)]
+        out = tmp / f"probe-{nproc}"
+        out.mkdir()
+        proc = subprocess.run([*launcher(nproc), str(REPO / "tests" / "memory_probe.py"), str(config), str(out), *cases],
+                              capture_output=True, text=True)
+        if proc.returncode:
+            sys.exit(f"tests/memory_probe.py failed:\n{proc.stderr[-3000:]}")
+        ranks = [json.loads(f.read_text()) for f in out.glob("rank-*.json")]
+        for i, name in enumerate(names):
+            found[name] = max(r[f"case{i}"]["peak"] for r in ranks) / 2 ** 30
+    return found
+
+
 def predicted(tmp: Path, name: str, nproc: int, sets: list[str], gemm: float, bw: tuple[float, float]
               ) -> tuple[float, float]:
     """(predicted tokens/s, estimated GiB) of the same run: this CPU as the planner's GPU."""
@@ -140,6 +163,7 @@ def main() -> None:
         print(f"this machine: fp32 matmul {rates[1]:.3f} TFLOP/s on 2 threads, {rates[2]:.3f} on 1; "
               f"gloo all-reduce {bw[0]:.2f} GB/s bus bandwidth, all-gather and reduce-scatter {bw[1]:.2f} "
               "(2 processes, 4 MiB)")
+        tensors = tracked(tmp)
         rows = []
         for name, (nproc, sets) in LAYOUTS.items():
             tokens, peak = measured(tmp, name, nproc, sets, args.steps)
@@ -153,11 +177,13 @@ def main() -> None:
         for name, nproc, guess, tokens, *_ in rows:
             scale.setdefault(nproc, tokens / guess)
         print("| layout | predicted tokens/s | measured | measured / predicted | the same, compute calibrated on "
-              "the first run of as many processes | estimated GiB | measured GiB (peak above the start) |")
-        print("| --- | ---: | ---: | ---: | ---: | ---: | ---: |")
+              "the first run of as many processes | estimated GiB | tracked peak GiB | estimated / tracked | "
+              "resident GiB above the start |")
+        print("| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |")
         for name, nproc, guess, tokens, memory, peak in rows:
             print(f"| {name} | {guess:,.0f} | {tokens:,.0f} | {tokens / guess:.2f} | "
-                  f"{tokens / guess / scale[nproc]:.2f} | {memory:.2f} | {peak:.2f} |")
+                  f"{tokens / guess / scale[nproc]:.2f} | {memory:.3f} | {tensors[name]:.3f} | "
+                  f"{memory / tensors[name]:.3f} | {peak:.2f} |")
 
 
 if __name__ == "__main__":

@@ -336,6 +336,13 @@ CASES = {"ddp": ["parallel.strategy=ddp"],
          "fsdp-checkpointed": ["parallel.strategy=fsdp", "model.activation_checkpointing=true"]}
 
 
+# Tensor, context and pipeline parallel on the 2 ranks: a rank's 2 micro-batches of the step
+# (the data-parallel degree is 1), under pp both in flight on the first stage.
+LAYOUT_CASES = {"fsdp-tp": ["parallel.strategy=fsdp", "parallel.tp=2"],
+                "fsdp-cp": ["parallel.strategy=fsdp", "parallel.cp=2"],
+                "pp": ["parallel.strategy=ddp", "parallel.pp=2"]}
+
+
 @pytest.fixture(scope="module")
 def probed(tmp_path_factory):
     """(config, {case: the larger of the two ranks' peaks in bytes}) from one torchrun of
@@ -350,11 +357,11 @@ def probed(tmp_path_factory):
             train={"micro_batch_size": 1, "global_batch_size": 2, "precision": "fp32"})))
         cmd = torchrun_command(2)
         cmd[-2:] = [str(REPO / "tests" / "memory_probe.py"), str(config), str(root),
-                    *(f"{name}={','.join(overrides)}" for name, overrides in {**CASES, **MOE_CASES, **GPT2_CASES}.items())]
+                    *(f"{name}={','.join(overrides)}" for name, overrides in {**CASES, **LAYOUT_CASES, **MOE_CASES, **GPT2_CASES}.items())]
         proc = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
         assert proc.returncode == 0, proc.stdout + proc.stderr
         ranks = [json.loads((root / f"rank-{rank}.json").read_text()) for rank in (0, 1)]
-        yield config, {case: max(r[case]["peak"] for r in ranks) for case in {**CASES, **MOE_CASES, **GPT2_CASES}}
+        yield config, {case: max(r[case]["peak"] for r in ranks) for case in {**CASES, **LAYOUT_CASES, **MOE_CASES, **GPT2_CASES}}
 
 
 @pytest.mark.slow
@@ -368,6 +375,19 @@ def test_the_estimate_is_within_15_percent_of_the_measured_peak(probed, case):
     ratio = est.total / peaks[case]
     assert 0.85 <= ratio <= 1.15, (f"{case}: estimated {est.total / 2**20:.1f} MiB, measured "
                                    f"{peaks[case] / 2**20:.1f} MiB ({ratio:.2f}x); {est}")
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("case", LAYOUT_CASES)
+def test_under_tp_cp_and_pp_the_estimate_is_never_below_the_measured_peak(probed, case):
+    """fsdp x tp 2, fsdp x cp 2 and pp 2 (1F1B), each a rank's 2 micro-batches: the estimate is at
+    or above the peak of the trainer's own step (under pp the first stage's two forwards in flight,
+    their outputs and the gradient it receives), by no more than 15%."""
+    config, peaks = probed
+    est = estimate(load_config(config, LAYOUT_CASES[case], world_size=2), world_size=2)
+    ratio = est.total / peaks[case]
+    assert 1.0 <= ratio <= 1.15, (f"{case}: estimated {est.total / 2**20:.2f} MiB, measured "
+                                  f"{peaks[case] / 2**20:.2f} MiB ({ratio:.3f}x); {est}")
 
 
 @pytest.mark.parametrize("checkpointing", [False, True])

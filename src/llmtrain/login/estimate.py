@@ -464,7 +464,10 @@ def _pipelined(cfg: Config, dims: ParallelDims, whole: ModelShape, world: int, m
     embedding, the last the final norm, the head and the loss), the worst of the first and last.
     FSDP2 keeps a stage's parameters gathered from the first forward to the step's end
     (reshard_after_forward off under pp), and under 1F1B and GPipe its gradients unsharded in fp32
-    until the last micro-batch's backward; a rank holds in_flight micro-batches' activations."""
+    until the last micro-batch's backward; a rank holds in_flight micro-batches' activations, and
+    where it sends to a later stage their outputs too (the schedule keeps each until its backward)
+    and the gradient it receives for one (this rank's slice of the sequence under tp); the last
+    stage the final norm's, as without a pipeline."""
     from ..parallel.pipeline import stage_bounds
     t, par = cfg.train, cfg.parallel
     pp, v, tp = dims.pipeline, dims.stages_per_rank, dims.tensor
@@ -489,8 +492,11 @@ def _pipelined(cfg: Config, dims: ParallelDims, whole: ModelShape, world: int, m
         checkpointed = cfg.model.activation_checkpointing
         kept_layer = tokens * res * whole.hidden // tp if checkpointed else per_layer
         forwards = in_flight(par.pp_schedule, pp, rank, accum, v)
+        sends = v > 1 or rank < pp - 1  # the last stage's output is its loss, not sent
+        boundary = (forwards + 1) * tokens // tp * whole.hidden * res if sends else 0
+        final_norm = tokens * (4 + res) * whole.hidden // tp if pp * v - 1 in stages else 0  # its fp32 input, output
         activations = forwards * max(1, layers // v) * kept_layer + (per_layer if checkpointed else 0) \
-            + tokens * (p * whole.mlp_width + 8 * whole.hidden)
+            + tokens * (p * whole.mlp_width + 8 * whole.hidden) + boundary + final_norm
         loss = _loss_bytes(whole, tokens, p, res, autocast) if pp * v - 1 in stages else 0
         params = 4 * -(-held // shard)
         gradients = 4 * -(-trainable // shard)
