@@ -23,8 +23,8 @@ layers, vocabulary; Pl, Pr, H: one layer's, the root's (embeddings, final norm, 
   layer while it computes (every layer without reshard_after_forward); DDP's bf16/fp16 autocast
   caches p per trained weight of every layer from forward to backward (a frozen one is cast at
   each use, not kept)
-- activations, per layer and token: 2 (4 + r) h (each RMSNorm keeps its fp32 input and its
-  normalised values) + 2 p h (the norms' outputs, as the projections keep them; autocast: one
+- activations, per layer and token: 2 ((4 + r) h + 8) (each RMSNorm keeps its fp32 input, its
+  normalised values and its statistics: LayerNorm's mean and rstd, 8) + 2 p h (the norms' outputs, as the projections keep them; autocast: one
   copy per projection) + p (2 a d + 2 k d) + 4 a (SDPA keeps q, k, v, its output and the fp32
   log-sum-exp, never the T x T scores; eager attention does: + a T (4 + p)); norms on the
   heads (Qwen3's q_norm, k_norm) + (4 + p)(a + k) d + 4 p i (gated MLP:
@@ -33,7 +33,10 @@ layers, vocabulary; Pl, Pr, H: one layer's, the root's (embeddings, final norm, 
   module: 0 for fused SiLU and GELU, 12 for GPT-2's tanh GELU in eager operations) + h for each
   dropout on the residual stream (its mask; GPT-2's two) + (1 + p) times the adapted layer's input
   width for each LoRA dropout (its mask and lora_A's dropped input). A checkpointed layer keeps its input,
-  r h, and one layer is recomputed at a time; backward holds T (p i + 8 h) of gradients
+  r h, and one layer is recomputed at a time; backward holds T (p i + 8 h) of gradients. Once per
+  model and token: the final norm's (4 + r) h + 8, the token ids (8) and the rotary tables (2 d r).
+  A pipeline stage holds its in-flight micro-batches' activations; one that sends also their
+  outputs and one received gradient, r h a token each
 - the attention masks, one per kind of layer whose rows hold several documents (fine-tuning
   samples, data.document_masking) or whose sliding window is shorter than seq_len, from forward
   to the first layer's backward (flex attention saves it for backward, as activation
@@ -391,7 +394,9 @@ def estimate(cfg: Config, world_size: int | None = None, micro_batch: int | None
         layer_acts += micro * cfg.data.seq_len * 2 * m.kv_heads * m.head_dim * p
     every = cfg.model.activation_checkpointing_every
     checkpointed = -(-L // every) if cfg.model.activation_checkpointing else 0
-    kept = (L - checkpointed) * layer_acts + (checkpointed * tokens * res * h + tokens * (4 + res) * h) // tp
+    # the final norm's (its fp32 input, output and statistics), the token ids and the rotary tables
+    kept = (L - checkpointed) * layer_acts + (checkpointed * tokens * res * h + tokens * ((4 + res) * h + 8)) // tp \
+        + tokens * (8 + 2 * m.head_dim * res)
     recompute = layer_acts if checkpointed else 0
     backward = tokens * (p * m.mlp_width + 8 * h)
     # cp: a boolean mask of this rank's queries by the whole sequence, each kind of layer's
@@ -494,9 +499,10 @@ def _pipelined(cfg: Config, dims: ParallelDims, whole: ModelShape, world: int, m
         forwards = in_flight(par.pp_schedule, pp, rank, accum, v)
         sends = v > 1 or rank < pp - 1  # the last stage's output is its loss, not sent
         boundary = (forwards + 1) * tokens // tp * whole.hidden * res if sends else 0
-        final_norm = tokens * (4 + res) * whole.hidden // tp if pp * v - 1 in stages else 0  # its fp32 input, output
+        final_norm = tokens * ((4 + res) * whole.hidden + 8) // tp if pp * v - 1 in stages else 0
+        tables = forwards * tokens * (2 * whole.head_dim * res + (8 if 0 in stages else 0))  # rotary; token ids
         activations = forwards * max(1, layers // v) * kept_layer + (per_layer if checkpointed else 0) \
-            + tokens * (p * whole.mlp_width + 8 * whole.hidden) + boundary + final_norm
+            + tokens * (p * whole.mlp_width + 8 * whole.hidden) + boundary + final_norm + tables
         loss = _loss_bytes(whole, tokens, p, res, autocast) if pp * v - 1 in stages else 0
         params = 4 * -(-held // shard)
         gradients = 4 * -(-trainable // shard)
@@ -555,7 +561,7 @@ def _param_bytes(m: ModelShape, shard: int, p: int, linear_only: bool, tp: int =
 def _layer_bytes(m: ModelShape, p: int, res: int, autocast: bool, cfg: Config, tp: int = 1) -> int:
     """Activation bytes one decoder layer keeps for backward, per token (`m`: one tensor-parallel
     rank's part, whose norms see seq_len / tp tokens and whose projections the gathered input)."""
-    norms = 2 * (4 + res) * m.hidden // tp
+    norms = 2 * ((4 + res) * m.hidden + 8) // tp  # LayerNorm's mean and rstd, RMSNorm's rstd: 8 at most
     # autocast casts a norm's output once per projection reading it: all but the two output ones
     norm_outputs = (m.layer_matrices - 2 if autocast else 2) * p * m.hidden
     attention = p * 2 * (m.heads + m.kv_heads) * m.head_dim + 4 * m.heads
