@@ -3,19 +3,18 @@
     python bench/plan.py [--steps 30]
 
 Trains bench/throughput.py's model (Llama, 4 layers x 256, seq_len 256, micro batch 8, fp32, a
-global batch of 16) under each layout this machine can run: one process, and two under ddp,
-fsdp, fsdp x tp 2, fsdp x cp 2 and pp 2 (1F1B). For each it prints the planner's predicted
-tokens/s and the estimator's memory against the measured median tokens/s (after the first log
-window), the peak tensor memory of a step by torch's memory tracker (tests/memory_probe.py, the
-trainer's own step: what the estimator estimates) and the process's resident peak, and the ratio again with the compute rate calibrated on one measured run
-of as many processes (one process; ddp): how each layout's extra work adds up. The planner's
-"GPU" is this CPU: its compute rate is a large fp32 matmul measured here at the threads each
-process trains with, its links gloo over loopback (an all-reduce, and the all-gathers and
-reduce-scatters fsdp, tp and cp run, which gloo runs at under half the all-reduce's rate: medians
-measured here), its host serial (login/plan.py's host term, each layer's dispatch, charged in
-full), so what this checks
-is the compute and memory models and how the layouts' extra work adds up, not a cluster's links
-or a GPU's kernels. Needs an environment from setup.sh.
+global batch of 16) under each layout this machine can run: one process, and two under ddp, fsdp,
+fsdp x tp 2, fsdp x cp 2 and pp 2 (1F1B). For each it prints the planner's predicted tokens/s and
+the estimator's memory against the measured median tokens/s (after the first log window), the peak
+tensor memory of a step by torch's memory tracker (tests/memory_probe.py, the trainer's own step:
+what the estimator estimates) and the process's resident peak, and the ratio again with the compute
+rate calibrated on one measured run of as many processes (one process; ddp): how each layout's extra
+work adds up. The planner's "GPU" is this CPU: its compute rate is a large fp32 matmul measured here
+at the threads each process trains with, its links gloo over loopback (an all-reduce, and the
+all-gathers and reduce-scatters fsdp, tp and cp run, which gloo runs at about half the all-reduce's
+rate: medians measured here), its host serial (login/plan.py's host term, each layer's dispatch,
+charged in full), so what this checks is the compute and memory models and how the layouts' extra
+work adds up, not a cluster's links or a GPU's kernels. Needs an environment from setup.sh.
 """
 
 from __future__ import annotations

@@ -21,6 +21,7 @@ import json
 import os
 import sys
 from pathlib import Path
+from unittest import mock
 
 import torch
 from torch.distributed._tools.fsdp2_mem_tracker import FSDPMemTracker
@@ -48,12 +49,10 @@ _causal_lower_right = torch.nn.attention.bias.causal_lower_right
 
 def causal_lower_right(*sizes):
     """torch's CausalBias (a tensor subclass holding no data: model/attention.causal_chunks, under
-    context parallel) cannot be made under the tracker's dispatch mode: made outside it."""
+    context parallel) cannot be made under the tracker's dispatch mode: made outside it. Patched
+    in for the tracked step only; model/attention.py imports it where it calls it."""
     with _disable_current_modes():
         return _causal_lower_right(*sizes)
-
-
-torch.nn.attention.bias.causal_lower_right = causal_lower_right
 
 
 def measure(cfg, world) -> dict:
@@ -97,9 +96,11 @@ def measure(cfg, world) -> dict:
         torch.cuda.synchronize()
         torch.cuda.reset_peak_memory_stats(world.device)
     hook = torch.nn.modules.module.register_module_forward_pre_hook(afresh)  # before the trackers' own
-    with tracker:
-        step()
-    hook.remove()
+    try:
+        with mock.patch.object(torch.nn.attention.bias, "causal_lower_right", causal_lower_right), tracker:
+            step()
+    finally:
+        hook.remove()
     snapshot = tracker.get_tracker_snapshot("peak")[world.device]
     return {"peak": snapshot["Total"], "parts": {str(getattr(k, "value", k)): v for k, v in snapshot.items()},
             **({"cuda_max_allocated": torch.cuda.max_memory_allocated(world.device) - before} if cuda else {})}

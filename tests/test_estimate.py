@@ -346,9 +346,10 @@ LAYOUT_CASES = {"fsdp-tp": ["parallel.strategy=fsdp", "parallel.tp=2"],
 @pytest.fixture(scope="module")
 def probed(tmp_path_factory):
     """(config, {case: the larger of the two ranks' peaks in bytes}) from one torchrun of
-    tests/memory_probe.py over all the cases: the four dense ones and the MoE ones (their
-    overrides make the model PROBED_MOE, below)."""
+    tests/memory_probe.py over all the cases: the four dense ones, tensor, context and pipeline
+    parallel, the MoE ones (their overrides make the model PROBED_MOE, below) and GPT-2's."""
     root = tmp_path_factory.mktemp("estimate")
+    cases = {**CASES, **LAYOUT_CASES, **MOE_CASES, **GPT2_CASES}
     with pytest.MonkeyPatch.context() as mp:
         mp.setenv("LLMTRAIN_HOME", str(root / "home"))
         config = root / "config.yaml"
@@ -357,11 +358,11 @@ def probed(tmp_path_factory):
             train={"micro_batch_size": 1, "global_batch_size": 2, "precision": "fp32"})))
         cmd = torchrun_command(2)
         cmd[-2:] = [str(REPO / "tests" / "memory_probe.py"), str(config), str(root),
-                    *(f"{name}={','.join(overrides)}" for name, overrides in {**CASES, **LAYOUT_CASES, **MOE_CASES, **GPT2_CASES}.items())]
+                    *(f"{name}={','.join(overrides)}" for name, overrides in cases.items())]
         proc = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
         assert proc.returncode == 0, proc.stdout + proc.stderr
         ranks = [json.loads((root / f"rank-{rank}.json").read_text()) for rank in (0, 1)]
-        yield config, {case: max(r[case]["peak"] for r in ranks) for case in {**CASES, **LAYOUT_CASES, **MOE_CASES, **GPT2_CASES}}
+        yield config, {case: max(r[case]["peak"] for r in ranks) for case in cases}
 
 
 @pytest.mark.slow

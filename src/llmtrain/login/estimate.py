@@ -24,19 +24,20 @@ layers, vocabulary; Pl, Pr, H: one layer's, the root's (embeddings, final norm, 
   caches p per trained weight of every layer from forward to backward (a frozen one is cast at
   each use, not kept)
 - activations, per layer and token: 2 ((4 + r) h + 8) (each RMSNorm keeps its fp32 input, its
-  normalised values and its statistics: LayerNorm's mean and rstd, 8) + 2 p h (the norms' outputs, as the projections keep them; autocast: one
-  copy per projection) + p (2 a d + 2 k d) + 4 a (SDPA keeps q, k, v, its output and the fp32
-  log-sum-exp, never the T x T scores; eager attention does: + a T (4 + p)); norms on the
-  heads (Qwen3's q_norm, k_norm) + (4 + p)(a + k) d + 4 p i (gated MLP:
-  gate, its activation, up, their product; 2 p i ungated) + x i (what the activation function
-  keeps besides its input and output, x bytes a feature, measured on the model's own activation
-  module: 0 for fused SiLU and GELU, 12 for GPT-2's tanh GELU in eager operations) + h for each
-  dropout on the residual stream (its mask; GPT-2's two) + (1 + p) times the adapted layer's input
-  width for each LoRA dropout (its mask and lora_A's dropped input). A checkpointed layer keeps its input,
-  r h, and one layer is recomputed at a time; backward holds T (p i + 8 h) of gradients. Once per
-  model and token: the final norm's (4 + r) h + 8, the token ids (8) and the rotary tables (2 d r).
-  A pipeline stage holds its in-flight micro-batches' activations; one that sends also their
-  outputs and one received gradient, r h a token each
+  normalised values and its statistics: LayerNorm's mean and rstd, 8) + 2 p h (the norms' outputs,
+  as the projections keep them; autocast: one copy per projection) + p (2 a d + 2 k d) + 4 a (SDPA
+  keeps q, k, v, its output and the fp32 log-sum-exp, never the T x T scores; eager attention does:
+  + a T (4 + p)); norms on the heads (Qwen3's q_norm, k_norm) + (4 + p)(a + k) d + 4 p i (gated MLP:
+  gate, its activation, up, their product; 2 p i ungated) + x i (what the activation function keeps
+  besides its input and output, x bytes a feature, measured on the model's own activation module: 0
+  for fused SiLU and GELU, 12 for GPT-2's tanh GELU in eager operations) + h for each dropout on the
+  residual stream (its mask; GPT-2's two) + (1 + p) times the adapted layer's input width for each
+  LoRA dropout (its mask and lora_A's dropped input). A checkpointed layer keeps its input, r h, and
+  one layer is recomputed at a time; backward holds T (p i + 8 h) of gradients. Once per model and
+  token: the final norm's (4 + r) h + 8, the token ids (8) and, with rotary positions, their tables
+  (2 d r at most: one row a sample). A pipeline stage holds its in-flight micro-batches'
+  activations; one that sends also their outputs and one received gradient, r h a token each; one
+  that receives, its inputs where r < 4 (its first norm keeps an fp32 copy)
 - the attention masks, one per kind of layer whose rows hold several documents (fine-tuning
   samples, data.document_masking) or whose sliding window is shorter than seq_len, from forward
   to the first layer's backward (flex attention saves it for backward, as activation
@@ -159,6 +160,7 @@ class ModelShape:
     activation_extra: float = 0.0  # bytes an MLP feature that its activation keeps besides input and output
     dropout_masks: int = 0  # a layer's dropouts on the residual stream (GPT-2's): a byte a hidden element each
     lora_dropout_bytes: int = 0  # per token, what LoRA's dropouts keep (their masks and dropped inputs)
+    rotary: bool = True  # rotary position embeddings (Llama's): their cos and sin tables are kept
     # Mixture-of-Experts (model/moe.py): experts per layer, used per token, their width; 0: dense
     experts: int = 0
     top_k: int = 0
@@ -261,6 +263,7 @@ def model_shape(cfg: Config) -> ModelShape:
         layer_weights=tuple((n.split(".")[-2], *p.shape) for n, p in largest.items()
                             if p.ndim == 2 and p.requires_grad),
         head_norms=any(n.endswith("q_norm.weight") for n in largest),
+        rotary=any(name.endswith("rotary_emb") for name, _ in model.named_modules()),
         activation_extra=_activation_extra(big),
         **_dropouts(big, 2 if cfg.train.precision in ("bf16", "fp16") else 4),
         **{"active": sum(p.numel() for p in params.values()), **moe_shape},
@@ -394,9 +397,7 @@ def estimate(cfg: Config, world_size: int | None = None, micro_batch: int | None
         layer_acts += micro * cfg.data.seq_len * 2 * m.kv_heads * m.head_dim * p
     every = cfg.model.activation_checkpointing_every
     checkpointed = -(-L // every) if cfg.model.activation_checkpointing else 0
-    # the final norm's (its fp32 input, output and statistics), the token ids and the rotary tables
-    kept = (L - checkpointed) * layer_acts + (checkpointed * tokens * res * h + tokens * ((4 + res) * h + 8)) // tp \
-        + tokens * (8 + 2 * m.head_dim * res)
+    kept = (L - checkpointed) * layer_acts + checkpointed * tokens * res * h // tp + _once(m, tokens, res, tp)
     recompute = layer_acts if checkpointed else 0
     backward = tokens * (p * m.mlp_width + 8 * h)
     # cp: a boolean mask of this rank's queries by the whole sequence, each kind of layer's
@@ -497,12 +498,14 @@ def _pipelined(cfg: Config, dims: ParallelDims, whole: ModelShape, world: int, m
         checkpointed = cfg.model.activation_checkpointing
         kept_layer = tokens * res * whole.hidden // tp if checkpointed else per_layer
         forwards = in_flight(par.pp_schedule, pp, rank, accum, v)
-        sends = v > 1 or rank < pp - 1  # the last stage's output is its loss, not sent
-        boundary = (forwards + 1) * tokens // tp * whole.hidden * res if sends else 0
-        final_norm = tokens * ((4 + res) * whole.hidden + 8) // tp if pp * v - 1 in stages else 0
-        tables = forwards * tokens * (2 * whole.head_dim * res + (8 if 0 in stages else 0))  # rotary; token ids
+        # a stage that sends keeps its outputs and receives a gradient; one that receives keeps its
+        # inputs, which its first norm's fp32 copy is not where the residual stream is in p
+        sends, receives = v > 1 or rank < pp - 1, v > 1 or rank > 0
+        boundary = ((forwards + 1 if sends else 0) + (forwards if receives and res < 4 else 0)) \
+            * tokens // tp * whole.hidden * res
+        once = forwards * _once(whole, tokens, res, tp, final_norm=pp * v - 1 in stages, ids=0 in stages)
         activations = forwards * max(1, layers // v) * kept_layer + (per_layer if checkpointed else 0) \
-            + tokens * (p * whole.mlp_width + 8 * whole.hidden) + boundary + final_norm + tables
+            + tokens * (p * whole.mlp_width + 8 * whole.hidden) + boundary + once
         loss = _loss_bytes(whole, tokens, p, res, autocast) if pp * v - 1 in stages else 0
         params = 4 * -(-held // shard)
         gradients = 4 * -(-trainable // shard)
@@ -556,6 +559,14 @@ def _param_bytes(m: ModelShape, shard: int, p: int, linear_only: bool, tp: int =
     return sum(-(-rows // shard) * (numel // rows) // (tp if matrix else 1)
                * (4 if trains or (linear_only and not linear) else p)
                for rows, numel, trains, linear, matrix in m.rows)
+
+
+def _once(m: ModelShape, tokens: int, res: int, tp: int, final_norm: bool = True, ids: bool = True) -> int:
+    """What a forward keeps once whatever its layers: the final norm's fp32 input, output and
+    statistics (seq_len / tp tokens under tp), the token ids and the rotary tables (cos and sin;
+    one row a sample at most: HF makes one for the batch where no positions are passed)."""
+    return (tokens * ((4 + res) * m.hidden + 8) // tp if final_norm else 0) + (8 * tokens if ids else 0) \
+        + (tokens * 2 * m.head_dim * res if m.rotary else 0)
 
 
 def _layer_bytes(m: ModelShape, p: int, res: int, autocast: bool, cfg: Config, tp: int = 1) -> int:

@@ -40,10 +40,11 @@ sits inside a node, else of the GPU's network bandwidth. Where a job's preflight
 cluster (training/preflight.py writes $LLMTRAIN_HOME/cluster/<GPU>.json), its all-reduce bus
 bandwidths inside and across nodes replace those, and compute scales by its GEMM rate against
 GEMM_EFFICIENCY of the datasheet. All-gathers and reduce-scatters (fsdp, tp, cp) move theirs at
-GPU.gather_scale of that rate: 1 under NCCL, gloo's measured on a CPU. What the model does not know: kernel efficiency at small
-shapes, NCCL's latency at thousands of ranks, the overlap FSDP2's prefetch reaches, stragglers,
-a GPU node's host (the host figures are this project's CI CPU's). Its figures rank layouts; they
-are not a promise of tokens/s (doc/benchmarks.md, "The planner", compares them with measured runs).
+GPU.gather_scale of that rate: 1 under NCCL, gloo's measured on a CPU. What the model does not know:
+kernel efficiency at small shapes, NCCL's latency at thousands of ranks, the overlap FSDP2's
+prefetch reaches, stragglers, a GPU node's host (the host figures are this project's CI CPU's). Its
+figures rank layouts; they are not a promise of tokens/s (doc/benchmarks.md, "The planner", compares
+them with measured runs).
 """
 
 from __future__ import annotations
@@ -76,8 +77,9 @@ HOST_READ_S = 30e-6  # one device-to-host read of expert parallel's splits, the 
 # 8). Measured by bench/host.py on the CI machine's CPU, 2026-11-29: the plain layer 2.0-2.9 ms
 # eager (1.4-2.3 compiled: kept at the eager figure); tp +11.5-16.7 ms eager, +1.7-2.7 compiled;
 # cp +3.2-4.4 (eager: training refuses train.compile under cp); FSDP2 +4.8-8.4 over 2 and 8 ranks
-# (its hooks stay outside compiled layers), which training's own profile confirms (FSDP2's
-# post-backward hook alone 8-8.5 ms a layer pass, 2 processes, 2026-11-29). A GPU node's host is
+# (its hooks stay outside compiled layers; charged at 6, the middle), of the size training's own
+# profile shows (FSDP2's post-backward hook alone 8-8.5 ms a layer pass under fsdp and fsdp x cp on
+# 2 processes; 1.9 under tp 2, whose FSDP2 group is one rank; 2026-11-29). A GPU node's host is
 # not measured yet (bench/host.py --device cuda). Under ep, the host read that drains the stream
 # each MoE layer (HOST_READ_S) keeps the host from running ahead, which the overlap below does not
 # know.
@@ -462,8 +464,8 @@ def report(cfg: Config, ranked: list[tuple[Candidate, Cost]], gpu: GPU, world: i
         lines.append(f"why: {c.seconds:.2f} s a step against {d.seconds:.2f} s for #2 ({d.seconds / c.seconds:.2f}x); "
                      + ", ".join(f"{k} {c.parts.get(k, 0):.2f} vs {d.parts.get(k, 0):.2f} s"
                                  for k in sorted(set(c.parts) | set(d.parts),
-                                                 key=lambda k: (-abs(c.parts.get(k, 0) - d.parts.get(k, 0)),
-                                                                -c.parts.get(k, 0), k))[:3]))
+                                                 key=lambda k: (-round(abs(c.parts.get(k, 0) - d.parts.get(k, 0)), 2),
+                                                                -c.parts.get(k, 0), k))[:3]))  # ties as printed
     lines.append("use it: " + " ".join(f"--set {s}" for s in best.overrides()))
     return lines
 
