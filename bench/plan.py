@@ -3,24 +3,27 @@
     python bench/plan.py [--steps 30]
 
 Trains bench/throughput.py's model (Llama, 4 layers x 256, seq_len 256, micro batch 8, fp32, a
-global batch of 16) under each layout this machine can run: one process, and two under ddp, fsdp,
-fsdp x tp 2, fsdp x cp 2 and pp 2 (1F1B). For each it prints the planner's predicted tokens/s and
-the estimator's memory against the measured median tokens/s (after the first log window), the peak
-tensor memory of a step by torch's memory tracker (tests/memory_probe.py, the trainer's own step:
-what the estimator estimates) and the process's resident peak, and the ratio again with the compute
-rate calibrated on one measured run of as many processes (one process; ddp): how each layout's extra
-work adds up. The planner's "GPU" is this CPU: its compute rate is a large fp32 matmul measured here
-at the threads each process trains with, its links gloo over loopback (an all-reduce, and the
-all-gathers and reduce-scatters fsdp, tp and cp run, which gloo runs at about half the all-reduce's
-rate: medians measured here), its host serial (login/plan.py's host term, each layer's dispatch,
-charged in full), so what this checks is the compute and memory models and how the layouts' extra
-work adds up, not a cluster's links or a GPU's kernels. Needs an environment from setup.sh.
+global batch of 16; 32 on 4 processes) under each layout this machine can run: one process; two
+under ddp, fsdp, fsdp x tp 2, fsdp x cp 2 and pp 2 (1F1B); four under ddp, fsdp, hsdp 2 x 2, fsdp 2
+x tp 2 and pp 2 x fsdp 2 (four processes share the 2 cores: half a core each). For each it prints
+the planner's predicted tokens/s and the estimator's memory against the measured median tokens/s
+(after the first log window), the peak tensor memory of a step by torch's memory tracker
+(tests/memory_probe.py, the trainer's own step: what the estimator estimates) and the process's
+resident peak, and the ratio again with the compute rate calibrated on one measured run of as many
+processes (one process; ddp on 2, on 4): how each layout's extra work adds up. The planner's "GPU"
+is this CPU: its compute rate is a large fp32 matmul measured here at the threads each process
+trains with, its links gloo over loopback (an all-reduce, and the all-gathers and reduce-scatters
+fsdp, tp and cp run, which gloo runs at about half the all-reduce's rate: medians measured here),
+its host serial (login/plan.py's host term, each layer's dispatch, charged in full), so what this
+checks is the compute and memory models and how the layouts' extra work adds up, not a cluster's
+links or a GPU's kernels. Needs an environment from setup.sh.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import os
 import re
 import statistics
 import subprocess
@@ -41,7 +44,18 @@ LAYOUTS = {  # name: (processes, --set overrides)
     "fsdp x tp 2": (2, ["parallel.strategy=fsdp", "parallel.tp=2"]),
     "fsdp x cp 2": (2, ["parallel.strategy=fsdp", "parallel.cp=2"]),
     "pp 2 (1f1b)": (2, ["parallel.strategy=ddp", "parallel.pp=2"]),
+    "ddp, 4 processes": (4, ["parallel.strategy=ddp"]),
+    "fsdp, 4": (4, ["parallel.strategy=fsdp"]),
+    "hsdp 2 x 2": (4, ["parallel.strategy=hsdp", "parallel.shard_size=2"]),
+    "fsdp 2 x tp 2": (4, ["parallel.strategy=fsdp", "parallel.tp=2"]),
+    "pp 2 x fsdp 2": (4, ["parallel.strategy=fsdp", "parallel.pp=2"]),
 }
+
+
+def global_batch(nproc: int) -> int:
+    """The step's rows: a micro-batch of 8 a data-parallel rank at 4 processes, 2 micro-batches a
+    rank where tp, cp or pp halve the data-parallel degree."""
+    return MICRO * max(2, nproc)
 BUSBW = """
 import statistics, time, torch, torch.distributed as dist
 from llmtrain.training.preflight import ALL_REDUCE_BYTES
@@ -81,13 +95,13 @@ def _timed(a, b) -> float:
     return time.perf_counter() - t0
 
 
-def busbw(tmp: Path) -> tuple[float, float]:
-    """(an all-reduce's, an all-gather and reduce-scatter's) bus bandwidth over 2 processes, GB/s,
+def busbw(tmp: Path, nproc: int) -> tuple[float, float]:
+    """(an all-reduce's, an all-gather and reduce-scatter's) bus bandwidth over `nproc` processes, GB/s,
     at the preflight's size (4 MiB), the median of 20: this machine's best and median differ by
     up to 2.5x. The latter's time is an equal number of each."""
     script = tmp / "busbw.py"
     script.write_text(BUSBW)
-    out = subprocess.run([*launcher(2), str(script)], capture_output=True, text=True, check=True).stdout
+    out = subprocess.run([*launcher(nproc), str(script)], capture_output=True, text=True, check=True).stdout
     reduce, gather = map(float, out.strip().splitlines()[-1].split())
     return reduce, gather
 
@@ -98,7 +112,7 @@ def measured(tmp: Path, name: str, nproc: int, sets: list[str], steps: int) -> t
     included) of one run."""
     config = llmtrain_config(tmp, nproc, name="-" + name.replace(" ", "").replace("(", "").replace(")", ""))
     run = ["--set", f"run.name={config.stem}", "--set", f"train.max_steps={steps}",
-           "--set", f"train.global_batch_size={2 * MICRO}"] + [x for s in sets for x in ("--set", s)]
+           "--set", f"train.global_batch_size={global_batch(nproc)}"] + [x for s in sets for x in ("--set", s)]
     subprocess.run([sys.executable, "-m", "llmtrain", "prepare", "--config", str(config)], check=True,
                    capture_output=True)
     proc = subprocess.run([*launcher(nproc), "-m", "llmtrain", "train", "--config", str(config), *run],
@@ -120,7 +134,7 @@ def tracked(tmp: Path) -> dict[str, float]:
     for nproc in sorted({n for n, _ in LAYOUTS.values()}):
         config = llmtrain_config(tmp, nproc, name="-m")
         names = [name for name, (n, _) in LAYOUTS.items() if n == nproc]
-        cases = [f"case{i}={','.join([f'train.global_batch_size={2 * MICRO}', *LAYOUTS[name][1]])}"
+        cases = [f"case{i}={','.join([f'train.global_batch_size={global_batch(nproc)}', *LAYOUTS[name][1]])}"
                  for i, name in enumerate(names)]
         out = tmp / f"probe-{nproc}"
         out.mkdir()
@@ -142,11 +156,12 @@ def predicted(tmp: Path, name: str, nproc: int, sets: list[str], gemm: float, bw
     from llmtrain.gpus import GEMM_EFFICIENCY, GPU
     from llmtrain.login.plan import predict
     config = llmtrain_config(tmp, nproc, name="-p")
-    cfg = load_config(config, [f"train.global_batch_size={2 * MICRO}", "slurm.procs_per_node=null",
+    cfg = load_config(config, [f"train.global_batch_size={global_batch(nproc)}", "slurm.procs_per_node=null",
                                "slurm.gpus_per_node=2", *sets], world_size=nproc)
     reduce, gather = bw
     cpu = GPU("this CPU", 24, gemm / GEMM_EFFICIENCY, None, reduce, reduce, gemm_tflops=gemm, intra_gbs=reduce,
-              inter_gbs=reduce, measured="here", host_serial=True, gather_scale=gather / reduce)
+              inter_gbs=reduce, measured="here", host_serial=True, gather_scale=gather / reduce,
+              host_scale=max(1.0, nproc / (os.cpu_count() or 1)))  # processes sharing a core share its host
     c = predict(cfg, cpu, nproc, max(nproc, 2))  # two a "node": gloo's loopback is its links
     return c.tokens_per_s * nproc, c.memory / GIB
 
@@ -157,16 +172,18 @@ def main() -> None:
     args = ap.parse_args()
     with tempfile.TemporaryDirectory() as d:
         tmp = Path(d)
-        rates = {1: matmul_tflops(2), 2: matmul_tflops(1)}  # a process's threads: 2 alone, 1 each of 2
-        bw = busbw(tmp)
+        one = matmul_tflops(1)
+        # a process's share of the 2 cores: 2 threads alone, one each of 2, half a core each of 4
+        rates = {1: matmul_tflops(2), 2: one, 4: one / 2}
+        bw = {n: busbw(tmp, n) for n in (2, 4)}
         print(f"this machine: fp32 matmul {rates[1]:.3f} TFLOP/s on 2 threads, {rates[2]:.3f} on 1; "
-              f"gloo all-reduce {bw[0]:.2f} GB/s bus bandwidth, all-gather and reduce-scatter {bw[1]:.2f} "
-              "(2 processes, 4 MiB)")
+              + "; ".join(f"{n} processes: gloo all-reduce {bw[n][0]:.2f} GB/s bus bandwidth, all-gather and "
+                          f"reduce-scatter {bw[n][1]:.2f}" for n in bw) + " (4 MiB)")
         tensors = tracked(tmp)
         rows = []
         for name, (nproc, sets) in LAYOUTS.items():
             tokens, peak = measured(tmp, name, nproc, sets, args.steps)
-            guess, memory = predicted(tmp, name, nproc, sets, rates[nproc], bw)
+            guess, memory = predicted(tmp, name, nproc, sets, rates[nproc], bw[max(nproc, 2)])
             rows.append((name, nproc, guess, tokens, memory, peak))
             print(f"{name}: predicted {guess:,.0f} tokens/s, measured {tokens:,.0f}", flush=True)
         # The compute rate calibrated on one measured run of as many processes, the first layout of

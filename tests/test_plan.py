@@ -87,7 +87,8 @@ def test_the_cost_model_charges_the_hosts_work_where_it_outlasts_the_kernels(hom
     (~1 ms) are far shorter than eager DTensor's and FSDP2's dispatch of them (bench/host.py's
     figures), and the step waits for the host; compiled, the host has less to do; under DDP
     without tp (~6 ms of kernels a layer) the host keeps ahead and costs nothing. On a CPU, whose
-    host is its device, every layer pass's dispatch is charged."""
+    host is its device, every layer pass's dispatch is charged (twice over where two processes
+    share a core)."""
     import dataclasses
 
     from llmtrain.login.plan import HOST_FSDP_LAYER_S, HOST_LAYER_S, HOST_TP_LAYER_S
@@ -109,6 +110,8 @@ def test_the_cost_model_charges_the_hosts_work_where_it_outlasts_the_kernels(hom
     assert plain.parts["host"] == 0
     cpu = dataclasses.replace(gpu_named("h100"), host_serial=True)
     assert predicted(8, gpu=cpu).parts["host"] == pytest.approx(host, rel=1e-9)
+    shared = dataclasses.replace(cpu, host_scale=2.0)  # two processes to a core
+    assert predicted(8, gpu=shared).parts["host"] == pytest.approx(2 * host, rel=1e-9)
 
 
 def test_on_a_cpu_the_data_parallel_collectives_overlap_nothing(home, write_config):

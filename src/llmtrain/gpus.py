@@ -42,6 +42,9 @@ class GPU:
     # links: about 1 under NCCL; gloo's are slower (its reduce-scatter is an all-reduce), measured
     # by bench/plan.py on a CPU.
     gather_scale: float = 1.0
+    # The host's time for a layer's dispatch against the CPU login/plan.py's host figures were
+    # measured on: 2 where two processes share each core (bench/plan.py's four on two).
+    host_scale: float = 1.0
 
     @property
     def compute_scale(self) -> float:

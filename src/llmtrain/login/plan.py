@@ -29,7 +29,7 @@ this GPU's tensor-parallel group, m: micro-batches a step, L: layers, h: hidden,
               and forward (parallel/experts.py)
     host      the host's dispatch of each layer pass: HOST_LAYER_S, + HOST_TP_LAYER_S under tp
               (DTensor's styles; 2.2 ms compiled), + HOST_CP_LAYER_S under cp, +
-              HOST_FSDP_LAYER_S under FSDP2 (fsdp, hsdp); a GPU
+              HOST_FSDP_LAYER_S under FSDP2 (fsdp, hsdp), times GPU.host_scale; a GPU
               hides it behind the step's device work up to that work's time, so only the excess
               is exposed (all of it on a CPU, whose host is its device)
     bubble    the pipeline's, (pp - 1) / (v m + pp - 1) of the step idle
@@ -384,7 +384,7 @@ def cost(cfg: Config, dims: ParallelDims, shape: ModelShape, gpu: GPU, per_node:
     # them, so only what exceeds the device's work shows; a CPU does both in turn.
     extra = ((HOST_TP_LAYER_S[t.compile] if tp > 1 else 0.0) + (HOST_CP_LAYER_S if cp > 1 else 0.0)
              + (HOST_FSDP_LAYER_S if dims.sharded else 0.0))
-    host = L / pp * m * (1 + checkpointed / 3) * (HOST_LAYER_S + extra)
+    host = L / pp * m * (1 + checkpointed / 3) * (HOST_LAYER_S + extra) * gpu.host_scale
     parts["host"] = host if gpu.host_serial else max(0.0, host - sum(parts.values()))
     work = sum(parts.values())
     if pp > 1:
