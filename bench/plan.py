@@ -52,10 +52,21 @@ LAYOUTS = {  # name: (processes, --set overrides)
 }
 
 
+CORES = os.cpu_count() or 1
+
+
 def global_batch(nproc: int) -> int:
     """The step's rows: a micro-batch of 8 a data-parallel rank at 4 processes, 2 micro-batches a
     rank where tp, cp or pp halve the data-parallel degree."""
     return MICRO * max(2, nproc)
+
+
+def core_share(nproc: int) -> float:
+    """Of a core, what each of `nproc` one-thread processes gets: 1 while they do not outnumber
+    the cores, 1/2 for 4 on 2."""
+    return min(1.0, CORES / nproc)
+
+
 BUSBW = """
 import statistics, time, torch, torch.distributed as dist
 from llmtrain.training.preflight import ALL_REDUCE_BYTES
@@ -161,7 +172,7 @@ def predicted(tmp: Path, name: str, nproc: int, sets: list[str], gemm: float, bw
     reduce, gather = bw
     cpu = GPU("this CPU", 24, gemm / GEMM_EFFICIENCY, None, reduce, reduce, gemm_tflops=gemm, intra_gbs=reduce,
               inter_gbs=reduce, measured="here", host_serial=True, gather_scale=gather / reduce,
-              host_scale=max(1.0, nproc / (os.cpu_count() or 1)))  # processes sharing a core share its host
+              host_scale=1 / core_share(nproc))  # processes sharing a core share its host
     c = predict(cfg, cpu, nproc, max(nproc, 2))  # two a "node": gloo's loopback is its links
     return c.tokens_per_s * nproc, c.memory / GIB
 
@@ -172,11 +183,10 @@ def main() -> None:
     args = ap.parse_args()
     with tempfile.TemporaryDirectory() as d:
         tmp = Path(d)
-        one = matmul_tflops(1)
-        # a process's share of the 2 cores: 2 threads alone, one each of 2, half a core each of 4
-        rates = {1: matmul_tflops(2), 2: one, 4: one / 2}
+        one = matmul_tflops(1)  # a process trains on 2 threads alone, else on one, sharing the cores
+        rates = {n: matmul_tflops(CORES) if n == 1 else one * core_share(n) for n, _ in LAYOUTS.values()}
         bw = {n: busbw(tmp, n) for n in (2, 4)}
-        print(f"this machine: fp32 matmul {rates[1]:.3f} TFLOP/s on 2 threads, {rates[2]:.3f} on 1; "
+        print(f"this machine: fp32 matmul {rates[1]:.3f} TFLOP/s on {CORES} threads, {one:.3f} on 1; "
               + "; ".join(f"{n} processes: gloo all-reduce {bw[n][0]:.2f} GB/s bus bandwidth, all-gather and "
                           f"reduce-scatter {bw[n][1]:.2f}" for n in bw) + " (4 MiB)")
         tensors = tracked(tmp)
